@@ -1,0 +1,149 @@
+"""Paged attention in plain jax.numpy: the oracle for the Pallas kernels and the CPU/XLA path.
+
+Both functions read K/V straight from the stacked paged cache through the page table, so no
+per-layer copy of the cache is made. They must stay pure jnp (no Pallas) and keep the same
+signature as the kernels in paged_attention.py and ragged_paged_attention.py.
+
+Cost follows the real work: query rows are processed in blocks of `q_block` rows, and each
+block walks only the KV tiles that its own rows need (a while loop bounded by the block's
+largest context), so decode rows never pay for a long prefill row or for padding rows.
+Each row gathers its own request's pages per tile: memory is O(q_block * tile), never
+O(T * context).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -1e30
+
+
+def token_metadata(kv_lens, cu_q_lens, num_seqs, num_tokens: int):
+    """Per-row request index and absolute position from the ragged step metadata.
+
+    Rows past cu_q_lens[num_seqs] are padding: request index 0, position -1.
+    """
+    rows = jnp.arange(num_tokens, dtype=jnp.int32)
+    num_seqs = jnp.reshape(num_seqs, ())
+    seq_ids = jnp.searchsorted(cu_q_lens[1:], rows, side="right").astype(jnp.int32)
+    seq_ids = jnp.minimum(seq_ids, kv_lens.shape[0] - 1)
+    valid = rows < cu_q_lens[num_seqs]
+    q_lens = cu_q_lens[seq_ids + 1] - cu_q_lens[seq_ids]
+    positions = kv_lens[seq_ids] - q_lens + (rows - cu_q_lens[seq_ids])
+    return jnp.where(valid, seq_ids, 0), jnp.where(valid, positions, -1)
+
+
+def _attend_rows(q, k_pages, v_pages, layer, page_rows, positions, *, sm_scale, soft_cap,
+                 sliding_window, tile_pages):
+    """Attention for rows that each know their page-table row and position.
+
+    q: [R, Hq, D]; page_rows: [R, P]; positions: [R] (-1 = padding, output zero).
+    """
+    num_rows, num_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_pages.shape[2], k_pages.shape[3]
+    group = num_heads // num_kv_heads
+    num_table_pages = page_rows.shape[1]
+    tile = tile_pages * page_size
+    num_tiles_max = -(-num_table_pages // tile_pages)
+    # Pad the page table so every tile slice is in bounds (pads point at scratch page 0).
+    pad = num_tiles_max * tile_pages - num_table_pages
+    page_rows = jnp.pad(page_rows, ((0, 0), (0, pad)))
+
+    qg = (q.astype(jnp.float32) * sm_scale).reshape(num_rows, num_kv_heads, group, head_dim)
+    kv_len = positions + 1  # [R]
+    lo = jnp.zeros_like(positions) if sliding_window is None else jnp.maximum(
+        positions - sliding_window + 1, 0)
+    first_tile = jnp.min(jnp.where(kv_len > 0, lo // tile, num_tiles_max))
+    last_tile = jnp.minimum(-(-jnp.max(kv_len) // tile), num_tiles_max)
+
+    def body(carry):
+        i, m, l, acc = carry
+        pages = jax.lax.dynamic_slice_in_dim(page_rows, i * tile_pages, tile_pages, axis=1)
+        k = k_pages[layer, pages].reshape(num_rows, tile, num_kv_heads, head_dim)
+        v = v_pages[layer, pages].reshape(num_rows, tile, num_kv_heads, head_dim)
+        s = jnp.einsum("rhgd,rthd->rhgt", qg, k.astype(jnp.float32))
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        kv_pos = i * tile + jnp.arange(tile, dtype=jnp.int32)
+        mask = (kv_pos[None, :] <= positions[:, None]) & (kv_pos[None, :] >= lo[:, None])
+        s = jnp.where(mask[:, None, None, :], s, NEG_INF)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.exp(s - m_new[..., None])
+        p = jnp.where(mask[:, None, None, :], p, 0.0)
+        alpha = jnp.exp(m - m_new)
+        l = l * alpha + p.sum(axis=-1)
+        acc = acc * alpha[..., None] + jnp.einsum("rhgt,rthd->rhgd", p, v.astype(jnp.float32))
+        return i + 1, m_new, l, acc
+
+    init = (first_tile,
+            jnp.full((num_rows, num_kv_heads, group), NEG_INF, jnp.float32),
+            jnp.zeros((num_rows, num_kv_heads, group), jnp.float32),
+            jnp.zeros((num_rows, num_kv_heads, group, head_dim), jnp.float32))
+    _, _, l, acc = jax.lax.while_loop(lambda c: c[0] < last_tile, body, init)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    out = jnp.where((positions >= 0)[:, None, None, None], out, 0.0)
+    return out.reshape(num_rows, num_heads, head_dim).astype(q.dtype)
+
+
+def _blocked(q, k_pages, v_pages, layer, page_rows, positions, *, q_block, **kw):
+    """Split rows into blocks of q_block; each block loops only over its own tiles."""
+    num_rows = q.shape[0]
+    q_block = min(q_block, num_rows)
+    num_blocks = -(-num_rows // q_block)
+    pad = num_blocks * q_block - num_rows
+    if pad:
+        q = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
+        page_rows = jnp.pad(page_rows, ((0, pad), (0, 0)))
+        positions = jnp.pad(positions, (0, pad), constant_values=-1)
+    if num_blocks == 1:
+        out = _attend_rows(q, k_pages, v_pages, layer, page_rows, positions, **kw)
+    else:
+        xs = (q.reshape(num_blocks, q_block, *q.shape[1:]),
+              page_rows.reshape(num_blocks, q_block, -1),
+              positions.reshape(num_blocks, q_block))
+        out = jax.lax.map(
+            lambda a: _attend_rows(a[0], k_pages, v_pages, layer, a[1], a[2], **kw), xs)
+        out = out.reshape(num_blocks * q_block, *q.shape[1:])
+    return out[:num_rows]
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window",
+                                             "q_block", "tile_pages"))
+def ragged_paged_attention(q, k_pages, v_pages, layer, kv_lens, page_table, cu_q_lens, num_seqs,
+                           *, sm_scale: float, soft_cap: float | None = None,
+                           sliding_window: int | None = None, q_block: int = 16,
+                           tile_pages: int = 8):
+    """Mixed prefill/decode attention over a ragged token batch.
+
+    q: [T, Hq, D]; k_pages, v_pages: [L, N, page_size, Hkv, D]; layer: i32 scalar;
+    kv_lens: [S] tokens of context per request, this step's tokens included (their K/V are
+    already written); page_table: [S, P]; cu_q_lens: [S+1] row offsets of each request's
+    query rows; num_seqs: i32 scalar or [1], requests in use (rows past cu_q_lens[num_seqs]
+    are padding and come back zero). Row i of request s sits at position
+    kv_lens[s] - q_len(s) + i and sees positions [max(0, pos - sliding_window + 1), pos].
+    Returns [T, Hq, D].
+    """
+    seq_ids, positions = token_metadata(kv_lens, cu_q_lens, num_seqs, q.shape[0])
+    page_rows = page_table[seq_ids]  # [T, P]
+    return _blocked(q, k_pages, v_pages, layer, page_rows, positions, q_block=q_block,
+                    sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+                    tile_pages=tile_pages)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window",
+                                             "q_block", "tile_pages"))
+def paged_attention(q, k_pages, v_pages, layer, kv_lens, page_table, *, sm_scale: float,
+                    soft_cap: float | None = None, sliding_window: int | None = None,
+                    q_block: int = 16, tile_pages: int = 8):
+    """Decode attention: one query row per request.
+
+    q: [S, Hq, D]; kv_lens: [S] context length including the current token (0 = unused row,
+    output zero); other arguments as in ragged_paged_attention. Returns [S, Hq, D].
+    """
+    positions = kv_lens.astype(jnp.int32) - 1
+    return _blocked(q, k_pages, v_pages, layer, page_table, positions, q_block=q_block,
+                    sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+                    tile_pages=tile_pages)
