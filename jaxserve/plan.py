@@ -1,0 +1,70 @@
+"""StepPlan: the scheduler's decision for one step, as plain data for the runner.
+
+No jax, no references to live Request objects: everything the runner needs is copied in, so
+the runner can never mutate scheduler state and a plan can be logged or replayed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """Sampling settings of one request for the token it samples this step."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    output_index: int  # which output token this is: keys derive from (seed, output_index)
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Tokens of one request whose K/V this step writes (1 for a decode, many for prefill)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start_position: int            # position of token_ids[0]
+    page_table: tuple[int, ...]    # the request's pages, in order
+    sampling: SamplingRow | None   # None: a prefill chunk that is not the last one
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def kv_len(self) -> int:
+        return self.start_position + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SwapOut:
+    request_id: str
+    page_ids: tuple[int, ...]      # device pages to copy to host before the step runs
+
+
+@dataclass(frozen=True)
+class SwapIn:
+    request_id: str
+    page_ids: tuple[int, ...]      # new device pages to fill from host before the step runs
+
+
+@dataclass
+class StepPlan:
+    chunks: list[ScheduledChunk] = field(default_factory=list)  # decode chunks first
+    num_padding_rows: int = 0      # static batching: rows a padded batch computes for nothing
+    swap_out: list[SwapOut] = field(default_factory=list)
+    swap_in: list[SwapIn] = field(default_factory=list)
+    dropped_swaps: list[str] = field(default_factory=list)  # host copies no longer needed
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks and not self.swap_out and not self.swap_in

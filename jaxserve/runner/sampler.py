@@ -1,0 +1,54 @@
+"""Token sampling inside the compiled step: greedy, temperature, top-k, top-p, min-p.
+
+Each request's key derives from (its seed, the index of the output token), so a seeded request
+samples the same tokens whatever else shares the batch. When no row samples, a lax.cond skips
+the vocabulary sort entirely. No host sync happens here.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_BASE_KEY = 0x6A61  # arbitrary fixed root; keys differ per (seed, output index)
+
+
+def request_keys(seeds, output_index):
+    """[S] uint32 seeds, [S] i32 output indices -> [S] PRNG keys."""
+    base = jax.random.key(_BASE_KEY)
+    return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.fold_in(base, s), i))(
+        seeds, output_index)
+
+
+def filter_logits(logits, temperature, top_k, top_p, min_p):
+    """Scaled logits with everything outside top-k / top-p / min-p set to -inf. [S, V]."""
+    vocab = logits.shape[-1]
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    sorted_desc = -jnp.sort(-scaled, axis=-1)
+    ranks = jnp.arange(vocab)[None, :]
+    sorted_desc = jnp.where((top_k[:, None] > 0) & (ranks >= top_k[:, None]), -jnp.inf,
+                            sorted_desc)
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = (mass_before < top_p[:, None]) & (probs >= min_p[:, None] * probs[:, :1])
+    keep = keep.at[:, 0].set(True)
+    threshold = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1)
+    return jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)
+
+
+def sample(logits, temperature, top_k, top_p, min_p, seeds, output_index, any_sampling):
+    """logits [S, V] f32 -> (token ids [S] i32, their log-probabilities [S] f32).
+
+    Log-probabilities are the model's own (before temperature and filters), as vLLM reports.
+    """
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def sampled(_):
+        filtered = filter_logits(logits, temperature, top_k, top_p, min_p)
+        keys = request_keys(seeds, output_index)
+        tokens = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+        return jnp.where(temperature > 0, tokens, greedy)
+
+    tokens = jax.lax.cond(any_sampling, sampled, lambda _: greedy, None)
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]

@@ -1,0 +1,267 @@
+"""Scheduler: decides, every step, which requests run and how many tokens each gets.
+
+Order within a step: running requests (one decode token or the next prefill chunk), then
+swapped-out requests coming back, then waiting requests (priority, then arrival), all within
+`max_num_batched_tokens` and `max_num_seqs`. When a page can't be found, the lowest-priority,
+latest-arrived running request is preempted (recompute, or swap with recompute as fallback).
+`batching="static"` admits a new batch only when the previous one has fully finished and
+charges the padded rows a static batch computes. Plain Python: it must never import jax,
+touch device arrays, or see text (stop strings are the engine's job, through finish()).
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from jaxserve.page_manager import PageManager
+from jaxserve.plan import SamplingRow, ScheduledChunk, StepPlan, SwapIn, SwapOut
+from jaxserve.request import FinishReason, Request, RequestStatus, TokenEvent
+from jaxserve.swap_space import HostSwapSpace
+
+
+class Scheduler:
+    def __init__(self, page_manager: PageManager, *, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int,
+                 preemption_mode: str = "recompute", enable_chunked_prefill: bool = True,
+                 batching: str = "continuous", swap_space: HostSwapSpace | None = None):
+        self.pages = page_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.preemption_mode = preemption_mode
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.static = batching == "static"
+        self.swap_space = swap_space
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []   # sorted by Request.sort_key
+        self.running: list[Request] = []   # sorted by Request.sort_key
+        self.swapped: list[Request] = []   # FIFO
+        self._dropped_swaps: list[str] = []
+        self._static_batch: set[str] = set()
+        self._static_pad_left = 0
+        self.num_preemptions = 0
+        self.num_swaps = 0
+
+    # ---- lifecycle -------------------------------------------------------------------
+    def add(self, request: Request) -> TokenEvent | None:
+        """Queue a request. One that can never fit is finished at once; its event is returned."""
+        total = min(request.num_tokens + request.sampling.max_tokens, self.max_model_len)
+        needed = self.pages.num_pages_for(total)
+        capacity = self.pages.num_pages - 1
+        self.requests[request.request_id] = request
+        if needed > capacity:
+            request.error = (f"request needs {needed} KV pages ({total} tokens) but the page "
+                             f"pool holds {capacity}; lower max_tokens or the prompt length")
+            self._finish(request, FinishReason.ERROR)
+            return TokenEvent(request.request_id, (), (), FinishReason.ERROR, request.error)
+        request.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, request, key=Request.sort_key)
+        return None
+
+    def finish(self, request_id: str, reason: FinishReason) -> bool:
+        """Finish a request from outside (abort, stop string). False if unknown or done."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return False
+        self._finish(request, reason)
+        return True
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        if request.status == RequestStatus.WAITING and request in self.waiting:
+            self.waiting.remove(request)
+        elif request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status == RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+            self.swap_space.release(request.request_id)
+            self._dropped_swaps.append(request.request_id)
+        self.pages.free(request.request_id)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.requests.pop(request.request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- scheduling ----------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        plan = StepPlan(dropped_swaps=self._dropped_swaps)
+        self._dropped_swaps = []
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        if self.static and not any(rid in self.requests for rid in self._static_batch):
+            self._static_batch = set()
+        preempted = False
+
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = self._num_new_tokens(request, budget)
+            if num_new == 0:
+                continue
+            while not self.pages.append_slots(request.request_id,
+                                              request.num_computed_tokens + num_new):
+                victim = self._pick_victim({r.request_id for r, _ in scheduled})
+                self._preempt(victim, plan)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                scheduled.append((request, num_new))
+                budget -= num_new
+
+        if not preempted:
+            budget = self._schedule_swapped(plan, scheduled, budget)
+        if not preempted and not self.swapped and self._may_admit():
+            budget = self._schedule_waiting(scheduled, budget)
+        if self.static and self._static_batch:
+            plan.num_padding_rows = self._static_padding(scheduled, budget)
+
+        scheduled.sort(key=lambda item: item[1] != 1)  # decode rows first
+        plan.chunks = [self._chunk(r, n) for r, n in scheduled]
+        return plan
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        remaining = request.num_tokens - request.num_computed_tokens
+        if remaining > budget and not self.enable_chunked_prefill:
+            return 0
+        return min(remaining, budget)
+
+    def _schedule_swapped(self, plan: StepPlan, scheduled, budget: int) -> int:
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.swapped[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self.pages.allocate(request.request_id, (),
+                                   request.num_computed_tokens + num_new) is None:
+                break
+            self.swapped.pop(0)
+            num_pages = self.pages.num_pages_for(request.num_computed_tokens)
+            page_ids = tuple(self.pages.page_table(request.request_id)[:num_pages])
+            plan.swap_in.append(SwapIn(request.request_id, page_ids))
+            self.swap_space.release(request.request_id)
+            self._start_running(request)
+            scheduled.append((request, num_new))
+            budget -= num_new
+        return budget
+
+    def _may_admit(self) -> bool:
+        # Static batching: the next batch waits until every member of this one is done.
+        return not self.static or not self.running
+
+    def _schedule_waiting(self, scheduled, budget: int) -> int:
+        new_batch = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            tokens = request.all_token_ids
+            num_cached = len(self.pages.lookup_prefix(tokens)) * self.pages.page_size
+            num_new = len(tokens) - num_cached
+            if num_new > budget and not self.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            got = self.pages.allocate(request.request_id, tokens, num_cached + num_new)
+            if got is None:
+                break
+            self.waiting.pop(0)
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = got
+            request.num_computed_tokens = got
+            num_new = min(len(tokens) - got, budget)
+            self._start_running(request)
+            scheduled.append((request, num_new))
+            new_batch.append(request)
+            budget -= num_new
+        if self.static and new_batch and not self._static_batch:
+            self._static_batch = {r.request_id for r in new_batch}
+            longest = max(r.num_tokens for r in new_batch)
+            self._static_pad_left = sum(longest - r.num_tokens for r in new_batch)
+        return budget
+
+    def _static_padding(self, scheduled, budget: int) -> int:
+        """Rows a padded static batch would compute: finished members' slots, prompt padding."""
+        live = {r.request_id for r, _ in scheduled}
+        finished = len(self._static_batch) - len(live & self._static_batch)
+        pad = min(self._static_pad_left, budget)
+        self._static_pad_left -= pad
+        return finished + pad
+
+    def _start_running(self, request: Request) -> None:
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self.running, request, key=Request.sort_key)
+
+    def _pick_victim(self, exclude: set[str]) -> Request:
+        # The request asking for a page is never in `exclude`, so this is never empty.
+        return max((r for r in self.running if r.request_id not in exclude),
+                   key=Request.sort_key)
+
+    def _preempt(self, victim: Request, plan: StepPlan) -> None:
+        self.running.remove(victim)
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        plan.preempted.append(victim.request_id)
+        num_pages = self.pages.num_pages_for(victim.num_computed_tokens)
+        if (self.preemption_mode == "swap" and self.swap_space is not None and num_pages > 0
+                and self.swap_space.reserve(victim.request_id, num_pages)):
+            page_ids = tuple(self.pages.page_table(victim.request_id)[:num_pages])
+            plan.swap_out.append(SwapOut(victim.request_id, page_ids))
+            self.pages.free(victim.request_id)
+            victim.status = RequestStatus.SWAPPED
+            self.swapped.append(victim)
+            self.num_swaps += 1
+            return
+        self.pages.free(victim.request_id)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, victim, key=Request.sort_key)
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        end = start + num_new
+        sampling = None
+        if end == request.num_tokens:
+            sp = request.sampling
+            sampling = SamplingRow(sp.temperature, sp.top_k, sp.top_p, sp.min_p, request.seed,
+                                   len(request.output_token_ids))
+        return ScheduledChunk(request.request_id, tuple(request.all_token_ids[start:end]), start,
+                              tuple(self.pages.page_table(request.request_id)), sampling)
+
+    # ---- results ---------------------------------------------------------------------
+    def update(self, plan: StepPlan, token_ids, logprobs) -> list[TokenEvent]:
+        """Apply one step's sampled tokens (index i belongs to plan.chunks[i])."""
+        events = []
+        for i, chunk in enumerate(plan.chunks):
+            request = self.requests.get(chunk.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # finished (aborted) while the step ran
+            request.num_computed_tokens += chunk.num_tokens
+            if chunk.sampling is None:
+                self.pages.commit(request.request_id,
+                                  request.all_token_ids[:request.num_computed_tokens])
+                continue
+            token, logprob = int(token_ids[i]), float(logprobs[i])
+            request.output_token_ids.append(token)
+            request.output_logprobs.append(logprob)
+            self.pages.commit(request.request_id,
+                              request.all_token_ids[:request.num_computed_tokens])
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                self._finish(request, reason)
+            events.append(TokenEvent(request.request_id, (token,), (logprob,), reason))
+        return events
+
+    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
+        sp = request.sampling
+        if not sp.ignore_eos and token in request.eos_token_ids:
+            return FinishReason.STOP
+        if token in sp.stop_token_ids:
+            return FinishReason.STOP
+        if len(request.output_token_ids) >= sp.max_tokens:
+            return FinishReason.LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
