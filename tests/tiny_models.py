@@ -61,3 +61,35 @@ def hf_logits(model, token_ids: list[int]) -> np.ndarray:
     with torch.no_grad():
         out = model(torch.tensor([token_ids]))
     return out.logits[0].numpy()
+
+
+class CharTokenizer:
+    """A byte-level toy tokenizer for tiny models: id = byte + 3; 0 pad, 1 BOS, 2 EOS."""
+
+    def __init__(self, vocab_size: int = 128, eos_token_ids=(2,)):
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.bos_token_id = 1
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [min(b + 3, self.vocab_size - 1) for b in text.encode("utf-8")]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        data = bytes(i - 3 for i in ids if i >= 3)
+        return data.decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages, add_generation_prompt=True) -> str:
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+
+
+class TinyLoaded:
+    """Stands where jaxserve.model.loader.LoadedModel does, for models made in a test."""
+
+    def __init__(self, config, params, tokenizer=None):
+        self.config, self.params = config, params
+        self.tokenizer = tokenizer or CharTokenizer(config.vocab_size, config.eos_token_ids)
+        self.source = "tiny"
+
+
+def tiny_loaded(seed: int = 0, **overrides) -> TinyLoaded:
+    return TinyLoaded(*tiny_model(seed, **overrides))

@@ -1,0 +1,20 @@
+"""jaxserve: an LLM serving engine on JAX/XLA with continuous batching over a paged KV cache.
+
+Importing the package is cheap and does not import jax; the engine loads it when built.
+"""
+
+from jaxserve.config import EngineConfig
+from jaxserve.request import FinishReason, SamplingParams
+
+__all__ = ["LLM", "EngineConfig", "SamplingParams", "FinishReason", "RequestOutput"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    if name == "LLM":
+        from jaxserve.llm import LLM
+        return LLM
+    if name == "RequestOutput":
+        from jaxserve.engine import RequestOutput
+        return RequestOutput
+    raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")

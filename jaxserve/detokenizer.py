@@ -1,0 +1,65 @@
+"""Incremental detokenization and stop-string matching for one request's output stream.
+
+Text deltas are UTF-8 safe across token boundaries: a token that ends inside a multi-byte
+character is held back until the character completes. Text that could still be the start of
+a stop string is held back too, so a stop string is never emitted. Pure host code; no jax.
+"""
+
+from __future__ import annotations
+
+_REPLACEMENT = "\ufffd"
+_CONTEXT_TOKENS = 6  # tokens decoded before the new ones, so merges and spaces come out right
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = ()):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.text = ""          # everything decoded so far (stop string excluded once found)
+        self._emitted = 0       # characters of self.text already handed out
+        self.stopped = False
+
+    def add_tokens(self, token_ids) -> None:
+        for token_id in token_ids:
+            if self.stopped:
+                return
+            self._ids.append(int(token_id))
+            prefix = self.tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
+            full = self.tokenizer.decode(self._ids[self._prefix_offset:])
+            if full.endswith(_REPLACEMENT) or len(full) <= len(prefix):
+                continue  # an incomplete character: wait for the next token
+            self.text += full[len(prefix):]
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            self._check_stop()
+
+    def _check_stop(self) -> None:
+        if not self.stop:
+            return
+        longest = max(len(s) for s in self.stop)
+        search_from = max(0, self._emitted - longest)
+        hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            self.stopped = True
+
+    def take_delta(self, final: bool = False) -> str:
+        """New text since the last call; holds back a possible stop-string prefix unless final."""
+        end = len(self.text)
+        if self.stop and not final and not self.stopped:
+            end = max(self._emitted, end - self._held_back())
+        delta = self.text[self._emitted:end]
+        self._emitted = end
+        return delta
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of text that is a proper prefix of some stop string."""
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:n]):
+                    best = n
+                    break
+        return best

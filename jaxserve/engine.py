@@ -1,0 +1,212 @@
+"""Engine: the synchronous serving loop. step() = schedule -> execute -> update.
+
+It validates and tokenizes requests, sizes the KV page pool, and turns the scheduler's token
+events into RequestOutputs with text (stop strings applied). It is single-threaded: callers on
+other threads go through AsyncEngine. It never touches device arrays itself (the runner does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from jaxserve.config import EngineConfig
+from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.page_manager import PageManager
+from jaxserve.request import FinishReason, Request, SamplingParams, TokenEvent
+from jaxserve.scheduler import Scheduler
+from jaxserve.swap_space import HostSwapSpace
+
+log = logging.getLogger(__name__)
+DEFAULT_KV_CACHE_MEMORY = 1 << 30
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds max_queued_requests already."""
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)    # all output tokens so far
+    text: str = ""                                          # all output text so far
+    new_token_ids: list[int] = field(default_factory=list)  # this step's tokens
+    new_text: str = ""                                      # this step's text delta
+    new_logprobs: list[float] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    num_cached_tokens: int = 0
+    time_to_first_token: float | None = None
+
+
+def size_page_pool(config: EngineConfig, kv_bytes_per_token: int, max_model_len: int) -> int:
+    """Pages for the KV pool: given directly, or from a byte budget (page 0 included)."""
+    if config.num_pages is not None:
+        return config.num_pages
+    budget = config.kv_cache_memory
+    if budget is None:  # enough for every sequence at full length, within a default budget
+        budget = min(DEFAULT_KV_CACHE_MEMORY,
+                     config.max_num_seqs * (max_model_len + config.page_size) * kv_bytes_per_token)
+    num_pages = budget // (config.page_size * kv_bytes_per_token)
+    if num_pages < 2:
+        raise ValueError(f"kv_cache_memory={budget} bytes holds {num_pages} pages of "
+                         f"{config.page_size} tokens; at least 2 are needed")
+    return int(num_pages)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, loaded=None, progress: bool = True):
+        import jax
+
+        from jaxserve.runner.model_runner import ModelRunner, resolve_dtype
+
+        self.config = config.validate()
+        if loaded is None:
+            from jaxserve.model.loader import load_model
+            loaded = load_model(config.model, progress=progress)
+        self.model_config = mc = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.model_name = mc.name
+        self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, 2048)
+        dtype = resolve_dtype(config.dtype, jax.default_backend())
+        self.dtype_name = jax.numpy.dtype(dtype).name
+        kv_per_token = mc.kv_bytes_per_token(jax.numpy.dtype(dtype).itemsize)
+        num_pages = size_page_pool(config, kv_per_token, self.max_model_len)
+        log.info("KV cache: %d pages x %d tokens = %d tokens, %.1f MiB", num_pages - 1,
+                 config.page_size, (num_pages - 1) * config.page_size,
+                 num_pages * config.page_size * kv_per_token / 2**20)
+        self.pages = PageManager(num_pages, config.page_size, config.enable_prefix_caching)
+        swap = HostSwapSpace(config.swap_space, config.page_size * kv_per_token)
+        self.scheduler = Scheduler(
+            self.pages, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len, preemption_mode=config.preemption_mode,
+            enable_chunked_prefill=config.enable_chunked_prefill, batching=config.batching,
+            swap_space=swap)
+        self.runner = ModelRunner(
+            mc, loaded.params, num_pages=num_pages, page_size=config.page_size,
+            max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, dtype=config.dtype,
+            attention_impl=config.attention_impl, layer_loop=config.layer_loop,
+            token_buckets=config.token_buckets, seq_buckets=config.seq_buckets,
+            compile_cache_dir=config.compile_cache_dir)
+        self.runner.warmup(progress=progress)
+        self._outputs: dict[str, RequestOutput] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._live: dict[str, Request] = {}
+        self._pending_events: list[TokenEvent] = []
+        self._arrivals = itertools.count()
+        self._seed_rng = random.Random(config.seed)
+        self.num_steps = 0
+
+    # ---- requests ---------------------------------------------------------------------
+    def make_request(self, prompt: str | list[int] | None = None,
+                     params: SamplingParams | None = None, *, request_id: str | None = None,
+                     priority: int = 0, prompt_token_ids: list[int] | None = None) -> Request:
+        """Validate and tokenize; raises ValueError naming the field, the value and the limit."""
+        params = params or SamplingParams()
+        if isinstance(prompt, (list, tuple)):
+            prompt, prompt_token_ids = None, list(prompt)
+        if (prompt is None) == (prompt_token_ids is None):
+            raise ValueError("exactly one of prompt (text) and prompt_token_ids must be given")
+        if prompt is not None:
+            if not isinstance(prompt, str) or not prompt:
+                raise ValueError("prompt must be a non-empty string")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        ids = [int(t) for t in prompt_token_ids]
+        if not ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids contains {bad[0]}, outside the vocabulary "
+                             f"[0, {vocab})")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt length {len(ids)} + max_tokens {params.max_tokens} = "
+                             f"{len(ids) + params.max_tokens} exceeds max_model_len "
+                             f"{self.max_model_len}")
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
+        return Request(request_id or uuid.uuid4().hex, ids, params, seed,
+                       eos_token_ids=tuple(self.tokenizer.eos_token_ids), priority=priority)
+
+    def add(self, request: Request) -> None:
+        limit = self.config.max_queued_requests
+        if limit is not None and self.scheduler.num_waiting >= limit:
+            raise QueueFullError(f"waiting queue is full (max_queued_requests={limit})")
+        if request.request_id in self._outputs:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        request.arrival_seq = next(self._arrivals)
+        request.arrival_time = time.monotonic()
+        self._outputs[request.request_id] = RequestOutput(
+            request.request_id, request.prompt_token_ids,
+            logprobs=[] if request.sampling.logprobs else None)
+        self._detok[request.request_id] = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, request.sampling.stop)
+        self._live[request.request_id] = request
+        event = self.scheduler.add(request)
+        if event is not None:
+            self._pending_events.append(event)
+
+    def add_request(self, prompt=None, params=None, **kwargs) -> str:
+        request = self.make_request(prompt, params, **kwargs)
+        self.add(request)
+        return request.request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        if not self.scheduler.finish(request_id, FinishReason.ABORT):
+            return None
+        return self._emit(TokenEvent(request_id, (), (), FinishReason.ABORT))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending_events)
+
+    # ---- the loop -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        result = self.runner.execute(plan)
+        events = self.scheduler.update(plan, result.token_ids, result.logprobs)
+        self.num_steps += 1
+        return self._process(events)
+
+    def _process(self, events: list[TokenEvent]) -> list[RequestOutput]:
+        if self._pending_events:
+            events = self._pending_events + events
+            self._pending_events = []
+        return [out for out in map(self._emit, events) if out is not None]
+
+    def _emit(self, event: TokenEvent) -> RequestOutput | None:
+        rid = event.request_id
+        out = self._outputs.get(rid)
+        if out is None:
+            return None
+        request = self._live[rid]
+        detok = self._detok[rid]
+        detok.add_tokens(event.new_token_ids)
+        reason, error = event.finish_reason, event.error
+        if detok.stopped and reason is None:
+            reason = FinishReason.STOP
+            self.scheduler.finish(rid, FinishReason.STOP)
+        if out.time_to_first_token is None and event.new_token_ids:
+            out.time_to_first_token = time.monotonic() - request.arrival_time
+        out.new_token_ids = list(event.new_token_ids)
+        out.token_ids.extend(event.new_token_ids)
+        out.new_logprobs = list(event.new_logprobs)
+        if out.logprobs is not None:
+            out.logprobs.extend(event.new_logprobs)
+        out.new_text = detok.take_delta(final=reason is not None)
+        out.text += out.new_text
+        out.num_cached_tokens = request.num_cached_tokens
+        if reason is not None:
+            out.finished, out.finish_reason, out.error = True, reason.value, error
+            del self._outputs[rid], self._detok[rid], self._live[rid]
+        return dataclasses.replace(  # a snapshot: later steps must not change it
+            out, token_ids=list(out.token_ids),
+            logprobs=None if out.logprobs is None else list(out.logprobs))
