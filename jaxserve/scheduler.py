@@ -185,8 +185,8 @@ class Scheduler:
     def _static_padding(self, scheduled, budget: int) -> int:
         """Rows a padded static batch would compute: finished members' slots, prompt padding."""
         live = {r.request_id for r, _ in scheduled}
-        finished = len(self._static_batch) - len(live & self._static_batch)
-        pad = min(self._static_pad_left, budget)
+        finished = min(len(self._static_batch) - len(live & self._static_batch), budget)
+        pad = min(self._static_pad_left, budget - finished)
         self._static_pad_left -= pad
         return finished + pad
 

@@ -1,0 +1,38 @@
+"""Shared test setup: a persistent XLA compilation cache, and engines shared across tests.
+
+JAX compiles are slow on the CPU, so tests build few engines (module or session scope) with
+small bucket tables and reuse them; engines with the same shapes hit the compile cache.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".jax_cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+# Engine shapes most engine tests share (same shapes -> compile-cache hits across engines).
+SMALL_ENGINE = dict(max_num_seqs=16, max_num_batched_tokens=32, max_model_len=512,
+                    page_size=16, num_pages=48, token_buckets=(16, 32), seq_buckets=(4, 16),
+                    swap_space=64 << 20)
+
+
+def make_llm(seed: int = 0, model_overrides: dict | None = None, **settings):
+    from jaxserve.llm import LLM
+    from tiny_models import tiny_loaded
+
+    loaded = tiny_loaded(seed=seed, **(model_overrides or {}))
+    return LLM(loaded=loaded, progress=False, **{**SMALL_ENGINE, **settings})
+
+
+@pytest.fixture(scope="session")
+def small_llm():
+    """The default tiny engine; tests must leave it idle (every request finished)."""
+    return make_llm()

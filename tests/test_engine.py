@@ -1,0 +1,137 @@
+"""The continuous-batching engine end to end on a tiny random Llama."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import make_llm
+from jaxserve import SamplingParams
+from jaxserve.runner.compile_count import num_compilations
+
+
+def mixed_requests(n=64, seed=0, vocab=128, max_prompt=300, max_out=200):
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(3, vocab, rng.integers(1, max_prompt + 1)).tolist() for _ in range(n)]
+    params = [SamplingParams(max_tokens=int(rng.integers(1, max_out + 1)), temperature=0.0,
+                             ignore_eos=True) for _ in range(n)]
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def greedy_alone(small_llm):
+    """Each mixed request run alone through the engine: the reference output."""
+    prompts, params = mixed_requests()
+    return [small_llm.generate([p], sp, use_tqdm=False)[0].token_ids
+            for p, sp in zip(prompts, params)]
+
+
+def assert_idle_and_no_leak(llm):
+    engine = llm.engine
+    assert not engine.has_unfinished()
+    stats = engine.pages.stats()
+    assert stats.num_free == stats.num_pages, f"pages leaked: {stats}"
+    assert engine.runner.num_host_swapped == 0, "host swap copies leaked"
+    engine.pages.check_invariants()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_busy_batch_with_preemption_matches_requests_run_alone(mode, greedy_alone):
+    llm = make_llm(preemption_mode=mode)
+    before = num_compilations()
+    prompts, params = mixed_requests()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    sched = llm.engine.scheduler
+    assert sched.num_preemptions > 0, "the page pool was meant to force preemption"
+    if mode == "swap":
+        assert sched.num_swaps > 0, "swap mode never swapped"
+    mismatched = [i for i, (o, ref) in enumerate(zip(outs, greedy_alone)) if o.token_ids != ref]
+    assert not mismatched, f"{len(mismatched)} requests differ from their solo run: {mismatched}"
+    assert num_compilations() == before, "serving compiled something after warm-up"
+    assert_idle_and_no_leak(llm)
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(small_llm):
+    prompts, _ = mixed_requests(n=12, seed=1, max_prompt=40)
+    params = [SamplingParams(max_tokens=24, temperature=0.9, top_k=40, top_p=0.9, min_p=0.01,
+                             seed=100 + i, ignore_eos=True) for i in range(len(prompts))]
+    busy = small_llm.generate(prompts, params, use_tqdm=False)
+    alone = [small_llm.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(prompts, params)]
+    assert [o.token_ids for o in busy] == [o.token_ids for o in alone]
+    greedy = small_llm.generate(prompts[:1], SamplingParams(max_tokens=24, temperature=0,
+                                                            ignore_eos=True), use_tqdm=False)
+    assert greedy[0].token_ids != busy[0].token_ids, "sampling looks greedy"
+    assert_idle_and_no_leak(small_llm)
+
+
+def test_abort_mid_generation_frees_pages_within_one_step(small_llm):
+    engine = small_llm.engine
+    rid = engine.add_request([5] * 40, SamplingParams(max_tokens=200, ignore_eos=True,
+                                                      temperature=0))
+    other = engine.add_request([7] * 10, SamplingParams(max_tokens=5, ignore_eos=True,
+                                                        temperature=0))
+    for _ in range(4):
+        engine.step()
+    assert engine.pages.has_request(rid)
+    out = engine.abort(rid)
+    assert out.finished and out.finish_reason == "abort"
+    assert not engine.pages.has_request(rid), "aborted request still holds pages"
+    while engine.has_unfinished():
+        engine.step()
+    assert not engine.pages.has_request(other)
+    assert_idle_and_no_leak(small_llm)
+
+
+def test_static_batching_gives_the_same_greedy_tokens_as_continuous(small_llm):
+    prompts, params = mixed_requests(n=20, seed=2, max_prompt=60, max_out=30)
+    static = make_llm(batching="static")
+    want = [o.token_ids for o in small_llm.generate(prompts, params, use_tqdm=False)]
+    got = [o.token_ids for o in static.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert_idle_and_no_leak(static)
+
+
+def test_stop_conditions(small_llm):
+    prompt = [9, 10, 11]
+    free = small_llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0,
+                                                       ignore_eos=True), use_tqdm=False)[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 12
+    stop_tok = free.token_ids[5]
+    first = free.token_ids.index(stop_tok)
+    out = small_llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0,
+                                                      stop_token_ids=[stop_tok]),
+                             use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[:first + 1]
+    tokens_as_eos = small_llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0),
+                                       use_tqdm=False)[0]
+    assert 2 not in tokens_as_eos.token_ids[:-1]
+    text = free.text
+    assert len(text) >= 4, f"need some text to cut: {text!r}"
+    stop_str = text[2:4]
+    cut = small_llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0,
+                                                      ignore_eos=True, stop=[stop_str]),
+                             use_tqdm=False)[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == text[:text.index(stop_str)], (cut.text, text, stop_str)
+    assert_idle_and_no_leak(small_llm)
+
+
+def test_invalid_requests_raise_naming_the_field(small_llm):
+    engine = small_llm.engine
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.make_request([5] * 500, SamplingParams(max_tokens=20))
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.make_request([5, 128], SamplingParams())
+    with pytest.raises(ValueError, match="empty"):
+        engine.make_request([], SamplingParams())
+    for field, value in [("temperature", -1.0), ("top_p", 0.0), ("top_k", -1), ("min_p", 1.5),
+                         ("max_tokens", 0)]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**{field: value})
+
+
+def test_request_that_can_never_fit_is_finished_with_an_error():
+    llm = make_llm(num_pages=48, max_model_len=2048)
+    out = llm.generate([[5] * 900], SamplingParams(max_tokens=100), use_tqdm=False)[0]
+    assert out.finish_reason == "error" and "pages" in out.error
+    assert_idle_and_no_leak(llm)
