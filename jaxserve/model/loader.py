@@ -1,0 +1,56 @@
+"""load_model: one entry point for every weight source; convert: any source -> Orbax checkpoint.
+
+A spec is "default" (the embedded SmolLM2-135M-Instruct GGUF), a .gguf file, a Hugging Face
+directory (config.json + *.safetensors + tokenizer.json) or a jaxserve checkpoint directory
+(written by `convert`). Every path returns the same LoadedModel layout, so the model never knows
+where its weights came from. This module only dispatches: format details live in gguf_loader,
+safetensors_loader and checkpoint, and it must not import jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from jaxserve.model import checkpoint, default_model, gguf_loader, safetensors_loader
+from jaxserve.model.safetensors_loader import save_hf_directory
+from jaxserve.model.weights import LoadedModel
+
+__all__ = ["LoadedModel", "load_model", "save_hf_directory", "convert"]
+
+
+def load_model(spec: str = "default", *, progress: bool = True) -> LoadedModel:
+    """Load config, host params and tokenizer from `spec` (see the module docstring)."""
+    if spec == "default":
+        path = default_model.default_model_path()
+        model = gguf_loader.load_gguf(path, progress=progress)
+        # the file's general.name is a training-run label; the model has a real name
+        model.config = dataclasses.replace(model.config, name=default_model.DEFAULT_MODEL_NAME)
+        model.source = f"default ({path})"
+        return model
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model not found: {path} (give a .gguf file, a Hugging Face "
+                                f"directory, a jaxserve checkpoint, or 'default')")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"{path} is a file but not a .gguf; a Hugging Face model is loaded "
+                             f"from its directory")
+        return gguf_loader.load_gguf(path, progress=progress)
+    if checkpoint.is_checkpoint(path):
+        return checkpoint.load_checkpoint(path)
+    if safetensors_loader.is_hf_directory(path):
+        return safetensors_loader.load_hf_directory(path, progress=progress)
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return gguf_loader.load_gguf(ggufs[0], progress=progress)
+    raise FileNotFoundError(
+        f"{path} holds no model: expected {checkpoint.MARKER}, config.json with *.safetensors, "
+        f"or a single .gguf file" + (f" (found {len(ggufs)} .gguf files)" if ggufs else ""))
+
+
+def convert(src_spec: str, dst_dir: str | Path, *, progress: bool = True) -> Path:
+    """Load `src_spec` and write it as a jaxserve Orbax checkpoint in `dst_dir`."""
+    model = load_model(src_spec, progress=progress)
+    checkpoint.save_checkpoint(dst_dir, model)
+    return Path(dst_dir)

@@ -1,0 +1,100 @@
+"""Read and write Hugging Face model directories: config.json, *.safetensors, tokenizer.json.
+
+Tensors keep the dtype they are stored in (bf16 arrives as an ml_dtypes bfloat16 numpy array);
+the model casts later. HF's nn.Linear [out, in] weights are transposed into our [in, out] stacks.
+This module must not import jax, and never guesses a tensor it does not recognise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+from tqdm.auto import tqdm
+
+from jaxserve.model.config import ModelConfig
+from jaxserve.model.tokenizer import Tokenizer
+from jaxserve.model.weights import (HF_GLOBAL_NAMES, HF_LAYER_NAMES, TRANSPOSED, LoadedModel,
+                                    ParamBuilder, to_hf_state_dict)
+
+_FROM_HF_LAYER = {hf: ours for ours, hf in HF_LAYER_NAMES.items()}
+_FROM_HF_GLOBAL = {hf: ours for ours, hf in HF_GLOBAL_NAMES.items()}
+# Buffers some checkpoints carry that are recomputed from the config.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def is_hf_directory(path: Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def _our_name(hf_name: str) -> tuple[str, int | None, bool] | None:
+    """(our name, layer, transpose), or None for a tensor we deliberately skip."""
+    if hf_name.endswith(_IGNORED_SUFFIXES):
+        return None
+    if hf_name in _FROM_HF_GLOBAL:
+        ours = _FROM_HF_GLOBAL[hf_name]
+        return ours, None, ours in TRANSPOSED
+    parts = hf_name.split(".", 3)  # model.layers.{i}.<rest>
+    if (len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
+            and parts[3] in _FROM_HF_LAYER):
+        short = _FROM_HF_LAYER[parts[3]]
+        return f"layers.{short}", int(parts[2]), short in TRANSPOSED
+    raise ValueError(f"unexpected tensor {hf_name!r} in safetensors checkpoint")
+
+
+def _merged_eos(config: ModelConfig, tokenizer: Tokenizer) -> tuple[int, ...]:
+    return tuple(dict.fromkeys(config.eos_token_ids + tokenizer.eos_token_ids))
+
+
+def load_hf_directory(directory: str | Path, *, progress: bool = True) -> LoadedModel:
+    """Config, params (stored dtype) and tokenizer of a Hugging Face Llama-family directory."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"model directory not found: {directory}")
+    config = ModelConfig.load(directory)
+    tokenizer = Tokenizer.load(directory)
+    # config.json and generation_config.json may each name stop tokens the other lacks.
+    eos = _merged_eos(config, tokenizer)
+    config = dataclasses.replace(config, eos_token_ids=eos,
+                                 bos_token_id=config.bos_token_id if config.bos_token_id is not None
+                                 else tokenizer.bos_token_id)
+    tokenizer.eos_token_ids = eos
+    if tokenizer.bos_token_id is None:
+        tokenizer.bos_token_id = config.bos_token_id
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {directory}")
+    builder = ParamBuilder(config)
+    handles = [safe_open(str(f), framework="numpy") for f in files]
+    names = [(h, n) for h in handles for n in h.keys()]
+    for handle, hf_name in tqdm(names, desc=f"loading {directory.name}", unit="tensor",
+                                disable=not progress):
+        target = _our_name(hf_name)
+        if target is None:
+            continue
+        ours, layer, transpose = target
+        if ours == "lm_head" and config.tie_word_embeddings:
+            continue  # tied checkpoints sometimes save the shared matrix twice
+        builder.set(ours, handle.get_tensor(hf_name), layer=layer, transpose=transpose,
+                    source_name=hf_name)
+    return LoadedModel(config=config, params=builder.finish(), tokenizer=tokenizer,
+                       source=str(directory))
+
+
+def save_hf_directory(directory: str | Path, config: ModelConfig, params: dict[str, np.ndarray],
+                      tokenizer: Tokenizer) -> None:
+    """Write config.json, model.safetensors (HF names, [out, in]) and the tokenizer files, so
+    that both `load_hf_directory` and transformers' `from_pretrained` read the model back."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config.save(directory)
+    if config.eos_token_ids:
+        generation = {"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids)}
+        (directory / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    save_file(to_hf_state_dict(config, params), str(directory / "model.safetensors"),
+              metadata={"format": "pt"})
+    tokenizer.save(directory)

@@ -1,0 +1,120 @@
+"""The loaded-model record and the parameter plumbing every weight format shares.
+
+`LoadedModel` is what every loader returns. `ParamBuilder` gathers tensors into the stacked
+[in, out] layout of `ModelConfig.param_shapes()`, checking each shape as it arrives, so no loader
+can hand the model a tensor of the wrong shape. Hugging Face tensor names live here too, because
+both the safetensors reader and writer need them. This module must not read files or import jax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxserve.model.config import ModelConfig
+from jaxserve.model.tokenizer import Tokenizer
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    params: dict[str, np.ndarray]  # ModelConfig.param_shapes() layout, host arrays
+    tokenizer: Tokenizer
+    source: str  # where the weights came from: a path, or "default (<path>)"
+
+
+# Our stacked per-layer name -> the tensor under HF's `model.layers.{i}.`.
+HF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm.weight",
+    "wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight",
+    "wv": "self_attn.v_proj.weight", "wo": "self_attn.o_proj.weight",
+    "bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias",
+    "mlp_norm": "post_attention_layernorm.weight",
+    "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight",
+}
+HF_GLOBAL_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
+                   "lm_head": "lm_head.weight"}
+# Matrices HF stores as nn.Linear [out, in]; we keep their transpose.
+TRANSPOSED = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head"}
+
+
+def shape_error(name: str, shape, expected) -> ValueError:
+    return ValueError(f"tensor {name!r} has shape {tuple(shape)}, expected {tuple(expected)}")
+
+
+class ParamBuilder:
+    """Collects per-layer tensors into stacked [L, ...] arrays, checking every shape on arrival.
+
+    Stacks are allocated on first use with that tensor's dtype, so a 1 GB model never exists
+    twice in memory.
+    """
+
+    def __init__(self, config: ModelConfig):
+        self.config = config
+        self.shapes = config.param_shapes()
+        self.params: dict[str, np.ndarray] = {}
+        self._filled: dict[str, set[int]] = {}
+
+    def expected_shape(self, name: str, *, transposed: bool) -> tuple[int, ...]:
+        """The shape the source must store `name` in: one layer's slice, [out, in] if transposed."""
+        if name not in self.shapes:
+            raise ValueError(f"unexpected parameter {name!r} for this config "
+                             f"(expected: {', '.join(self.shapes)})")
+        shape = self.shapes[name][1:] if name.startswith("layers.") else self.shapes[name]
+        return tuple(reversed(shape)) if transposed else tuple(shape)
+
+    def set(self, name: str, value: np.ndarray, *, layer: int | None = None,
+            transpose: bool = False, source_name: str | None = None) -> None:
+        expected = self.expected_shape(name, transposed=transpose)
+        if tuple(value.shape) != expected:
+            raise shape_error(source_name or name, value.shape, expected)
+        if transpose:
+            value = value.T
+        if layer is None:
+            self.params[name] = np.ascontiguousarray(value)
+            return
+        if not 0 <= layer < self.config.num_layers:
+            raise ValueError(f"tensor {source_name or name!r} is for layer {layer}, but the model "
+                             f"has {self.config.num_layers} layers")
+        if name not in self.params:
+            self.params[name] = np.empty(self.shapes[name], dtype=value.dtype)
+            self._filled[name] = set()
+        self.params[name][layer] = value
+        self._filled[name].add(layer)
+
+    def finish(self) -> dict[str, np.ndarray]:
+        missing = [n for n in self.shapes if n not in self.params]
+        missing += [f"{n}[layer {i}]" for n, done in self._filled.items()
+                    for i in range(self.config.num_layers) if i not in done]
+        if missing:
+            raise ValueError(f"missing tensors: {', '.join(missing)}")
+        return self.params
+
+
+def validate_params(config: ModelConfig, params: dict[str, np.ndarray]) -> None:
+    """Exactly the names of `config.param_shapes()`, each with its shape."""
+    shapes = config.param_shapes()
+    missing, extra = set(shapes) - set(params), set(params) - set(shapes)
+    if missing or extra:
+        raise ValueError(f"parameter names differ from the config: missing {sorted(missing)}, "
+                         f"unexpected {sorted(extra)}")
+    for name, expected in shapes.items():
+        if tuple(params[name].shape) != expected:
+            raise shape_error(name, params[name].shape, expected)
+
+
+def to_hf_state_dict(config: ModelConfig, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Our stacked [in, out] layout -> HF Llama tensor names, one [out, in] tensor per layer."""
+    validate_params(config, params)
+    state = {}
+    for name, value in params.items():
+        if name.startswith("layers."):
+            short = name[len("layers."):]
+            for i in range(config.num_layers):
+                w = value[i].T if short in TRANSPOSED else value[i]
+                state[f"model.layers.{i}.{HF_LAYER_NAMES[short]}"] = np.ascontiguousarray(w)
+        else:
+            w = value.T if name in TRANSPOSED else value
+            state[HF_GLOBAL_NAMES[name]] = np.ascontiguousarray(w)
+    return state
