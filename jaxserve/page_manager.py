@@ -1,0 +1,373 @@
+"""Host-side page pool of the paged KV cache: ref counts, an O(1) LRU free list, a prefix cache.
+
+The PageManager hands out ids of a fixed pool of pages (page 0 is reserved scratch that padded
+tokens write to), shares pages between requests through ref counts, and remembers the token ids
+of every full page whose KV is final, so a later request with the same prefix reuses its pages.
+It is bookkeeping over integers only: it must not import jax or touch device memory (the runner
+moves data; `fork` returns the page pairs to copy).
+
+Prefix cache. A full page's key is `hash_fn(parent_key, page_token_ids)`, a chain over the whole
+prefix. A key only names a candidate: a lookup also compares the page's stored token ids and the
+registration serial of its parent page, so neither a hash collision nor a parent that was evicted
+and re-registered with other tokens can return a page whose KV belongs to another prefix.
+
+Free list. One OrderedDict in eviction order, taken from the head: uncached pages are put at the
+head (reused first, nothing lost), cached pages appended at the tail (least recently used first).
+A request's pages are released deepest first, so a chain is evicted from its leaves before its
+root, whose loss would make the rest of the chain unreachable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+HashFn = Callable[[int | None, tuple[int, ...]], int]
+
+_ROOT_SERIAL = 0  # parent serial of a prefix's first page; registrations count from 1
+
+
+def stable_page_hash(parent_key: int | None, token_ids: tuple[int, ...]) -> int:
+    """64-bit blake2b of (parent key, token ids); stable across processes, unlike salted hash()."""
+    h = hashlib.blake2b(digest_size=8)
+    if parent_key is None:
+        h.update(b"\x00")
+    else:
+        h.update(b"\x01" + (parent_key & 0xFFFF_FFFF_FFFF_FFFF).to_bytes(8, "little"))
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return int.from_bytes(h.digest(), "little")
+
+
+@dataclass(frozen=True)
+class PageStats:
+    num_pages: int  # allocatable pages (page 0 excluded)
+    num_free: int  # allocatable now, evictable cached pages included
+    num_used: int
+    num_cached: int  # pages holding a prefix-cache key, in use or not
+    usage: float  # num_used / num_pages
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    prefix_hit_rate: float
+
+
+@dataclass
+class _RequestPages:
+    pages: list[int]
+    num_slots: int
+    num_hashed_pages: int = 0  # leading full pages already registered (or found cached)
+    parent_key: int | None = None  # key of page num_hashed_pages - 1
+    parent_serial: int = _ROOT_SERIAL  # its registration serial
+    can_register: bool = True  # False after a hash collision or a prefix-cache reset
+
+
+class PageManager:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
+                 hash_fn: HashFn | None = None):
+        if num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {num_pages}")
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._hash_fn = hash_fn or stable_page_hash
+        self._ref = [0] * num_pages
+        self._key: list[int | None] = [None] * num_pages
+        self._tokens: list[tuple[int, ...] | None] = [None] * num_pages
+        self._serial = [0] * num_pages
+        self._parent_serial = [_ROOT_SERIAL] * num_pages
+        self._cached: dict[int, int] = {}  # key -> page
+        self._live_serials: dict[int, int] = {}  # serial -> page
+        self._next_serial = _ROOT_SERIAL + 1
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_pages))
+        self._requests: dict[str, _RequestPages] = {}
+        self._query_tokens = 0
+        self._hit_tokens = 0
+
+    # ----------------------------------------------------------------- queries
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    def num_pages_for(self, num_slots: int) -> int:
+        return -(-num_slots // self.page_size)
+
+    def page_table(self, request_id: str) -> list[int]:
+        return list(self._get(request_id).pages)
+
+    def num_slots(self, request_id: str) -> int:
+        return self._get(request_id).num_slots
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def lookup_prefix(self, token_ids: Sequence[int], record_stats: bool = False) -> list[int]:
+        """Pages of the longest cached chain of full pages matching a prefix of token_ids.
+
+        Token ids and parent serials are compared at every hit, so a wrong page is never
+        returned. At least the last token is left to compute. No ref count changes. The hit
+        statistics count admissions (`allocate`), so a peek before allocating, or a request
+        that waits several steps, is not counted again unless record_stats is set."""
+        pages = self._match(token_ids)
+        if record_stats:
+            self._record(len(token_ids), len(pages) * self.page_size)
+        return pages
+
+    def can_allocate(self, token_ids: Sequence[int], num_slots: int) -> bool:
+        return self._can_take(self._match(token_ids), num_slots)
+
+    def stats(self) -> PageStats:
+        total = self.num_pages - 1
+        used = total - len(self._free)
+        q, hit = self._query_tokens, self._hit_tokens
+        return PageStats(total, len(self._free), used, len(self._cached), used / total,
+                         q, hit, hit / q if q else 0.0)
+
+    # ----------------------------------------------------------------- changes
+
+    def allocate(self, request_id: str, token_ids: Sequence[int], num_slots: int) -> int | None:
+        """Admit a new request: reuse its cached prefix pages, then take fresh pages up to num_slots.
+
+        Returns the number of cached tokens reused (a multiple of page_size), or None with nothing
+        changed when pages run out. The request holds max(num_slots, cached tokens) slots.
+        Successful calls count toward the prefix hit statistics."""
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} already holds pages")
+        cached = self._match(token_ids)
+        if not self._can_take(cached, num_slots):
+            return None
+        for page in cached:
+            self._take_ref(page)
+        num_fresh = max(self.num_pages_for(num_slots) - len(cached), 0)
+        num_cached_tokens = len(cached) * self.page_size
+        req = _RequestPages(cached + [self._pop_free() for _ in range(num_fresh)],
+                            max(num_slots, num_cached_tokens))
+        if cached:
+            req.num_hashed_pages = len(cached)
+            req.parent_key = self._key[cached[-1]]
+            req.parent_serial = self._serial[cached[-1]]
+        self._requests[request_id] = req
+        if self.enable_prefix_caching:
+            self._record(len(token_ids), num_cached_tokens)
+        return num_cached_tokens
+
+    def append_slots(self, request_id: str, num_slots: int) -> bool:
+        """Grow the request to hold >= num_slots slots in total; False, nothing changed, if out of pages."""
+        req = self._get(request_id)
+        num_new = self.num_pages_for(num_slots) - len(req.pages)
+        if num_new > len(self._free):
+            return False
+        req.pages.extend(self._pop_free() for _ in range(num_new))
+        req.num_slots = max(req.num_slots, num_slots)
+        return True
+
+    def truncate(self, request_id: str, num_slots: int) -> None:
+        """Shrink to num_slots slots, releasing trailing pages (speculative-decoding rollback).
+
+        Raises ValueError rather than dropping slots of a committed, prefix-cached page or of a
+        page shared with another request: either would corrupt KV that others rely on."""
+        req = self._get(request_id)
+        if num_slots > req.num_slots:
+            raise ValueError(f"truncate({request_id!r}, {num_slots}) would grow the request "
+                             f"(it holds {req.num_slots} slots); use append_slots")
+        first_touched = num_slots // self.page_size
+        touched = req.pages[first_touched:]
+        if first_touched < req.num_hashed_pages or any(self._key[p] is not None for p in touched):
+            raise ValueError(f"truncate({request_id!r}, {num_slots}) would drop committed, "
+                             f"prefix-cached slots (page {req.pages[first_touched]})")
+        num_keep = self.num_pages_for(num_slots)
+        if num_keep > first_touched and self._ref[req.pages[first_touched]] > 1:
+            raise ValueError(f"truncate({request_id!r}, {num_slots}) would cut into page "
+                             f"{req.pages[first_touched]}, which is shared with another request")
+        for page in reversed(req.pages[num_keep:]):
+            self._release(page)
+        del req.pages[num_keep:]
+        req.num_slots = num_slots
+
+    def commit(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Register every full page of token_ids (all the request's final tokens) not yet registered.
+
+        A key already cached for the same prefix by another page keeps that entry (no duplicate)."""
+        req = self._get(request_id)
+        if len(token_ids) > req.num_slots:
+            raise ValueError(f"commit({request_id!r}) got {len(token_ids)} tokens but the request "
+                             f"holds only {req.num_slots} slots")
+        if not (self.enable_prefix_caching and req.can_register):
+            return
+        ps = self.page_size
+        for i in range(req.num_hashed_pages, len(token_ids) // ps):
+            page, page_tokens = req.pages[i], tuple(token_ids[i * ps:(i + 1) * ps])
+            if self._key[page] is not None:
+                # Registered by a request sharing this very page (fork): adopt its entry.
+                if self._tokens[page] != page_tokens:
+                    raise ValueError(f"commit({request_id!r}): tokens of page {page} differ from "
+                                     "the ones it was registered with")
+                key, holder = self._key[page], page
+            else:
+                key = self._hash_fn(req.parent_key, page_tokens)
+                holder = self._register_or_find(page, key, page_tokens, req.parent_serial)
+                if holder is None:
+                    req.can_register = False  # a true hash collision: stop caching this request
+                    return
+            req.num_hashed_pages = i + 1
+            req.parent_key, req.parent_serial = key, self._serial[holder]
+
+    def fork(self, src_id: str, dst_id: str) -> list[tuple[int, int]] | None:
+        """dst shares src's full pages; src's partly filled last page is copied into a new page.
+
+        Returns the [(src_page, dst_page)] copies for the device, or None, nothing changed, if no
+        page is free for the copy. All of src's num_slots slots must hold final KV."""
+        src = self._get(src_id)
+        if dst_id in self._requests:
+            raise ValueError(f"request {dst_id!r} already holds pages")
+        num_full = src.num_slots // self.page_size
+        needs_copy = len(src.pages) > num_full
+        if needs_copy and not self._free:
+            return None
+        pages = src.pages[:num_full]
+        for page in pages:
+            self._take_ref(page)
+        pairs = []
+        if needs_copy:
+            pairs.append((src.pages[num_full], self._pop_free()))
+            pages.append(pairs[0][1])
+        self._requests[dst_id] = _RequestPages(pages, src.num_slots, src.num_hashed_pages,
+                                               src.parent_key, src.parent_serial, src.can_register)
+        return pairs
+
+    def free(self, request_id: str) -> None:
+        """Release all the request's pages, deepest first; an unknown id is a no-op."""
+        req = self._requests.pop(request_id, None)
+        if req is not None:
+            for page in reversed(req.pages):
+                self._release(page)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix; running requests keep their pages but stop registering."""
+        for page in list(self._cached.values()):
+            self._unregister(page)
+        for req in self._requests.values():
+            req.can_register = False
+
+    # ----------------------------------------------------------------- internals
+
+    def _get(self, request_id: str) -> _RequestPages:
+        try:
+            return self._requests[request_id]
+        except KeyError:
+            raise KeyError(f"request {request_id!r} holds no pages") from None
+
+    def _record(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self._query_tokens += num_query_tokens
+        self._hit_tokens += num_hit_tokens
+
+    def _match(self, token_ids: Sequence[int]) -> list[int]:
+        if not self.enable_prefix_caching:
+            return []
+        ps = self.page_size
+        pages: list[int] = []
+        key, serial = None, _ROOT_SERIAL
+        for i in range((len(token_ids) - 1) // ps):  # never the whole prompt: one token computes
+            page_tokens = tuple(token_ids[i * ps:(i + 1) * ps])
+            key = self._hash_fn(key, page_tokens)
+            page = self._cached.get(key)
+            if (page is None or self._tokens[page] != page_tokens
+                    or self._parent_serial[page] != serial):
+                break
+            pages.append(page)
+            serial = self._serial[page]
+        return pages
+
+    def _can_take(self, cached: list[int], num_slots: int) -> bool:
+        num_fresh = max(self.num_pages_for(num_slots) - len(cached), 0)
+        num_cached_free = sum(1 for p in cached if self._ref[p] == 0)
+        return num_fresh <= len(self._free) - num_cached_free
+
+    def _take_ref(self, page: int) -> None:
+        if self._ref[page] == 0:
+            del self._free[page]
+        self._ref[page] += 1
+
+    def _pop_free(self) -> int:
+        page, _ = self._free.popitem(last=False)
+        if self._key[page] is not None:
+            self._unregister(page)  # eviction
+        self._ref[page] = 1
+        return page
+
+    def _release(self, page: int) -> None:
+        self._ref[page] -= 1
+        if self._ref[page] == 0:
+            self._free[page] = None
+            if self._key[page] is None:
+                self._free.move_to_end(page, last=False)
+
+    def _register_or_find(self, page: int, key: int, page_tokens: tuple[int, ...],
+                          parent_serial: int) -> int | None:
+        """Register page under key; return the page now holding this prefix, None on a collision."""
+        holder = self._cached.get(key)
+        if holder is not None:
+            if self._tokens[holder] == page_tokens and self._parent_serial[holder] == parent_serial:
+                return holder  # the same prefix is cached already: keep that entry
+            orphan_parent = self._parent_serial[holder]
+            if orphan_parent == _ROOT_SERIAL or orphan_parent in self._live_serials:
+                return None
+            self._unregister(holder)  # its parent was evicted: unreachable, so replace it
+        self._key[page], self._tokens[page] = key, page_tokens
+        self._serial[page], self._parent_serial[page] = self._next_serial, parent_serial
+        self._cached[key] = page
+        self._live_serials[self._next_serial] = page
+        self._next_serial += 1
+        return page
+
+    def _unregister(self, page: int) -> None:
+        del self._cached[self._key[page]]
+        del self._live_serials[self._serial[page]]
+        self._key[page] = self._tokens[page] = None
+        self._serial[page], self._parent_serial[page] = 0, _ROOT_SERIAL
+        if self._ref[page] == 0 and page in self._free:
+            self._free.move_to_end(page, last=False)  # uncached now: reuse before cached pages
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError describing the first broken accounting rule."""
+        def require(ok: bool, msg: str) -> None:
+            if not ok:
+                raise AssertionError(msg)
+
+        ps, owners = self.page_size, [0] * self.num_pages
+        for rid, req in self._requests.items():
+            require(len(req.pages) == self.num_pages_for(req.num_slots),
+                    f"{rid!r} holds {len(req.pages)} pages for {req.num_slots} slots")
+            require(len(set(req.pages)) == len(req.pages), f"{rid!r} holds a page twice")
+            require(req.num_hashed_pages * ps <= req.num_slots,
+                    f"{rid!r} has {req.num_hashed_pages} hashed pages beyond its slots")
+            for page in req.pages:
+                require(0 < page < self.num_pages, f"{rid!r} holds invalid page {page}")
+                owners[page] += 1
+            for page in req.pages[req.num_slots // ps:]:
+                require(self._ref[page] == 1, f"partly filled page {page} of {rid!r} is shared")
+        require(self._ref[0] == 0 and 0 not in self._free, "scratch page 0 was handed out")
+        for page in range(1, self.num_pages):
+            require(self._ref[page] == owners[page],
+                    f"page {page} has ref {self._ref[page]} but {owners[page]} owners")
+            require((page in self._free) == (owners[page] == 0),
+                    f"page {page} is {'free and owned' if owners[page] else 'neither free nor owned'}")
+        seen_cached = False
+        for page in self._free:
+            seen_cached |= self._key[page] is not None
+            require(self._key[page] is not None or not seen_cached,
+                    f"uncached free page {page} sits behind a cached one in the free list")
+        for key, page in self._cached.items():
+            require(self._key[page] == key, f"cache key {key} points at page {page} with another key")
+            require(self._tokens[page] is not None and len(self._tokens[page]) == ps,
+                    f"cached page {page} does not store one full page of token ids")
+            require(self._live_serials.get(self._serial[page]) == page,
+                    f"cached page {page} has no live serial")
+        num_keyed = sum(k is not None for k in self._key)
+        require(num_keyed == len(self._cached) == len(self._live_serials),
+                f"{num_keyed} keyed pages, {len(self._cached)} cache entries, "
+                f"{len(self._live_serials)} live serials")
