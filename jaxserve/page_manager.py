@@ -130,7 +130,7 @@ class PageManager:
     # ----------------------------------------------------------------- changes
 
     def allocate(self, request_id: str, token_ids: Sequence[int], num_slots: int) -> int | None:
-        """Admit a new request: reuse its cached prefix pages, then take fresh pages up to num_slots.
+        """Admit a new request: reuse its cached prefix pages, then fresh pages up to num_slots.
 
         Returns the number of cached tokens reused (a multiple of page_size), or None with nothing
         changed when pages run out. The request holds max(num_slots, cached tokens) slots.
@@ -156,7 +156,7 @@ class PageManager:
         return num_cached_tokens
 
     def append_slots(self, request_id: str, num_slots: int) -> bool:
-        """Grow the request to hold >= num_slots slots in total; False, nothing changed, if out of pages."""
+        """Grow to >= num_slots slots in total; False, nothing changed, if pages run out."""
         req = self._get(request_id)
         num_new = self.num_pages_for(num_slots) - len(req.pages)
         if num_new > len(self._free):
@@ -189,7 +189,7 @@ class PageManager:
         req.num_slots = num_slots
 
     def commit(self, request_id: str, token_ids: Sequence[int]) -> None:
-        """Register every full page of token_ids (all the request's final tokens) not yet registered.
+        """Register each full page of token_ids (all the request's final tokens) not yet registered.
 
         A key already cached for the same prefix by another page keeps that entry (no duplicate)."""
         req = self._get(request_id)
@@ -354,15 +354,15 @@ class PageManager:
         for page in range(1, self.num_pages):
             require(self._ref[page] == owners[page],
                     f"page {page} has ref {self._ref[page]} but {owners[page]} owners")
-            require((page in self._free) == (owners[page] == 0),
-                    f"page {page} is {'free and owned' if owners[page] else 'neither free nor owned'}")
+            state = "free and owned" if owners[page] else "neither free nor owned"
+            require((page in self._free) == (owners[page] == 0), f"page {page} is {state}")
         seen_cached = False
         for page in self._free:
             seen_cached |= self._key[page] is not None
             require(self._key[page] is not None or not seen_cached,
                     f"uncached free page {page} sits behind a cached one in the free list")
         for key, page in self._cached.items():
-            require(self._key[page] == key, f"cache key {key} points at page {page} with another key")
+            require(self._key[page] == key, f"key {key} points at page {page} with another key")
             require(self._tokens[page] is not None and len(self._tokens[page]) == ps,
                     f"cached page {page} does not store one full page of token ids")
             require(self._live_serials.get(self._serial[page]) == page,

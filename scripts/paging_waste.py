@@ -1,4 +1,4 @@
-"""Measure the KV memory that paging wastes on a mixed-length workload, next to contiguous reservation.
+"""Measure the KV memory paging wastes on a mixed-length workload, next to contiguous reservation.
 
 Each request is driven through the real PageManager step by step: the prefill step holds slots for
 the prompt, each decode step one more token (the last sampled token is never written to the KV

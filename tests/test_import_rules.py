@@ -25,7 +25,7 @@ def test_module_does_not_import_jax(module):
     code = (f"import sys; import {module}; "
             "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib')); "
             "assert not heavy, f'imports {heavy[:5]}'")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
                             text=True)
     assert result.returncode == 0, f"{module} pulls in jax:\n{result.stderr[-2000:]}"

@@ -1,4 +1,4 @@
-"""KV page swap: bit-exact round trips through pinned host memory, no recompiles, swap accounting."""
+"""KV page swap: bit-exact round trips via pinned host memory, no recompiles, swap accounting."""
 
 import jax
 import jax.numpy as jnp

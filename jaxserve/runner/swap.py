@@ -1,4 +1,4 @@
-"""Device side of KV page swapping: gather pages to pinned host memory, scatter them back, copy pages.
+"""Device side of KV page swapping: pages to pinned host memory and back, and page copies.
 
 The KV cache is a pair `(k_pages, v_pages)`, each `[layers, num_pages, page_size, kv_heads,
 head_dim]`. Swap-out gathers a preempted request's pages on device (one jitted gather) and
