@@ -162,3 +162,14 @@ def test_load_default_gives_smollm2_135m_instruct():
     assert model.tokenizer.eos_token_ids == (2,)
     assert model.source.startswith("default (")
     assert model.params["embed"].shape == (49152, 576)
+
+
+def test_env_override_keeps_the_files_own_name(tmp_path, monkeypatch):
+    from jaxserve.model.loader import load_model
+    from model_fixtures import random_model, write_gguf
+
+    config, params = random_model(name="my-own-model")
+    monkeypatch.setenv(default_model.ENV_MODEL, str(write_gguf(tmp_path / "m.gguf", config, params)))
+    loaded = load_model("default", progress=False)
+    assert loaded.config.name == "my-own-model"
+    assert loaded.source == f"default ({tmp_path / 'm.gguf'})"

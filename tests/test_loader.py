@@ -56,7 +56,7 @@ def test_hf_directory_round_trip_keeps_values_and_dtype(tmp_path, dtype):
     config, params = random_model(dtype=dtype)
     save_hf_directory(tmp_path, config, params, tiny_tokenizer())
     loaded = load_model(str(tmp_path), progress=False)
-    assert loaded.config == dataclasses.replace(config, name=tmp_path.name)  # HF: name = directory
+    assert loaded.config == config
     assert_same_params(loaded.params, params)
     assert loaded.tokenizer.encode("the cat") == tiny_tokenizer().encode("the cat")
     assert loaded.tokenizer.eos_token_ids == (2,)
@@ -304,3 +304,16 @@ def test_default_model_params_equal_transformers_gguf_loader():
     assert set(ours) <= set(theirs)
     for name, value in ours.items():
         np.testing.assert_allclose(value, theirs[name], atol=1e-6, rtol=0, err_msg=name)
+
+
+def test_fast_gguf_reader_parses_exactly_like_gguf_reader(tmp_path):
+    from jaxserve.model import gguf_loader
+
+    config, params = random_model()
+    path = write_gguf(tmp_path / "m.gguf", config, params, qtype=Q.Q4_1)
+    fast, plain = gguf_loader._READER(path), gguf.GGUFReader(path)
+    assert gguf_loader.read_metadata(fast) == gguf_loader.read_metadata(plain)
+    assert [t.name for t in fast.tensors] == [t.name for t in plain.tensors]
+    for a, b in zip(fast.tensors, plain.tensors):
+        assert a.tensor_type == b.tensor_type and list(a.shape) == list(b.shape), a.name
+        assert np.array_equal(a.data, b.data), a.name

@@ -9,6 +9,7 @@ must not import jax or keep quantized blocks around, and reads nothing but the f
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from pathlib import Path
 
@@ -39,6 +40,26 @@ _LAYER_TENSORS = {
 _GLOBAL_TENSORS = {"token_embd.weight": ("embed", False), "output_norm.weight": ("final_norm", False),
                    "output.weight": ("lm_head", True)}
 _ROPE_FREQS = "rope_freqs.weight"
+
+
+class _PlainViewReader(gguf.GGUFReader):
+    """GGUFReader, ~3x faster to open: it parses the header one value at a time through slices of
+    an np.memmap, whose subclass hooks dominate; slicing a plain ndarray view of the same mapping
+    gives the same bytes without them (tensor data stays memory-mapped)."""
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self.__dict__["_plain"] = self.data.view(np.ndarray)
+        count = int(count)
+        values = plain[offset:offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
+        order = self.byte_order if override_order is None else override_order
+        return values.view(values.dtype.newbyteorder(order))
+
+
+# Only override the private hook while its signature is the one this override was written for.
+_READER = (_PlainViewReader if list(inspect.signature(gguf.GGUFReader._get).parameters)
+           == ["self", "offset", "dtype", "count", "override_order"] else gguf.GGUFReader)
 
 
 def read_metadata(reader: gguf.GGUFReader) -> dict:
@@ -145,7 +166,7 @@ def load_gguf(path: str | Path, *, progress: bool = True, name: str | None = Non
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    reader = gguf.GGUFReader(path)
+    reader = _READER(path)
     metadata = read_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
     config = config_from_metadata(metadata, tensors, name=path.stem)

@@ -10,6 +10,7 @@ safetensors_loader and checkpoint, and it must not import jax.
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 from jaxserve.model import checkpoint, default_model, gguf_loader, safetensors_loader
@@ -24,8 +25,9 @@ def load_model(spec: str = "default", *, progress: bool = True) -> LoadedModel:
     if spec == "default":
         path = default_model.default_model_path()
         model = gguf_loader.load_gguf(path, progress=progress)
-        # the file's general.name is a training-run label; the model has a real name
-        model.config = dataclasses.replace(model.config, name=default_model.DEFAULT_MODEL_NAME)
+        if not os.environ.get(default_model.ENV_MODEL):
+            # the embedded file's general.name is a training-run label, not the model's name
+            model.config = dataclasses.replace(model.config, name=default_model.DEFAULT_MODEL_NAME)
         model.source = f"default ({path})"
         return model
     path = Path(spec).expanduser()

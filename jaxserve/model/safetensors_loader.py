@@ -55,11 +55,15 @@ def load_hf_directory(directory: str | Path, *, progress: bool = True) -> Loaded
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"model directory not found: {directory}")
-    config = ModelConfig.load(directory)
+    hf_config = json.loads((directory / "config.json").read_text()) \
+        if (directory / "config.json").is_file() else {}
+    config = ModelConfig.load(directory, name=Path(hf_config.get("_name_or_path")
+                                                   or directory.absolute()).name)
     tokenizer = Tokenizer.load(directory)
-    # config.json and generation_config.json may each name stop tokens the other lacks.
+    # config.json and generation_config.json may each name stop tokens the other lacks; the
+    # tokenizer's own post-processor is what decides whether BOS is added.
     eos = _merged_eos(config, tokenizer)
-    config = dataclasses.replace(config, eos_token_ids=eos,
+    config = dataclasses.replace(config, eos_token_ids=eos, add_bos_token=tokenizer.add_bos_token,
                                  bos_token_id=config.bos_token_id if config.bos_token_id is not None
                                  else tokenizer.bos_token_id)
     tokenizer.eos_token_ids = eos
@@ -91,7 +95,8 @@ def save_hf_directory(directory: str | Path, config: ModelConfig, params: dict[s
     that both `load_hf_directory` and transformers' `from_pretrained` read the model back."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    config.save(directory)
+    hf_config = dict(config.to_hf_dict(), _name_or_path=config.name)
+    (directory / "config.json").write_text(json.dumps(hf_config, indent=2))
     if config.eos_token_ids:
         generation = {"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids)}
         (directory / "generation_config.json").write_text(json.dumps(generation, indent=2))
