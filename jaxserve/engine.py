@@ -84,7 +84,10 @@ class Engine:
                  config.page_size, (num_pages - 1) * config.page_size,
                  num_pages * config.page_size * kv_per_token / 2**20)
         self.pages = PageManager(num_pages, config.page_size, config.enable_prefix_caching)
-        swap = HostSwapSpace(config.swap_space, config.page_size * kv_per_token)
+        from jaxserve.runner.buckets import powers_of_two
+        max_pages = -(-self.max_model_len // config.page_size)
+        swap = HostSwapSpace(config.swap_space, config.page_size * kv_per_token,
+                             page_buckets=powers_of_two(1, max_pages))
         self.scheduler = Scheduler(
             self.pages, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -180,7 +183,27 @@ class Engine:
         if self._pending_events:
             events = self._pending_events + events
             self._pending_events = []
-        return [out for out in map(self._emit, events) if out is not None]
+        outputs = []
+        for event in events:
+            try:
+                out = self._emit(event)
+            except Exception as exc:  # fail this request only; the others go on
+                log.exception("output processing failed for %s", event.request_id)
+                out = self._fail(event.request_id, f"internal error: {exc!r}")
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _fail(self, request_id: str, message: str) -> RequestOutput | None:
+        self.scheduler.finish(request_id, FinishReason.ERROR)
+        out = self._outputs.pop(request_id, None)
+        self._detok.pop(request_id, None)
+        self._live.pop(request_id, None)
+        if out is None:
+            return None
+        out.finished, out.finish_reason, out.error = True, FinishReason.ERROR.value, message
+        out.new_token_ids, out.new_text = [], ""
+        return out
 
     def _emit(self, event: TokenEvent) -> RequestOutput | None:
         rid = event.request_id

@@ -7,8 +7,9 @@ signature as the kernels in paged_attention.py and ragged_paged_attention.py.
 Cost follows the real work: query rows are processed in blocks of `q_block` rows, and each
 block walks only the KV tiles that its own rows need (a while loop bounded by the block's
 largest context), so decode rows never pay for a long prefill row or for padding rows.
-Each row gathers its own request's pages per tile: memory is O(q_block * tile), never
-O(T * context).
+A block whose rows all belong to one request (a prefill chunk) gathers each KV tile once and
+shares it across its rows; a mixed block (decode rows) gathers per row. Memory is
+O(q_block * tile), never O(T * context).
 """
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ def token_metadata(kv_lens, cu_q_lens, num_seqs, num_tokens: int):
 
 
 def _attend_rows(q, k_pages, v_pages, layer, page_rows, positions, *, sm_scale, soft_cap,
-                 sliding_window, tile_pages):
+                 sliding_window, tile_pages, shared):
     """Attention for rows that each know their page-table row and position.
 
     q: [R, Hq, D]; page_rows: [R, P]; positions: [R] (-1 = padding, output zero).
+    shared: every row uses page_rows[0] (one request), so each tile is gathered once.
     """
     num_rows, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_pages.shape[2], k_pages.shape[3]
@@ -62,9 +64,14 @@ def _attend_rows(q, k_pages, v_pages, layer, page_rows, positions, *, sm_scale, 
     def body(carry):
         i, m, l, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(page_rows, i * tile_pages, tile_pages, axis=1)
-        k = k_pages[layer, pages].reshape(num_rows, tile, num_kv_heads, head_dim)
-        v = v_pages[layer, pages].reshape(num_rows, tile, num_kv_heads, head_dim)
-        s = jnp.einsum("rhgd,rthd->rhgt", qg, k.astype(jnp.float32))
+        if shared:
+            k = k_pages[layer, pages[0]].reshape(tile, num_kv_heads, head_dim)
+            v = v_pages[layer, pages[0]].reshape(tile, num_kv_heads, head_dim)
+            s = jnp.einsum("rhgd,thd->rhgt", qg, k.astype(jnp.float32))
+        else:
+            k = k_pages[layer, pages].reshape(num_rows, tile, num_kv_heads, head_dim)
+            v = v_pages[layer, pages].reshape(num_rows, tile, num_kv_heads, head_dim)
+            s = jnp.einsum("rhgd,rthd->rhgt", qg, k.astype(jnp.float32))
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         kv_pos = i * tile + jnp.arange(tile, dtype=jnp.int32)
@@ -75,7 +82,9 @@ def _attend_rows(q, k_pages, v_pages, layer, page_rows, positions, *, sm_scale, 
         p = jnp.where(mask[:, None, None, :], p, 0.0)
         alpha = jnp.exp(m - m_new)
         l = l * alpha + p.sum(axis=-1)
-        acc = acc * alpha[..., None] + jnp.einsum("rhgt,rthd->rhgd", p, v.astype(jnp.float32))
+        pv = jnp.einsum("rhgt,thd->rhgd" if shared else "rhgt,rthd->rhgd", p,
+                        v.astype(jnp.float32))
+        acc = acc * alpha[..., None] + pv
         return i + 1, m_new, l, acc
 
     init = (first_tile,
@@ -88,7 +97,7 @@ def _attend_rows(q, k_pages, v_pages, layer, page_rows, positions, *, sm_scale, 
     return out.reshape(num_rows, num_heads, head_dim).astype(q.dtype)
 
 
-def _blocked(q, k_pages, v_pages, layer, page_rows, positions, *, q_block, **kw):
+def _blocked(q, k_pages, v_pages, layer, page_table, seq_ids, positions, *, q_block, **kw):
     """Split rows into blocks of q_block; each block loops only over its own tiles."""
     num_rows = q.shape[0]
     q_block = min(q_block, num_rows)
@@ -96,16 +105,23 @@ def _blocked(q, k_pages, v_pages, layer, page_rows, positions, *, q_block, **kw)
     pad = num_blocks * q_block - num_rows
     if pad:
         q = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
-        page_rows = jnp.pad(page_rows, ((0, pad), (0, 0)))
+        seq_ids = jnp.pad(seq_ids, (0, pad))
         positions = jnp.pad(positions, (0, pad), constant_values=-1)
+
+    def block(q, seq_ids, positions):
+        page_rows = page_table[seq_ids]  # [R, P]
+        one_request = jnp.all((seq_ids == seq_ids[0]) | (positions < 0))
+        args = (q, k_pages, v_pages, layer, page_rows, positions)
+        return jax.lax.cond(one_request,
+                            lambda a: _attend_rows(*a, shared=True, **kw),
+                            lambda a: _attend_rows(*a, shared=False, **kw), args)
+
     if num_blocks == 1:
-        out = _attend_rows(q, k_pages, v_pages, layer, page_rows, positions, **kw)
+        out = block(q, seq_ids, positions)
     else:
-        xs = (q.reshape(num_blocks, q_block, *q.shape[1:]),
-              page_rows.reshape(num_blocks, q_block, -1),
+        xs = (q.reshape(num_blocks, q_block, *q.shape[1:]), seq_ids.reshape(num_blocks, q_block),
               positions.reshape(num_blocks, q_block))
-        out = jax.lax.map(
-            lambda a: _attend_rows(a[0], k_pages, v_pages, layer, a[1], a[2], **kw), xs)
+        out = jax.lax.map(lambda a: block(*a), xs)
         out = out.reshape(num_blocks * q_block, *q.shape[1:])
     return out[:num_rows]
 
@@ -127,8 +143,7 @@ def ragged_paged_attention(q, k_pages, v_pages, layer, kv_lens, page_table, cu_q
     Returns [T, Hq, D].
     """
     seq_ids, positions = token_metadata(kv_lens, cu_q_lens, num_seqs, q.shape[0])
-    page_rows = page_table[seq_ids]  # [T, P]
-    return _blocked(q, k_pages, v_pages, layer, page_rows, positions, q_block=q_block,
+    return _blocked(q, k_pages, v_pages, layer, page_table, seq_ids, positions, q_block=q_block,
                     sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
                     tile_pages=tile_pages)
 
@@ -144,6 +159,7 @@ def paged_attention(q, k_pages, v_pages, layer, kv_lens, page_table, *, sm_scale
     output zero); other arguments as in ragged_paged_attention. Returns [S, Hq, D].
     """
     positions = kv_lens.astype(jnp.int32) - 1
-    return _blocked(q, k_pages, v_pages, layer, page_table, positions, q_block=q_block,
+    seq_ids = jnp.arange(q.shape[0], dtype=jnp.int32)
+    return _blocked(q, k_pages, v_pages, layer, page_table, seq_ids, positions, q_block=q_block,
                     sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
                     tile_pages=tile_pages)

@@ -47,9 +47,14 @@ def hf_model(config: ModelConfig, params: dict[str, np.ndarray]):
     import torch
     import transformers
 
-    hf_config = transformers.LlamaConfig(**{k: v for k, v in config.to_hf_dict().items()
-                                            if k not in ("architectures", "model_type")})
-    model = transformers.LlamaForCausalLM(hf_config).eval().to(torch.float32)
+    kwargs = {k: v for k, v in config.to_hf_dict().items()
+              if k not in ("architectures", "model_type")}
+    if config.architecture == "qwen2":  # q/k/v biases only (Llama's flag would add o_proj's)
+        kwargs.pop("attention_bias")
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kwargs))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs))
+    model = model.eval().to(torch.float32)
     sd = {k: torch.from_numpy(v) for k, v in hf_state_dict(config, params).items()}
     model.load_state_dict(sd, strict=not config.tie_word_embeddings)
     return model

@@ -62,13 +62,13 @@ def enable_compile_cache(cache_dir: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def _step(graphdef, attention_fn, layer_loop, state, kv, token_ids, positions, slot_mapping,
+def _step(graphdef, attention_fn, state, kv, token_ids, positions, slot_mapping,
           cu_q_lens, kv_lens, page_table, num_seqs, logits_indices, temperature, top_k, top_p,
           min_p, seeds, output_index, any_sampling):
     model = nnx.merge(graphdef, state)
     inputs = StepInputs(token_ids, positions, slot_mapping, cu_q_lens, kv_lens, page_table,
                         num_seqs, logits_indices)
-    logits, kv = model(inputs, kv, attention_fn, layer_loop)
+    logits, kv = model(inputs, kv, attention_fn)
     tokens, logprobs = sample(logits, temperature, top_k, top_p, min_p, seeds, output_index,
                               any_sampling)
     # One packed array -> one device-to-host copy per step.
@@ -91,13 +91,12 @@ class ModelRunner:
         self.num_pages = num_pages
         self.buckets = BucketTable.build(max_num_batched_tokens, max_num_seqs, max_model_len,
                                          page_size, token_buckets, seq_buckets)
-        model = Llama(model_config, params, self.dtype)
+        model = Llama(model_config, params, self.dtype, self.layer_loop)
         self.graphdef, self.state = nnx.split(model)
         self.kv = init_kv_cache(model_config, num_pages, page_size, self.dtype)
         self.swapper = KVSwapper(powers_of_two(1, self.buckets.max_pages_per_request))
         self._host_pages = {}
-        step = functools.partial(_step, self.graphdef, get_attention_fn(attention_impl),
-                                 self.layer_loop)
+        step = functools.partial(_step, self.graphdef, get_attention_fn(attention_impl))
         self._jitted = jax.jit(step, donate_argnums=(1,))
         self._executables = {}
         self.compilations_after_warmup: int | None = None

@@ -1,0 +1,1 @@
+"""Benchmarks: offline (through LLM/Engine) and serving (a gRPC load generator)."""

@@ -1,0 +1,88 @@
+"""The Llama forward pass against Hugging Face transformers on tiny random models.
+
+Logits must match at every position whether the prompt is read in one prefill, in chunks, or
+token by token through paged decode with a shuffled, non-contiguous page table.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+
+import jax.numpy as jnp  # noqa: E402
+
+from jaxserve.model.attention import get_attention_fn  # noqa: E402
+from jaxserve.model.llama import Llama, StepInputs, init_kv_cache  # noqa: E402
+from tiny_models import hf_logits, hf_model, tiny_model  # noqa: E402
+
+PAGE_SIZE = 8
+NUM_PAGES = 24
+
+
+def run_in_chunks(model, config, tokens, chunk_sizes, page_table, bucket=64):
+    """Feed `tokens` through the model chunk by chunk; return logits for every position."""
+    kv = init_kv_cache(config, NUM_PAGES, PAGE_SIZE)
+    attn = get_attention_fn("reference")
+    table = np.zeros((2, 16), np.int32)  # row 1 is an unused padding request
+    table[0, :len(page_table)] = page_table
+    logits, start = [], 0
+    for size in chunk_sizes:
+        pos = np.arange(start, start + size)
+        padded = lambda a: np.pad(a, (0, bucket - size)).astype(np.int32)
+        slots = np.asarray(page_table)[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
+        inputs = StepInputs(
+            jnp.asarray(padded(np.asarray(tokens[start:start + size]))), jnp.asarray(padded(pos)),
+            jnp.asarray(padded(slots)), jnp.asarray([0, size, size], jnp.int32),
+            jnp.asarray([start + size, 0], jnp.int32), jnp.asarray(table), jnp.int32(1),
+            jnp.arange(size, dtype=jnp.int32))
+        out, kv = model(inputs, kv, attn)
+        logits.append(np.asarray(out))
+        start += size
+    return np.concatenate(logits)
+
+
+CASES = {
+    "gqa-untied": dict(num_heads=4, num_kv_heads=2),
+    "mha-tied": dict(num_heads=4, num_kv_heads=4, tie_word_embeddings=True),
+    "gqa4-qkv-bias": dict(num_heads=8, num_kv_heads=2, head_dim=8, attention_bias=True,
+                          architecture="qwen2"),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request):
+    config, params = tiny_model(seed=3, **CASES[request.param])
+    tokens = np.random.default_rng(7).integers(0, config.vocab_size, 45).tolist()
+    want = hf_logits(hf_model(config, params), tokens)
+    return config, params, tokens, want
+
+
+@pytest.mark.parametrize("layer_loop", ["scan", "unroll"])
+@pytest.mark.parametrize("chunks", [[45], [16, 5, 24], [1] * 45], ids=["prefill", "chunked",
+                                                                        "decode"])
+def test_logits_match_transformers(case, layer_loop, chunks):
+    config, params, tokens, want = case
+    model = Llama(config, params, layer_loop=layer_loop)
+    pages = np.random.default_rng(len(chunks)).permutation(np.arange(1, NUM_PAGES))[:6]
+    got = run_in_chunks(model, config, tokens, chunks, pages)
+    err = np.abs(got - want).max()
+    assert err <= 1e-4, f"max |logits - transformers| = {err:.2e} over {len(tokens)} positions"
+
+
+def test_llama3_rope_scaling_matches_transformers():
+    from jaxserve.model.config import RopeScaling
+    config, params = tiny_model(seed=4, rope_theta=500000.0,
+                                rope_scaling=RopeScaling(8.0, 1.0, 4.0, 64))
+    tokens = np.random.default_rng(1).integers(0, config.vocab_size, 40).tolist()
+    want = hf_logits(hf_model(config, params), tokens)
+    got = run_in_chunks(Llama(config, params), config, tokens, [40], list(range(1, 6)))
+    assert np.abs(got - want).max() <= 1e-4
+
+
+def test_shape_mismatch_names_the_parameter():
+    config, params = tiny_model()
+    params["layers.wq"] = params["layers.wq"][:, :, :-1]
+    with pytest.raises(ValueError, match="layers.wq"):
+        Llama(config, params)
