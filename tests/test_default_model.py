@@ -50,7 +50,8 @@ def make_wheel(directory: Path, payload: bytes = FAKE_GGUF) -> Path:
     with zipfile.ZipFile(wheel, "w") as archive:
         for name, data in files.items():
             archive.writestr(name, data)
-        archive.writestr(f"{info}/RECORD", "".join(f"{n},,\n" for n in files) + f"{info}/RECORD,,\n")
+        record = "".join(f"{n},,\n" for n in [*files, f"{info}/RECORD"])
+        archive.writestr(f"{info}/RECORD", record)
     return wheel
 
 
@@ -169,7 +170,8 @@ def test_env_override_keeps_the_files_own_name(tmp_path, monkeypatch):
     from model_fixtures import random_model, write_gguf
 
     config, params = random_model(name="my-own-model")
-    monkeypatch.setenv(default_model.ENV_MODEL, str(write_gguf(tmp_path / "m.gguf", config, params)))
+    path = write_gguf(tmp_path / "m.gguf", config, params)
+    monkeypatch.setenv(default_model.ENV_MODEL, str(path))
     loaded = load_model("default", progress=False)
     assert loaded.config.name == "my-own-model"
     assert loaded.source == f"default ({tmp_path / 'm.gguf'})"

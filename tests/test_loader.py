@@ -22,9 +22,11 @@ from model_fixtures import (default_gguf_path, gguf_tensors, random_model, real_
 def assert_same_params(got: dict, want: dict, *, exact: bool = True, atol: float = 0.0):
     assert set(got) == set(want), f"param names differ: {set(got) ^ set(want)}"
     for name in want:
-        assert got[name].shape == want[name].shape, f"{name}: {got[name].shape} != {want[name].shape}"
+        assert got[name].shape == want[name].shape, \
+            f"{name}: {got[name].shape} != {want[name].shape}"
         if exact:
-            assert got[name].dtype == want[name].dtype, f"{name}: {got[name].dtype} != {want[name].dtype}"
+            assert got[name].dtype == want[name].dtype, \
+                f"{name}: {got[name].dtype} != {want[name].dtype}"
             assert np.array_equal(got[name].view(np.uint8), want[name].view(np.uint8)), \
                 f"{name} differs bitwise"
         else:
@@ -42,10 +44,11 @@ def dequantized_reference(config, params, qtype) -> dict:
         if qtype == Q.F16:
             ref[name] = w.astype(np.float16).astype(np.float32)
             continue
-        # quantization runs along the input dim, i.e. rows of HF's [out, in]
-        hf = np.swapaxes(w, -1, -2) if name not in ("embed",) else w
-        deq = gguf.quants.dequantize(gguf.quants.quantize(np.ascontiguousarray(hf), qtype), qtype)
-        ref[name] = np.swapaxes(deq.reshape(hf.shape), -1, -2) if name != "embed" else deq
+        # blocks run along the input dim: rows of HF's [out, in]; the embedding is [V, D] already
+        flip = name != "embed"
+        hf = np.ascontiguousarray(np.swapaxes(w, -1, -2) if flip else w)
+        deq = gguf.quants.dequantize(gguf.quants.quantize(hf, qtype), qtype).reshape(hf.shape)
+        ref[name] = np.swapaxes(deq, -1, -2) if flip else deq
     return ref
 
 
@@ -77,6 +80,17 @@ def test_hf_directory_merges_generation_config_stop_tokens(tmp_path):
     loaded = load_model(str(tmp_path), progress=False)
     assert loaded.config.eos_token_ids == (2, 0)
     assert loaded.tokenizer.eos_token_ids == (2, 0)
+
+
+def test_hf_directory_bos_follows_the_tokenizer(tmp_path):
+    from jaxserve.model.tokenizer import Tokenizer
+    from model_fixtures import tiny_vocab
+
+    config, params = random_model(add_bos_token=False)
+    adds_bos = Tokenizer.from_gguf(dict(tiny_vocab(), **{"tokenizer.ggml.add_bos_token": True}))
+    save_hf_directory(tmp_path, config, params, adds_bos)
+    loaded = load_model(str(tmp_path), progress=False)
+    assert loaded.config.add_bos_token and loaded.tokenizer.encode(" the")[0] == 1
 
 
 # ---- GGUF ----------------------------------------------------------------------------------------

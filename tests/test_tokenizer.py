@@ -98,7 +98,8 @@ def test_smollm2_save_load_round_trip(smollm, tmp_path):
     again = Tokenizer.load(tmp_path)
     for text in TEXTS + list(SMOLLM_DIGIT_CASES):
         assert again.encode(text) == smollm.encode(text), text
-    assert again.apply_chat_template(CONVERSATIONS[1]) == smollm.apply_chat_template(CONVERSATIONS[1])
+    assert again.apply_chat_template(CONVERSATIONS[1]) == \
+        smollm.apply_chat_template(CONVERSATIONS[1])
     assert (again.bos_token_id, again.eos_token_ids) == (smollm.bos_token_id, smollm.eos_token_ids)
 
 
@@ -150,7 +151,8 @@ def test_chat_template_raise_exception_surfaces_as_chat_template_error():
 
 def test_chat_template_has_hf_helpers_and_extra_variables():
     tok = tiny_tokenizer()
-    tok.chat_template = ("{{ bos_token }}{{ messages | tojson }}{% generation %}!{% endgeneration %}"
+    tok.chat_template = ("{{ bos_token }}{{ messages | tojson }}"
+                         "{% generation %}!{% endgeneration %}"
                          "{% for t in tools %}{% if loop.index > 1 %}{% break %}{% endif %}"
                          "{{ t.name }}{% endfor %}")
     out = tok.apply_chat_template([{"role": "user", "content": "é"}],

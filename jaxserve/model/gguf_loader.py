@@ -37,8 +37,8 @@ _LAYER_TENSORS = {
     "ffn_gate.weight": ("w_gate", True), "ffn_up.weight": ("w_up", True),
     "ffn_down.weight": ("w_down", True),
 }
-_GLOBAL_TENSORS = {"token_embd.weight": ("embed", False), "output_norm.weight": ("final_norm", False),
-                   "output.weight": ("lm_head", True)}
+_GLOBAL_TENSORS = {"token_embd.weight": ("embed", False),
+                   "output_norm.weight": ("final_norm", False), "output.weight": ("lm_head", True)}
 _ROPE_FREQS = "rope_freqs.weight"
 
 
@@ -123,10 +123,12 @@ def llama3_rope_factors(scaling: RopeScaling, head_dim: int, theta: float) -> np
     smooth = ((scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor)
               / (scaling.high_freq_factor - scaling.low_freq_factor))
     mid = 1 / ((1 - smooth) / scaling.factor + smooth)
-    return np.where(wavelen < high_wavelen, 1.0, np.where(wavelen > low_wavelen, scaling.factor, mid))
+    return np.where(wavelen < high_wavelen, 1.0,
+                    np.where(wavelen > low_wavelen, scaling.factor, mid))
 
 
-def _scaling_from_rope_freqs(factors: np.ndarray, config: ModelConfig, metadata: dict) -> RopeScaling:
+def _scaling_from_rope_freqs(factors: np.ndarray, config: ModelConfig,
+                             metadata: dict) -> RopeScaling:
     """Recover the llama3 RopeScaling that produced `rope_freqs`; refuse anything else rather than
     run a model with RoPE frequencies we cannot reproduce."""
     arch = config.architecture

@@ -157,6 +157,7 @@ def _set_post_processor(backend: Backend, metadata: dict) -> None:
     tail = [tokens[eos_id]] if add_eos else []
     single = head + ["$A"] + tail
     pair = single + [f"{t}:1" for t in head] + ["$B:1"] + [f"{t}:1" for t in tail]
-    special = [(tokens[i], i) for i in ([bos_id] if add_bos else []) + ([eos_id] if add_eos else [])]
+    special_ids = ([bos_id] if add_bos else []) + ([eos_id] if add_eos else [])
+    special = [(tokens[i], i) for i in special_ids]
     backend.post_processor = processors.TemplateProcessing(
         single=" ".join(single), pair=" ".join(pair), special_tokens=special)

@@ -62,13 +62,13 @@ def load_hf_directory(directory: str | Path, *, progress: bool = True) -> Loaded
     tokenizer = Tokenizer.load(directory)
     # config.json and generation_config.json may each name stop tokens the other lacks; the
     # tokenizer's own post-processor is what decides whether BOS is added.
-    eos = _merged_eos(config, tokenizer)
-    config = dataclasses.replace(config, eos_token_ids=eos, add_bos_token=tokenizer.add_bos_token,
-                                 bos_token_id=config.bos_token_id if config.bos_token_id is not None
-                                 else tokenizer.bos_token_id)
-    tokenizer.eos_token_ids = eos
     if tokenizer.bos_token_id is None:
         tokenizer.bos_token_id = config.bos_token_id
+    tokenizer.eos_token_ids = _merged_eos(config, tokenizer)
+    config = dataclasses.replace(config, eos_token_ids=tokenizer.eos_token_ids,
+                                 add_bos_token=tokenizer.add_bos_token,
+                                 bos_token_id=config.bos_token_id if config.bos_token_id is not None
+                                 else tokenizer.bos_token_id)
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {directory}")
@@ -98,7 +98,8 @@ def save_hf_directory(directory: str | Path, config: ModelConfig, params: dict[s
     hf_config = dict(config.to_hf_dict(), _name_or_path=config.name)
     (directory / "config.json").write_text(json.dumps(hf_config, indent=2))
     if config.eos_token_ids:
-        generation = {"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids)}
+        generation = {"bos_token_id": config.bos_token_id,
+                      "eos_token_id": list(config.eos_token_ids)}
         (directory / "generation_config.json").write_text(json.dumps(generation, indent=2))
     save_file(to_hf_state_dict(config, params), str(directory / "model.safetensors"),
               metadata={"format": "pt"})

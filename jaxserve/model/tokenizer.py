@@ -121,7 +121,8 @@ class Tokenizer:
         gen_path = directory / "generation_config.json"
         if gen_path.exists():
             gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
-            eos.extend(gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos])
+            if gen_eos is not None:
+                eos.extend(gen_eos if isinstance(gen_eos, list) else [gen_eos])
         tokenizer.eos_token_ids = tuple(dict.fromkeys(eos))
         template = cfg.get("chat_template")
         if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
@@ -146,7 +147,8 @@ class Tokenizer:
             "eos_token_ids": list(self.eos_token_ids),
             "chat_template": self.chat_template,
         }
-        (directory / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
+        (directory / "tokenizer_config.json").write_text(
+            json.dumps(cfg, indent=2, ensure_ascii=False))
 
     # ---- properties ----------------------------------------------------------------------------
     @property

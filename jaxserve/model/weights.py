@@ -31,7 +31,8 @@ HF_LAYER_NAMES = {
     "wv": "self_attn.v_proj.weight", "wo": "self_attn.o_proj.weight",
     "bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias",
     "mlp_norm": "post_attention_layernorm.weight",
-    "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight",
+    "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight",
+    "w_down": "mlp.down_proj.weight",
 }
 HF_GLOBAL_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
                    "lm_head": "lm_head.weight"}
