@@ -1,0 +1,101 @@
+"""Conversions between the wire messages (jaxserve.v1) and the engine's types.
+
+Proto SamplingParams -> request.SamplingParams (unset fields keep its defaults; values are
+validated there, never clamped), a GenerateRequest's prompt -> text or token ids (chat rendered
+through the tokenizer's template), RequestOutput -> GenerateResponse, and the reverse direction
+for the client. Pure functions: no engine state, no gRPC calls, no status codes.
+"""
+
+from __future__ import annotations
+
+from jaxserve.request import SamplingParams
+from jaxserve.server.pb import jaxserve_pb2 as pb
+
+_OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
+                             "ignore_eos", "logprobs")
+FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+FINISH_REASON_NAMES = {value: name for name, value in FINISH_REASONS.items()}
+
+
+# ---- server side: wire -> engine -------------------------------------------------------------
+def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    """Raises ValueError naming the field, the value and the limit (SamplingParams.validate)."""
+    kwargs = {name: getattr(msg, name) for name in _OPTIONAL_SAMPLING_FIELDS
+              if msg.HasField(name)}
+    return SamplingParams(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
+                          **kwargs)
+
+
+def chat_prompt(tokenizer, chat: pb.Chat) -> tuple[str, list[int]]:
+    """The rendered chat template and its token ids (no special tokens added: the template
+    writes any BOS itself)."""
+    if not chat.messages:
+        raise ValueError("chat.messages is empty: must hold at least one message")
+    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return text, list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def prompt_from_proto(request: pb.GenerateRequest,
+                      tokenizer) -> tuple[str | None, list[int] | None]:
+    """(text, None) or (None, token ids); emptiness and vocabulary are checked by the engine."""
+    which = request.WhichOneof("prompt")
+    if which is None:
+        raise ValueError("prompt is unset: exactly one of text, token_ids or chat must be set")
+    if which == "text":
+        return request.text, None
+    if which == "token_ids":
+        return None, list(request.token_ids.ids)
+    return None, chat_prompt(tokenizer, request.chat)[1]
+
+
+def response_from_output(out, with_logprobs: bool) -> pb.GenerateResponse:
+    """One RequestOutput snapshot (engine.RequestOutput) -> one stream message; finish reason
+    and usage only on the finished one (which must have finished with stop or length)."""
+    response = pb.GenerateResponse(request_id=out.request_id, text=out.new_text,
+                                   token_ids=[int(t) for t in out.new_token_ids])
+    if with_logprobs:
+        response.logprobs.extend(float(x) for x in out.new_logprobs)
+    if out.finished:
+        response.finish_reason = FINISH_REASONS[out.finish_reason]
+        response.usage.prompt_tokens = len(out.prompt_token_ids)
+        response.usage.completion_tokens = len(out.token_ids)
+        response.usage.cached_prompt_tokens = out.num_cached_tokens
+        if out.time_to_first_token is not None:
+            response.usage.time_to_first_token_s = out.time_to_first_token
+    return response
+
+
+# ---- client side: Python values -> wire --------------------------------------------------------
+def sampling_to_proto(params: SamplingParams | None) -> pb.SamplingParams:
+    """Every field set explicitly (the server's defaults never apply), seed only when given."""
+    params = params or SamplingParams()
+    msg = pb.SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature,
+                            top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
+                            stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
+                            ignore_eos=params.ignore_eos, logprobs=params.logprobs)
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
+def chat_to_proto(messages: list[dict]) -> pb.Chat:
+    return pb.Chat(messages=[pb.ChatMessage(role=m["role"], content=m["content"])
+                             for m in messages])
+
+
+def generate_request(prompt: str | list[int] | None = None,
+                     params: SamplingParams | None = None, *, messages: list[dict] | None = None,
+                     request_id: str = "", priority: int = 0) -> pb.GenerateRequest:
+    """Exactly one of prompt (text, or a list of token ids) and messages (chat)."""
+    if (prompt is None) == (messages is None):
+        raise ValueError("exactly one of prompt (text or token ids) and messages must be given")
+    request = pb.GenerateRequest(request_id=request_id, priority=priority,
+                                 sampling=sampling_to_proto(params))
+    if isinstance(prompt, str):
+        request.text = prompt
+    elif prompt is not None:
+        request.token_ids.ids.extend(int(t) for t in prompt)
+    else:
+        request.chat.CopyFrom(chat_to_proto(messages))
+    return request
