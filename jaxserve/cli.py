@@ -68,7 +68,8 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--sampling-seed", type=int, default=None,
+                        help="per-request sampling seed (--seed is the engine's)")
     parser.add_argument("--stop", action="append", default=[])
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--chat", action="store_true",
@@ -78,17 +79,22 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
 def sampling_from_args(args):
     from jaxserve.request import SamplingParams
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                          top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+                          top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          seed=args.sampling_seed,
                           stop=tuple(args.stop), ignore_eos=args.ignore_eos)
 
 
 def cmd_generate(args) -> int:
     params = sampling_from_args(args)
     if not args.offline:
-        from jaxserve.server.client import stream_generate
-        for delta in stream_generate(args.address, args.prompt, params, chat=args.chat):
-            sys.stdout.write(delta)
-            sys.stdout.flush()
+        from jaxserve.server.client import JaxServeError, stream_generate
+        try:
+            for delta in stream_generate(args.address, args.prompt, params, chat=args.chat):
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+        except JaxServeError as exc:
+            print(f"\njaxserve: error: {exc}", file=sys.stderr)
+            return 1
         sys.stdout.write("\n")
         return 0
     from jaxserve.engine import Engine
@@ -179,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args) or 0
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:
         print(f"jaxserve: error: {exc}", file=sys.stderr)
         return 2
 
