@@ -1,0 +1,100 @@
+"""Paged decode attention in Pallas: one query row per request, split over KV pages.
+
+Each request's visible KV range is cut into `num_kv_splits` runs of whole tiles (a tile is
+`tile_pages` pages); one program per (KV head, request, split) runs an online softmax over its
+tiles with the same block kernels as ragged_paged_attention.py (a block here is one token times
+the query heads of one KV head), and the splits are merged by their log-sum-exp. Splitting
+(flash-decoding) gives a GPU enough programs when few long requests decode; tuning.py decides
+how many from the static shapes, and a TPU never splits. Lowerings, interpret modes and the
+caveats on cache contents are those of ragged_paged_attention.py.
+
+This module must not keep state or read pages past a request's context other than the rest of
+its last tile; it never writes the cache.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import tuning
+from pallas_kernels.ragged_paged_attention import KernelConfig, attend_blocks, gather_q_blocks
+
+
+def kv_split_metadata(kv_lens, num_splits: int, tile: int, sliding_window: int | None):
+    """Block metadata [S * num_splits, 5] for decode rows: split k of request s is block
+    s * num_splits + k and covers its k-th run of the tiles the row can see."""
+    kv_lens = kv_lens.astype(jnp.int32)
+    num_seqs = kv_lens.shape[0]
+    position = kv_lens - 1
+    live = kv_lens > 0
+    lo = (jnp.zeros_like(position) if sliding_window is None
+          else jnp.maximum(position - sliding_window + 1, 0))
+    first_tile = jnp.where(live, lo // tile, 0)
+    end_tile = jnp.where(live, position // tile + 1, 0)
+    per_split = -(-(end_tile - first_tile) // num_splits)                        # [S]
+    t_lo = first_tile[:, None] + jnp.arange(num_splits) * per_split[:, None]    # [S, K]
+    t_hi = jnp.minimum(t_lo + per_split[:, None], end_tile[:, None])
+    t_lo = jnp.minimum(t_lo, t_hi)
+    per_request = [jnp.arange(num_seqs), position, live.astype(jnp.int32)]
+    fields = [jnp.broadcast_to(x[:, None], t_lo.shape) for x in per_request] + [t_lo, t_hi]
+    return jnp.stack(fields, axis=-1).reshape(num_seqs * num_splits, -1).astype(jnp.int32)
+
+
+def merge_splits(out, lse):
+    """Merge split results: out [Hkv, S, K, G, D] normalized per split, lse [Hkv, S, K, G]."""
+    weight = jnp.exp(lse - lse.max(axis=2, keepdims=True))   # the best split weighs 1
+    return (out * weight[..., None]).sum(axis=2) / weight.sum(axis=2)[..., None]
+
+
+def paged_attention(q, k_pages, v_pages, layer, kv_lens, page_table, *, sm_scale: float,
+                    soft_cap: float | None = None, sliding_window: int | None = None,
+                    interpret=False, tile_pages: int | None = None,
+                    num_kv_splits: int | None = None):
+    """Decode attention: one query row per request (see reference.py).
+
+    q: [S, Hq, D]; k_pages, v_pages: [L, N, page_size, Hkv, D]; layer: i32 scalar;
+    kv_lens: [S] context including the current token (0 = unused row, output zero);
+    page_table: [S, P]. interpret: False (compiled for the default backend), True (generic
+    Pallas interpreter), or a TPU / GPU interpret-params object. tile_pages and num_kv_splits
+    override tuning.py. Returns [S, Hq, D].
+    """
+    formulation, sizes, interpret = tuning.plan(interpret)
+    return _decode(q, k_pages, v_pages, layer, kv_lens, page_table, sm_scale=sm_scale,
+                   soft_cap=soft_cap, sliding_window=sliding_window, formulation=formulation,
+                   sizes=sizes, interpret=interpret, tile_pages=tile_pages,
+                   num_kv_splits=num_kv_splits)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window",
+                                             "formulation", "sizes", "interpret", "tile_pages",
+                                             "num_kv_splits"))
+def _decode(q, k_pages, v_pages, layer, kv_lens, page_table, *, sm_scale, soft_cap,
+            sliding_window, formulation, sizes, interpret, tile_pages, num_kv_splits):
+    num_seqs, num_heads, head_dim = q.shape
+    pages_per_seq = page_table.shape[1]
+    page_size, num_kv_heads = k_pages.shape[2], k_pages.shape[3]
+    group = num_heads // num_kv_heads
+    tile_pages = tile_pages or tuning.pages_per_tile(page_size, sizes)
+    num_splits = num_kv_splits or tuning.num_kv_splits(
+        num_kv_heads, num_seqs, -(-pages_per_seq // tile_pages), sizes)
+    c = KernelConfig(group, 1, tuning.block_rows(group, 1, sizes), page_size, tile_pages,
+                     pages_per_seq, sm_scale, soft_cap, sliding_window,
+                     with_stats=num_splits > 1)
+
+    meta = kv_split_metadata(kv_lens, num_splits, c.tile, sliding_window)
+    requests = jnp.repeat(jnp.arange(num_seqs, dtype=jnp.int32), num_splits)[:, None]
+    q_blocks = gather_q_blocks(q, requests, group, c.rows)          # [Hkv, S*K, rows, D]
+    out_dtype = jnp.float32 if c.with_stats else q.dtype
+    out, lse = attend_blocks(c, formulation, interpret, layer, page_table, meta, q_blocks,
+                             k_pages, v_pages, out_dtype)
+    out = out[:, :, :group].reshape(num_kv_heads, num_seqs, num_splits, group, head_dim)
+    if c.with_stats:
+        lse = lse[:, :, :group].reshape(num_kv_heads, num_seqs, num_splits, group)
+        out = merge_splits(out, lse)
+    else:
+        out = out[:, :, 0]
+    out = out.transpose(1, 0, 2, 3).reshape(num_seqs, num_heads, head_dim)
+    return jnp.where((kv_lens > 0)[:, None, None], out, 0).astype(q.dtype)
