@@ -98,6 +98,9 @@ def cmd_generate(args) -> int:
         sys.stdout.write("\n")
         return 0
     from jaxserve.engine import Engine
+    # One prompt: one small bucket compiles fastest, unless the user asked for more.
+    if args.max_num_seqs is None and args.max_num_batched_tokens is None:
+        args.max_num_seqs, args.max_num_batched_tokens = 1, 16
     engine = Engine(engine_config_from_args(args), progress=not args.quiet)
     prompt = args.prompt
     if args.chat:

@@ -32,7 +32,11 @@ class BucketTable:
               min_token_bucket: int = 16) -> "BucketTable":
         tokens = tuple(sorted(set(token_buckets))) if token_buckets else powers_of_two(
             min(min_token_bucket, max_num_batched_tokens), max_num_batched_tokens)
-        seqs = tuple(sorted(set(seq_buckets))) if seq_buckets else powers_of_two(1, max_num_seqs)
+        # Default: one request bucket per token bucket, S = min(T, max_num_seqs). The only
+        # per-request work is the logits rows and the sampler, and the head's weight read
+        # dominates those at any S <= 64, so more S buckets would buy compiles, not speed.
+        seqs = tuple(sorted(set(seq_buckets))) if seq_buckets else tuple(sorted(
+            {min(t, max_num_seqs) for t in tokens}))
         if tokens[-1] < max_num_batched_tokens:
             raise ValueError(f"token_buckets top {tokens[-1]} < max_num_batched_tokens "
                              f"{max_num_batched_tokens}")
@@ -41,7 +45,8 @@ class BucketTable:
         return cls(tokens, seqs, -(-max_model_len // page_size))
 
     def shapes(self) -> list[tuple[int, int]]:
-        """Every (T, S) pair that can occur: a step never has more requests than rows."""
+        """Every (T, S) pair that can occur: a step never has more requests than rows, so
+        for each T the S buckets stop at the first one that covers T."""
         pairs = []
         for t in self.token_buckets:
             for s in self.seq_buckets:
@@ -53,10 +58,8 @@ class BucketTable:
     def select(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
         t = _ceil_bucket(self.token_buckets, num_tokens, "num_tokens")
         s = _ceil_bucket(self.seq_buckets, max(num_seqs, 1), "num_seqs")
-        return t, min(s, self._seq_cap(t))
-
-    def _seq_cap(self, t: int) -> int:
-        return next(s for s in self.seq_buckets if s >= t or s == self.seq_buckets[-1])
+        assert (t, s) in self.shapes(), (t, s)
+        return t, s
 
 
 def _ceil_bucket(buckets: tuple[int, ...], n: int, name: str) -> int:

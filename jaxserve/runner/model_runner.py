@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
 import jax
@@ -103,14 +104,26 @@ class ModelRunner:
 
     # ---- compilation -----------------------------------------------------------------
     def warmup(self, progress: bool = True) -> None:
-        """Compile every bucket (and the swap copies) ahead of time, then run each once."""
+        """Compile every bucket (and the swap copies) ahead of time, then run each once.
+
+        Tracing is serial (Python); XLA compiles run on a small thread pool, since the
+        compiler releases the GIL and start-up time is mostly compile time.
+        """
         shapes = self.buckets.shapes()
-        bar = tqdm(shapes, desc="compiling step buckets", disable=not progress)
-        for t, s in bar:
-            bar.set_postfix_str(f"T={t} S={s}")
-            batch = empty_host_batch(t, s, self.buckets.max_pages_per_request)
-            args = (self.state, self.kv, *batch.model_inputs(), *batch.sampling_inputs())
-            self._executables[(t, s)] = self._jitted.lower(*args).compile()
+        batches = {shape: empty_host_batch(*shape, self.buckets.max_pages_per_request)
+                   for shape in shapes}
+        lowered = {shape: self._jitted.lower(self.state, self.kv, *b.model_inputs(),
+                                             *b.sampling_inputs())
+                   for shape, b in batches.items()}
+        workers = max(1, min(len(shapes), os.cpu_count() or 1, 4))
+        with ThreadPoolExecutor(workers) as pool, tqdm(
+                total=len(shapes), desc="compiling step buckets", disable=not progress) as bar:
+            futures = {pool.submit(low.compile): shape for shape, low in lowered.items()}
+            for future in as_completed(futures):
+                self._executables[futures[future]] = future.result()
+                bar.set_postfix_str("T={} S={}".format(*futures[future]))
+                bar.update(1)
+        for batch in batches.values():
             self._run(batch)  # first run of an executable can allocate; do it now
         self.swapper.warmup(self.kv)
         self.compilations_after_warmup = num_compilations()
