@@ -12,6 +12,7 @@ import logging
 import sys
 import typing
 
+from jaxserve import distributed
 from jaxserve.config import EngineConfig
 
 _SKIP = {"model"}
@@ -38,6 +39,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default",
                         help="'default' (SmolLM2-135M-Instruct), a .gguf file, a Hugging Face "
                              "directory or a jaxserve (Orbax) checkpoint directory")
+    distributed.add_distributed_flags(parser)
     hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
         if f.name in _SKIP:
@@ -186,11 +188,20 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    joined = False
     try:
+        # Multi-host: every process joins the JAX cluster first; process 0 runs the command,
+        # the others run its plans (jaxserve/distributed.py).
+        joined = distributed.join_cluster(distributed.settings_from_args(args))
+        if joined and not distributed.is_leader():
+            return distributed.follow(engine_config_from_args(args))
         return args.func(args) or 0
     except (ValueError, OSError) as exc:
         print(f"jaxserve: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if joined:
+            distributed.stop_followers()
 
 
 if __name__ == "__main__":

@@ -69,9 +69,11 @@ class Engine:
         from jaxserve.runner.model_runner import ModelRunner, resolve_dtype
 
         self.config = config.validate()
-        if loaded is None:
-            from jaxserve.model.loader import load_model
-            loaded = load_model(config.model, progress=progress)
+        from jaxserve.model.sharding import make_mesh
+        from jaxserve.runner import multihost, tensor_parallel
+        self.mesh = make_mesh(config.tensor_parallel_size)  # None: one device, unsharded
+        if loaded is None:  # a checkpoint is restored straight into the mesh's shardings
+            loaded = tensor_parallel.load_model(config.model, self.mesh, progress=progress)
         self.model_config = mc = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_name = mc.name
@@ -100,8 +102,10 @@ class Engine:
             max_num_batched_tokens=config.max_num_batched_tokens, dtype=config.dtype,
             attention_impl=config.attention_impl, layer_loop=config.layer_loop,
             token_buckets=config.token_buckets, seq_buckets=config.seq_buckets,
-            compile_cache_dir=config.compile_cache_dir)
+            compile_cache_dir=config.compile_cache_dir, mesh=self.mesh)
         self.runner.warmup(progress=progress)
+        # Several JAX processes: process 0 broadcasts each plan, the others follow it.
+        self.runner = multihost.for_this_process(self.runner)
         self._outputs: dict[str, RequestOutput] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._live: dict[str, Request] = {}

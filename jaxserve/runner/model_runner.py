@@ -22,13 +22,14 @@ from tqdm.auto import tqdm
 
 from jaxserve.model.attention import get_attention_fn
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.llama import Llama, StepInputs, init_kv_cache
+from jaxserve.model.llama import StepInputs
 from jaxserve.plan import StepPlan
 from jaxserve.runner.batch import HostBatch, build_host_batch, empty_host_batch
 from jaxserve.runner.buckets import BucketTable, powers_of_two
 from jaxserve.runner.compile_count import num_compilations
 from jaxserve.runner.sampler import sample
 from jaxserve.runner.swap import KVSwapper
+from jaxserve.runner.tensor_parallel import Placement
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,10 @@ class ModelRunner:
                  num_pages: int, page_size: int, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, dtype: str = "auto",
                  attention_impl: str = "auto", layer_loop: str = "auto",
-                 token_buckets=None, seq_buckets=None, compile_cache_dir: str | None = None):
+                 token_buckets=None, seq_buckets=None, compile_cache_dir: str | None = None,
+                 mesh=None):
+        """mesh: a ("tp",) jax Mesh to shard weights, KV pages and the step over (None: one
+        device); see runner/tensor_parallel.py."""
         backend = jax.default_backend()
         enable_compile_cache(compile_cache_dir)
         self.model_config = model_config
@@ -92,13 +96,15 @@ class ModelRunner:
         self.num_pages = num_pages
         self.buckets = BucketTable.build(max_num_batched_tokens, max_num_seqs, max_model_len,
                                          page_size, token_buckets, seq_buckets)
-        model = Llama(model_config, params, self.dtype, self.layer_loop)
-        self.graphdef, self.state = nnx.split(model)
-        self.kv = init_kv_cache(model_config, num_pages, page_size, self.dtype)
+        placement = Placement(mesh, model_config)
+        self.mesh = mesh
+        self.graphdef, self.state = placement.model(params, self.dtype, self.layer_loop)
+        self.kv = placement.kv_cache(num_pages, page_size, self.dtype)
         self.swapper = KVSwapper(powers_of_two(1, self.buckets.max_pages_per_request))
         self._host_pages = {}
-        step = functools.partial(_step, self.graphdef, get_attention_fn(attention_impl))
-        self._jitted = jax.jit(step, donate_argnums=(1,))
+        step = functools.partial(_step, self.graphdef,
+                                 placement.attention(get_attention_fn(attention_impl)))
+        self._jitted = jax.jit(step, donate_argnums=(1,), **placement.jit_shardings())
         self._executables = {}
         self.compilations_after_warmup: int | None = None
 

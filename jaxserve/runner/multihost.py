@@ -1,0 +1,136 @@
+"""Multi-host SPMD: process 0 schedules and broadcasts each step's plan; every process runs it.
+
+In a cluster of several JAX processes the step is one SPMD program over a mesh that spans all
+of them, so every process must call the same executable with the same inputs, in the same
+order. Process 0's Engine gets a LeaderRunner: before running a plan it sends it to the others.
+Every other process builds the same Engine (same config, same warm-up order, hence the same
+executables) and runs FollowerRunner.follow(), which executes each received plan until
+process 0 sends stop.
+
+Transport: jax.experimental.multihost_utils.broadcast_one_to_all of uint8 arrays (a [2] i32
+header, kind and length, then the pickled plan padded to a power of two, so only a few
+broadcast shapes ever compile). The processes are one trusted job, so a pickle is fine here.
+Only plans that touch the device (chunks, swaps) or host swap state (dropped swaps) are sent.
+This module never schedules and must not change what a step computes.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import threading
+import weakref
+
+import jax
+import numpy as np
+
+from jaxserve.plan import StepPlan
+
+log = logging.getLogger(__name__)
+_STOP, _PLAN = 0, 1
+_MIN_PAYLOAD = 1024
+_leaders: "weakref.WeakSet[LeaderRunner]" = weakref.WeakSet()
+
+
+def _broadcast(array: np.ndarray) -> np.ndarray:
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.broadcast_one_to_all(array))
+
+
+def _payload_size(num_bytes: int) -> int:
+    size = _MIN_PAYLOAD
+    while size < num_bytes:
+        size *= 2
+    return size
+
+
+class PlanChannel:
+    """Process 0 -> every process: one StepPlan (or stop) per call, in order."""
+
+    def send(self, plan: StepPlan | None) -> None:
+        payload = b"" if plan is None else pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+        _broadcast(np.array([_STOP if plan is None else _PLAN, len(payload)], np.int32))
+        if plan is not None:
+            buf = np.zeros(_payload_size(len(payload)), np.uint8)  # [bucket]
+            buf[:len(payload)] = np.frombuffer(payload, np.uint8)
+            _broadcast(buf)
+
+    def receive(self) -> StepPlan | None:
+        kind, size = (int(v) for v in _broadcast(np.zeros(2, np.int32)))
+        if kind == _STOP:
+            return None
+        buf = _broadcast(np.zeros(_payload_size(size), np.uint8))
+        return pickle.loads(buf[:size].tobytes())
+
+
+def _touches_runner(plan: StepPlan) -> bool:
+    return bool(plan.chunks or plan.swap_out or plan.swap_in or plan.dropped_swaps)
+
+
+class LeaderRunner:
+    """Process 0's runner: sends each plan to the followers, then runs it itself."""
+
+    def __init__(self, runner, channel: PlanChannel | None = None):
+        self.runner = runner
+        self.channel = channel or PlanChannel()
+        self.stopped = False
+        self._lock = threading.Lock()  # a plan is sent and run whole, never cut by stop
+        _leaders.add(self)
+
+    def execute(self, plan: StepPlan):
+        with self._lock:
+            if self.stopped:
+                raise RuntimeError("the follower processes were stopped; this engine cannot "
+                                   "run more steps")
+            if _touches_runner(plan):
+                self.channel.send(plan)
+            return self.runner.execute(plan)
+
+    def stop_followers(self) -> None:
+        """Tell the followers to leave their loop (they return from follow())."""
+        with self._lock:
+            if not self.stopped:
+                self.stopped = True
+                self.channel.send(None)
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+
+class FollowerRunner:
+    """A non-zero process's runner: it runs process 0's plans, and never plans itself."""
+
+    def __init__(self, runner, channel: PlanChannel | None = None):
+        self.runner = runner
+        self.channel = channel or PlanChannel()
+
+    def execute(self, plan: StepPlan):
+        raise RuntimeError(f"process {jax.process_index()} follows process 0's plans "
+                           "(FollowerRunner.follow); only process 0 schedules")
+
+    def follow(self) -> int:
+        """Run received plans until process 0 sends stop; returns how many ran."""
+        num_plans = 0
+        while (plan := self.channel.receive()) is not None:
+            self.runner.execute(plan)
+            num_plans += 1
+        return num_plans
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+
+def for_this_process(runner):
+    """The runner as is in a one-process job; else a LeaderRunner on process 0 and a
+    FollowerRunner elsewhere."""
+    if jax.process_count() == 1:
+        return runner
+    if jax.process_index() == 0:
+        return LeaderRunner(runner)
+    return FollowerRunner(runner)
+
+
+def stop_followers() -> None:
+    """Stop every follower loop this process leads (no-op in followers and one-process jobs)."""
+    for leader in list(_leaders):
+        leader.stop_followers()

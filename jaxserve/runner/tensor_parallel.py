@@ -1,0 +1,145 @@
+"""Placement: puts the model, the KV pages and the step on a device mesh by model/sharding's rules.
+
+`Placement(None, config)` is the single-device path (plain arrays, no shardings); with a mesh,
+every weight is written straight into its NamedSharding (each device receives only its shard,
+never a full copy on one device), the KV pages are sharded on KV heads, attention runs under
+shard_map (each device attends with its own heads, which is also what lets a Pallas kernel run
+sharded), and the step's outputs are pinned: packed tokens replicated, KV in its sharding, so
+every call reuses one executable. `load_model` restores a jaxserve (Orbax) checkpoint straight
+into the shardings. The same code runs on one host or many (multi-process arrays are built from
+each process's local shards). This module decides no shardings itself (sharding.py does) and
+never runs a step.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from jaxserve.model import sharding
+from jaxserve.model.config import ModelConfig
+from jaxserve.model.llama import Llama, init_kv_cache
+
+log = logging.getLogger(__name__)
+
+
+def load_model(spec: str, mesh: Mesh | None, *, progress: bool = True):
+    """loader.load_model, except that a jaxserve checkpoint is restored into the mesh's
+    shardings (other formats come back as host arrays; Placement shards them)."""
+    from pathlib import Path
+
+    from jaxserve.model import checkpoint
+    from jaxserve.model.loader import load_model as load_host
+
+    path = Path(spec).expanduser()
+    if mesh is None or spec == "default" or not checkpoint.is_checkpoint(path):
+        return load_host(spec, progress=progress)
+    config = ModelConfig.load(path)
+    return checkpoint.load_checkpoint(path, shardings=sharding.param_shardings(config, mesh))
+
+
+def _param_of(path) -> tuple[str | None, int | None]:
+    """NNX state path -> (param name in param_shapes() layout, layer index or None).
+
+    ('embed',) -> ('embed', None); ('layers', 'wq') -> ('layers.wq', None) (stacked, "scan");
+    ('layers', 3, 'wq') -> ('layers.wq', 3) (per-layer, "unroll").
+    """
+    keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+    layer = next((k for k in keys if isinstance(k, int)), None)
+    return ".".join(str(k) for k in keys if not isinstance(k, int)), layer
+
+
+def _put(source, index: int | None, sharding_: NamedSharding, dtype) -> jax.Array:
+    """source (numpy or jax, stacked layout), sliced at layer `index`, cast, in `sharding_`."""
+    if isinstance(source, jax.Array):  # e.g. restored into shardings: slice/cast on device
+        take = (lambda a: a[index]) if index is not None else (lambda a: a)
+        return jax.jit(lambda a: take(a).astype(dtype), out_shardings=sharding_)(source)
+    host = np.asarray(source if index is None else source[index])
+    return jax.make_array_from_callback(
+        host.shape, sharding_, lambda idx: np.asarray(host[idx]).astype(dtype))
+
+
+class Placement:
+    def __init__(self, mesh: Mesh | None, config: ModelConfig):
+        self.mesh, self.config = mesh, config
+        if mesh is not None:
+            sharding.check_tensor_parallel(config, mesh.shape[sharding.TP_AXIS])
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return 1 if self.mesh is None else self.mesh.shape[sharding.TP_AXIS]
+
+    def model(self, params: dict, dtype, layer_loop: str):
+        """(graphdef, state) of Llama(config, params), each weight in its sharding."""
+        if self.mesh is None:
+            return nnx.split(Llama(self.config, params, dtype, layer_loop))
+        shapes = self.config.param_shapes()
+        # The graph and the non-weight variables (RoPE frequencies) come from a model built on
+        # the host over zero-stride stand-ins; the weights are then placed shard by shard.
+        stand_ins = {name: np.broadcast_to(np.zeros((), np.float32), shape)
+                     for name, shape in shapes.items()}
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
+            graphdef, host_state = nnx.split(Llama(self.config, stand_ins, dtype, layer_loop))
+        tp = self.tensor_parallel_size
+        stacked = sharding.param_specs(self.config, tp)
+        per_layer = sharding.param_specs(self.config, tp, per_layer=True)
+        replicated = sharding.replicated(self.mesh)
+
+        def place(path, leaf):
+            name, layer = _param_of(path)
+            if name not in shapes:  # not a weight: replicate the value the model computed
+                return _put(np.asarray(leaf), None, replicated, leaf.dtype)
+            spec = stacked[name] if layer is None else per_layer[name]
+            return _put(params[name], layer, NamedSharding(self.mesh, spec), leaf.dtype)
+
+        state = jax.tree_util.tree_map_with_path(place, host_state)
+        del host_state
+        return graphdef, state
+
+    def kv_cache(self, num_pages: int, page_size: int, dtype) -> tuple[jax.Array, jax.Array]:
+        """Zeroed K and V pages [L, N, page_size, Hkv, Dh], made in place on their devices."""
+        if self.mesh is None:
+            return init_kv_cache(self.config, num_pages, page_size, dtype)
+        c = self.config
+        shape = (c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim)
+        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.kv_sharding)
+        return zeros(), zeros()
+
+    @property
+    def kv_sharding(self) -> NamedSharding | None:
+        return None if self.mesh is None else sharding.kv_sharding(self.mesh)
+
+    def attention(self, attention_fn: Callable) -> Callable:
+        """attention_fn run per device on its own heads (q, K/V pages split on heads)."""
+        if self.mesh is None:
+            return attention_fn
+        q_spec = sharding.activation_spec("q")
+        out_spec = sharding.activation_spec("attention_out")
+        kv_spec = sharding.spec(sharding.KV_PAGE_AXES, sharding.LOGICAL_RULES)
+        rep = sharding.activation_spec("step_input")
+        mesh = self.mesh
+
+        def sharded(q, k_pages, v_pages, layer, kv_lens, page_table, cu_q_lens, num_seqs,
+                    **static):
+            per_device = jax.shard_map(
+                functools.partial(attention_fn, **static), mesh=mesh,
+                in_specs=(q_spec, kv_spec, kv_spec, rep, rep, rep, rep, rep),
+                out_specs=out_spec, check_vma=False)
+            return per_device(q, k_pages, v_pages, layer, kv_lens, page_table, cu_q_lens,
+                              num_seqs)
+
+        return sharded
+
+    def jit_shardings(self) -> dict:
+        """jax.jit keywords for the step (forward + sample) -> (packed [2, S], (K, V))."""
+        if self.mesh is None:
+            return {}
+        return {"out_shardings": (sharding.replicated(self.mesh),
+                                  (self.kv_sharding, self.kv_sharding))}

@@ -1,0 +1,101 @@
+"""Tensor parallelism on 4 fake CPU devices; tests/test_tensor_parallel.py runs it in a subprocess.
+
+    python tests/tp_check.py OUT.json
+
+XLA_FLAGS must ask for 4 host devices before jax starts, hence a process of its own. It saves
+the tiny GQA checkpoint (scale_out_fixtures), serves the 32 mixed greedy requests with
+tensor_parallel_size 1, 2 (scan layout, swap preemption) and 4 (unrolled layout), each engine
+restoring the checkpoint straight into its shardings, and writes to OUT.json the tokens, the
+shardings it finds on the weights, KV pages, restored params and step inputs, and the errors of
+impossible settings. It asserts nothing: the test reads the JSON and does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=4")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402  (after XLA_FLAGS)
+from scale_out_fixtures import LEAN_ENGINE, mixed_requests, save_tiny_checkpoint  # noqa: E402
+
+from jaxserve.llm import LLM  # noqa: E402
+from jaxserve.model.sharding import make_mesh  # noqa: E402
+from jaxserve.runner import tensor_parallel  # noqa: E402
+
+RUNS = [  # (tensor_parallel_size, layer_loop, preemption_mode)
+    (1, "unroll", "recompute"), (2, "scan", "swap"), (4, "unroll", "recompute")]
+WATCHED = ("embed", "lm_head", "final_norm", "wq", "wk", "wo", "w_down", "inv_freq")
+
+
+def describe(array) -> dict:
+    sharding = array.sharding
+    return {"shape": list(array.shape), "spec": str(getattr(sharding, "spec", None)),
+            "shard_shape": list(array.addressable_shards[0].data.shape),
+            "devices": len(sharding.device_set),
+            "replicated": bool(sharding.is_fully_replicated)}
+
+
+def state_shardings(state) -> dict:
+    """WATCHED leaves of layer 0 (or the stacked arrays) -> their sharding."""
+    found = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+        if keys[-1] in WATCHED and (len(keys) < 3 or keys[1] == 0):
+            found[keys[-1]] = describe(leaf)
+    return found
+
+
+def serve(checkpoint: Path, tp: int, layer_loop: str, preemption_mode: str) -> dict:
+    llm = LLM(str(checkpoint), progress=False, tensor_parallel_size=tp, layer_loop=layer_loop,
+              preemption_mode=preemption_mode, **LEAN_ENGINE)
+    prompts, params = mixed_requests()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    runner, sched = llm.engine.runner, llm.engine.scheduler
+    exe = next(iter(runner._executables.values()))
+    step_inputs = jax.tree.leaves(exe.input_shardings[0][2:])
+    return {"tokens": [o.token_ids for o in outs],
+            "preemptions": sched.num_preemptions, "swaps": sched.num_swaps,
+            "weights": state_shardings(runner.state),
+            "kv": [describe(x) for x in runner.kv],
+            "inputs_replicated": all(s.is_fully_replicated for s in step_inputs),
+            "num_step_inputs": len(step_inputs)}
+
+
+def error_of(fn) -> str | None:
+    try:
+        fn()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def main() -> int:
+    out_path = Path(sys.argv[1])
+    result: dict = {"device_count": jax.device_count(), "runs": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = save_tiny_checkpoint(Path(tmp) / "tiny")
+        for tp, layer_loop, mode in RUNS:
+            result["runs"][str(tp)] = serve(checkpoint, tp, layer_loop, mode)
+        restored = tensor_parallel.load_model(str(checkpoint), make_mesh(2), progress=False)
+        result["restored"] = {name: describe(restored.params[name])
+                              for name in ("layers.wq", "layers.wk", "layers.w_up", "embed")}
+        narrow = save_tiny_checkpoint(Path(tmp) / "narrow", num_heads=4, num_kv_heads=2)
+        result["errors"] = {
+            "kv_heads": error_of(lambda: LLM(str(narrow), progress=False,
+                                             tensor_parallel_size=4, **LEAN_ENGINE)),
+            "devices": error_of(lambda: LLM(str(checkpoint), progress=False,
+                                            tensor_parallel_size=8, **LEAN_ENGINE))}
+    out_path.write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
