@@ -86,3 +86,23 @@ def test_shape_mismatch_names_the_parameter():
     params["layers.wq"] = params["layers.wq"][:, :, :-1]
     with pytest.raises(ValueError, match="layers.wq"):
         Llama(config, params)
+
+
+def test_gguf_safetensors_and_orbax_give_identical_logits(tmp_path):
+    import model_fixtures
+    from gguf import GGMLQuantizationType as Q
+
+    from jaxserve.model.loader import convert, load_model, save_hf_directory
+
+    config, params = model_fixtures.random_model(seed=5)
+    gguf_path = model_fixtures.write_gguf(tmp_path / "m.gguf", config, params, qtype=Q.Q8_0)
+    from_gguf = load_model(str(gguf_path), progress=False)
+    save_hf_directory(tmp_path / "hf", from_gguf.config, from_gguf.params, from_gguf.tokenizer)
+    convert(str(gguf_path), tmp_path / "orbax")
+    loaded = [from_gguf, load_model(str(tmp_path / "hf"), progress=False),
+              load_model(str(tmp_path / "orbax"), progress=False)]
+    tokens = list(range(3, 40))
+    logits = [run_in_chunks(Llama(m.config, m.params), m.config, tokens, [len(tokens)],
+                            list(range(1, 6))) for m in loaded]
+    assert np.array_equal(logits[0], logits[1]), "safetensors logits differ from GGUF's"
+    assert np.array_equal(logits[0], logits[2]), "Orbax logits differ from GGUF's"
