@@ -11,6 +11,8 @@ Transport: jax.experimental.multihost_utils.broadcast_one_to_all of uint8 arrays
 header, kind and length, then the pickled plan padded to a power of two, so only a few
 broadcast shapes ever compile). The processes are one trusted job, so a pickle is fine here.
 Only plans that touch the device (chunks, swaps) or host swap state (dropped swaps) are sent.
+Every broadcast and every step is waited for before the next starts (the processes' Gloo/ICI
+collectives must come in the same order everywhere, and async dispatch could reorder them).
 This module never schedules and must not change what a step computes.
 """
 
@@ -125,6 +127,9 @@ def for_this_process(runner):
     FollowerRunner elsewhere."""
     if jax.process_count() == 1:
         return runner
+    # Computations run asynchronously, and two that both hold collectives may overlap; the
+    # processes must issue collectives in one order, so warm-up ends before the first plan.
+    jax.block_until_ready((runner.state, runner.kv))
     if jax.process_index() == 0:
         return LeaderRunner(runner)
     return FollowerRunner(runner)

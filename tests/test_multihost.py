@@ -1,0 +1,111 @@
+"""Multi-host serving: a two-process JAX cluster on localhost (CPU, one device per process).
+
+Both processes run `jaxserve serve` on the tiny checkpoint with tensor_parallel_size 2 across
+the two processes: process 0 schedules, serves gRPC and broadcasts each plan; process 1 runs
+the same steps. Its greedy tokens must equal a one-process engine's. If this JAX cannot run
+multi-process collectives on the CPU, the test is skipped with the exact error.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from scale_out_fixtures import (LEAN_ENGINE, engine_flags, free_port, mixed_requests,
+                                save_tiny_checkpoint)
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu",
+       "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+PROBE = """
+import sys, jax, numpy as np
+jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+from jax.experimental import multihost_utils
+print(int(multihost_utils.broadcast_one_to_all(np.int32(7 + jax.process_index()))))
+"""
+
+
+def _two_processes(args_for):
+    return [subprocess.Popen(args_for(i), cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for i in range(2)]
+
+
+@pytest.fixture(scope="module")
+def cpu_collectives():
+    """Skip, with the exact error, when two CPU processes cannot broadcast to each other."""
+    address = f"127.0.0.1:{free_port()}"
+    procs = _two_processes(lambda i: [sys.executable, "-c", PROBE, address, str(i)])
+    results = [p.communicate(timeout=120) for p in procs]
+    printed = [(r[0].strip().splitlines() or [""])[-1] for r in results]  # Gloo logs first
+    if any(p.returncode != 0 for p in procs) or printed != ["7", "7"]:
+        errors = [(r[1].strip().splitlines() or [f"printed {r[0][-200:]!r}"])[-1]
+                  for r in results]
+        pytest.skip(f"CPU multi-process collectives do not work in this JAX: {errors}")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("multihost") / "tiny")
+
+
+def test_two_process_cluster_serves_the_same_greedy_tokens_as_one_process(cpu_collectives,
+                                                                            checkpoint):
+    from jaxserve.llm import LLM
+    from jaxserve.server.client import JaxServeClient
+
+    prompts, params = mixed_requests(n=16, seed=5, max_out=12)
+    address = f"127.0.0.1:{free_port()}"
+    procs = _two_processes(lambda i: [
+        sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(checkpoint),
+        "--coordinator-address", address, "--num-processes", "2", "--process-id", str(i),
+        "--tensor-parallel-size", "2", "--port", "0", "--shutdown-timeout", "5",
+        *engine_flags(LEAN_ENGINE)])
+    readers = concurrent.futures.ThreadPoolExecutor(2)  # keep draining both logs
+    follower_log = readers.submit(procs[1].communicate, timeout=600)
+    try:
+        lines = []
+        for line in procs[0].stderr:
+            lines.append(line)
+            match = re.search(r"listening on (\S+:\d+)", line)
+            if match:
+                break
+        else:
+            pytest.fail(f"process 0 exited before listening:\n{''.join(lines)[-4000:]}")
+        leader_log = readers.submit(lambda: lines + list(procs[0].stderr))
+        with JaxServeClient(match.group(1), timeout=300) as client:
+            deadline = time.monotonic() + 300
+            while _health(client) != "SERVING" and procs[0].poll() is None:
+                assert time.monotonic() < deadline, "the cluster never became SERVING"
+                time.sleep(0.2)
+            with concurrent.futures.ThreadPoolExecutor(8) as callers:  # steps batch requests
+                results = list(callers.map(lambda a: client.generate_text(*a).token_ids,
+                                           zip(prompts, params)))
+        procs[0].send_signal(signal.SIGTERM)
+        assert procs[0].wait(60) == 0, "".join(leader_log.result())[-4000:]
+        assert procs[1].wait(60) == 0, f"process 1 did not stop: {follower_log.result()[1][-4000:]}"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        readers.shutdown(wait=False, cancel_futures=True)
+    assert "following process 0" in follower_log.result()[1], follower_log.result()[1][-2000:]
+    single = LLM(str(checkpoint), progress=False, **LEAN_ENGINE)
+    want = [o.token_ids for o in single.generate(prompts, params, use_tqdm=False)]
+    differ = [i for i, (a, b) in enumerate(zip(want, results)) if a != b]
+    assert not differ, f"requests {differ} differ from one process: {results[differ[0]]} vs " \
+                       f"{want[differ[0]]}"
+
+
+def _health(client) -> str:
+    from jaxserve.server.client import JaxServeError
+    try:
+        return client.health()
+    except JaxServeError as exc:
+        return exc.code.name
