@@ -174,9 +174,9 @@ def _gpu_call(c, layer, page_table, meta, q_blocks, k_pages, v_pages, out_dtype,
     simulated = interpret is not None
     if not simulated and jnp.dtype(dtype).itemsize != 2:
         # tf32 WGMMA cannot take the transposed K operand that Q·Kᵀ needs.
-        raise NotImplementedError(f"the Mosaic GPU kernel takes bfloat16/float16, not {dtype}")
+        raise ValueError(f"the Mosaic GPU kernel takes bfloat16/float16, not {dtype}")
     if head_dim % 64 or c.page_size % 8 or tile % 64:
-        raise NotImplementedError(f"the Mosaic GPU kernel needs head_dim % 64 == 0 (got "
+        raise ValueError(f"the Mosaic GPU kernel needs head_dim % 64 == 0 (got "
                                   f"{head_dim}), page_size % 8 == 0 (got {c.page_size}) and "
                                   f"KV tiles of a multiple of 64 positions (got {tile})")
     # The GPU simulator has no layout_cast; layouts only matter to the compiler anyway.

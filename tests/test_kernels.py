@@ -226,7 +226,7 @@ def test_compiled_gpu_kernel_refuses_float32(monkeypatch):
     specs = [jax.ShapeDtypeStruct(s.shape, jnp.float32 if s.dtype == jnp.bfloat16 else s.dtype)
              for s in realistic_specs(4, 4)]
     fn = jax.jit(lambda *a: paged_attention(*a, sm_scale=0.1))
-    with pytest.raises(NotImplementedError, match="bfloat16"):
+    with pytest.raises(ValueError, match="bfloat16"):
         fn.trace(*specs).lower(lowering_platforms=("cuda",))
 
 
