@@ -39,9 +39,12 @@ class EngineConfig:
     seq_buckets: tuple[int, ...] | None = None    # default: powers of two from 1
     compile_cache_dir: str | None = None      # default ~/.cache/jaxserve/xla; "" disables
     tensor_parallel_size: int = 1
-    speculative_method: str | None = None
-    num_speculative_tokens: int = 0
-    speculative_draft: str | None = None
+    speculative_method: str | None = None     # ngram | draft (see jaxserve/spec)
+    num_speculative_tokens: int = 0           # k: drafts verified per request and step
+    speculative_draft: str | None = None      # draft: "layers:N" of the target, or a model spec
+    speculative_ngram_min: int = 1            # ngram: shortest suffix looked up
+    speculative_ngram_max: int = 4            # ngram: longest suffix looked up
+    speculative_disable_by_batch_size: int | None = None  # default: measured at warm-up
 
     def validate(self) -> "EngineConfig":
         def need(ok, field, value, limit):
@@ -75,8 +78,17 @@ class EngineConfig:
              ">= 1")
         need(self.speculative_method in (None,) + SPECULATIVE_METHODS, "speculative_method",
              self.speculative_method, f"one of {SPECULATIVE_METHODS} or unset")
-        need(self.num_speculative_tokens >= 0, "num_speculative_tokens",
-             self.num_speculative_tokens, ">= 0")
+        need(self.num_speculative_tokens >= (1 if self.speculative_method else 0),
+             "num_speculative_tokens", self.num_speculative_tokens,
+             ">= 1 with a speculative_method" if self.speculative_method else ">= 0")
+        need(1 <= self.speculative_ngram_min <= self.speculative_ngram_max,
+             "speculative_ngram_min", self.speculative_ngram_min,
+             f"in [1, speculative_ngram_max={self.speculative_ngram_max}]")
+        need(self.speculative_draft is None or self.speculative_method == "draft",
+             "speculative_draft", self.speculative_draft, "unset unless speculative_method=draft")
+        need(self.speculative_disable_by_batch_size is None
+             or self.speculative_disable_by_batch_size >= 0,
+             "speculative_disable_by_batch_size", self.speculative_disable_by_batch_size, ">= 0")
         for name in ("token_buckets", "seq_buckets"):
             buckets = getattr(self, name)
             need(buckets is None or (len(buckets) > 0 and all(b >= 1 for b in buckets)), name,

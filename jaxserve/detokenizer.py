@@ -22,10 +22,12 @@ class IncrementalDetokenizer:
         self._emitted = 0       # characters of self.text already handed out
         self.stopped = False
 
-    def add_tokens(self, token_ids) -> None:
-        for token_id in token_ids:
+    def add_tokens(self, token_ids) -> int:
+        """Decode token_ids; returns how many were taken: all, or up to the one that completed
+        a stop string (the rest are not part of the output)."""
+        for num_taken, token_id in enumerate(token_ids):
             if self.stopped:
-                return
+                return num_taken
             self._ids.append(int(token_id))
             prefix = self.tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
             full = self.tokenizer.decode(self._ids[self._prefix_offset:])
@@ -34,6 +36,7 @@ class IncrementalDetokenizer:
             self.text += full[len(prefix):]
             self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
             self._check_stop()
+        return len(token_ids)
 
     def _check_stop(self) -> None:
         if not self.stop:

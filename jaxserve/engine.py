@@ -80,7 +80,11 @@ class Engine:
         self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, 2048)
         dtype = resolve_dtype(config.dtype, jax.default_backend())
         self.dtype_name = jax.numpy.dtype(dtype).name
-        kv_per_token = mc.kv_bytes_per_token(jax.numpy.dtype(dtype).itemsize)
+        from jaxserve.spec.setup import Speculation
+        self.speculation = Speculation.build(config, loaded, progress=progress)
+        itemsize = jax.numpy.dtype(dtype).itemsize
+        kv_per_token = (mc.kv_bytes_per_token(itemsize)
+                        + self.speculation.draft_kv_bytes_per_token(itemsize))
         num_pages = size_page_pool(config, kv_per_token, self.max_model_len)
         log.info("KV cache: %d pages x %d tokens = %d tokens, %.1f MiB", num_pages - 1,
                  config.page_size, (num_pages - 1) * config.page_size,
@@ -95,14 +99,14 @@ class Engine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, preemption_mode=config.preemption_mode,
             enable_chunked_prefill=config.enable_chunked_prefill, batching=config.batching,
-            swap_space=swap)
-        self.runner = ModelRunner(
+            swap_space=swap, speculation=self.speculation.policy)
+        self.runner = self.speculation.wrap(ModelRunner(
             mc, loaded.params, num_pages=num_pages, page_size=config.page_size,
             max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, dtype=config.dtype,
             attention_impl=config.attention_impl, layer_loop=config.layer_loop,
             token_buckets=config.token_buckets, seq_buckets=config.seq_buckets,
-            compile_cache_dir=config.compile_cache_dir, mesh=self.mesh)
+            compile_cache_dir=config.compile_cache_dir, mesh=self.mesh))
         self.runner.warmup(progress=progress)
         # Several JAX processes: process 0 broadcasts each plan, the others follow it.
         self.runner = multihost.for_this_process(self.runner)
@@ -216,7 +220,13 @@ class Engine:
             return None
         request = self._live[rid]
         detok = self._detok[rid]
-        detok.add_tokens(event.new_token_ids)
+        # A stop string inside a multi-token (speculative) event ends the output at its token.
+        num_used = detok.add_tokens(event.new_token_ids)
+        if num_used < len(event.new_token_ids):
+            event = dataclasses.replace(
+                event, new_token_ids=event.new_token_ids[:num_used],
+                new_logprobs=event.new_logprobs[:num_used],
+                finish_reason=None if event.finish_reason is None else FinishReason.STOP)
         reason, error = event.finish_reason, event.error
         if detok.stopped and reason is None:
             reason = FinishReason.STOP

@@ -30,6 +30,11 @@ class ScheduledChunk:
     start_position: int            # position of token_ids[0]
     page_table: tuple[int, ...]    # the request's pages, in order
     sampling: SamplingRow | None   # None: a prefill chunk that is not the last one
+    # Speculative decoding: rows after token_ids that verify proposed tokens this step. Their
+    # ids are draft_token_ids (host proposals, e.g. n-gram) or, when that is empty, tokens the
+    # runner's draft model proposes during the step. Positions follow token_ids.
+    num_draft_tokens: int = 0
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

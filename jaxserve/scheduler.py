@@ -5,13 +5,18 @@ swapped-out requests coming back, then waiting requests (priority, then arrival)
 `max_num_batched_tokens` and `max_num_seqs`. When a page can't be found, the lowest-priority,
 latest-arrived running request is preempted (recompute, or swap with recompute as fallback).
 `batching="static"` admits a new batch only when the previous one has fully finished and
-charges the padded rows a static batch computes. Plain Python: it must never import jax,
-touch device arrays, or see text (stop strings are the engine's job, through finish()).
+charges the padded rows a static batch computes. With a speculation policy (jaxserve/spec), a
+decoding request also gets draft rows to verify; update() keeps only the accepted tokens, gives
+back the KV slots of rejected ones and caches only accepted ones. Plain Python: it must never
+import jax, touch device arrays, or see text (stop strings are the engine's job, through
+finish()).
 """
 
 from __future__ import annotations
 
 import bisect
+
+import numpy as np
 
 from jaxserve.page_manager import PageManager
 from jaxserve.plan import SamplingRow, ScheduledChunk, StepPlan, SwapIn, SwapOut
@@ -23,7 +28,8 @@ class Scheduler:
     def __init__(self, page_manager: PageManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
                  preemption_mode: str = "recompute", enable_chunked_prefill: bool = True,
-                 batching: str = "continuous", swap_space: HostSwapSpace | None = None):
+                 batching: str = "continuous", swap_space: HostSwapSpace | None = None,
+                 speculation=None):
         self.pages = page_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -32,6 +38,8 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.static = batching == "static"
         self.swap_space = swap_space
+        self.speculation = speculation  # jaxserve.spec.policy.SpeculationPolicy or None
+        self._drafts: dict[str, tuple[int, tuple[int, ...]]] = {}  # this step's draft rows
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []   # sorted by Request.sort_key
         self.running: list[Request] = []   # sorted by Request.sort_key
@@ -96,8 +104,11 @@ class Scheduler:
         if self.static and not any(rid in self.requests for rid in self._static_batch):
             self._static_batch = set()
         preempted = False
+        self._drafts = {}
+        speculate = self.speculation is not None and self.speculation.should_speculate(
+            sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running))
 
-        for request in list(self.running):
+        for index, request in enumerate(list(self.running)):
             if budget == 0:
                 break
             if request.status != RequestStatus.RUNNING:
@@ -105,8 +116,14 @@ class Scheduler:
             num_new = self._num_new_tokens(request, budget)
             if num_new == 0:
                 continue
+            num_draft, draft_ids = 0, ()
+            if speculate and request.num_tokens - request.num_computed_tokens == 1:
+                # Drafts never take the row another running request needs for its decode.
+                room = budget - 1 - (len(self.running) - index - 1)
+                num_draft, draft_ids = self.speculation.propose(
+                    request.all_token_ids, self._max_drafts(request, room))
             while not self.pages.append_slots(request.request_id,
-                                              request.num_computed_tokens + num_new):
+                                              request.num_computed_tokens + num_new + num_draft):
                 victim = self._pick_victim({r.request_id for r, _ in scheduled})
                 self._preempt(victim, plan)
                 preempted = True
@@ -114,7 +131,9 @@ class Scheduler:
                     break
             else:
                 scheduled.append((request, num_new))
-                budget -= num_new
+                budget -= num_new + num_draft
+                if num_draft:
+                    self._drafts[request.request_id] = (num_draft, draft_ids)
 
         if not preempted:
             budget = self._schedule_swapped(plan, scheduled, budget)
@@ -126,6 +145,11 @@ class Scheduler:
         scheduled.sort(key=lambda item: item[1] != 1)  # decode rows first
         plan.chunks = [self._chunk(r, n) for r, n in scheduled]
         return plan
+
+    def _max_drafts(self, request: Request, room: int) -> int:
+        """Drafts that fit the budget, max_tokens (the bonus token counts) and max_model_len."""
+        left = request.sampling.max_tokens - len(request.output_token_ids) - 1
+        return max(0, min(room, left, self.max_model_len - request.num_tokens))
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed_tokens
@@ -227,13 +251,18 @@ class Scheduler:
             sp = request.sampling
             sampling = SamplingRow(sp.temperature, sp.top_k, sp.top_p, sp.min_p, request.seed,
                                    len(request.output_token_ids))
+        num_draft, draft_ids = self._drafts.get(request.request_id, (0, ()))
         return ScheduledChunk(request.request_id, tuple(request.all_token_ids[start:end]), start,
-                              tuple(self.pages.page_table(request.request_id)), sampling)
+                              tuple(self.pages.page_table(request.request_id)), sampling,
+                              num_draft, draft_ids)
 
     # ---- results ---------------------------------------------------------------------
     def update(self, plan: StepPlan, token_ids, logprobs) -> list[TokenEvent]:
-        """Apply one step's sampled tokens (index i belongs to plan.chunks[i])."""
-        events = []
+        """Apply one step's sampled tokens (index i belongs to plan.chunks[i]).
+
+        token_ids[i] is one token, or (speculative steps) a row of tokens: the accepted drafts,
+        then the target's own next token, then -1 padding. logprobs[i] has the same shape."""
+        events, verified = [], []
         for i, chunk in enumerate(plan.chunks):
             request = self.requests.get(chunk.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -243,15 +272,31 @@ class Scheduler:
                 self.pages.commit(request.request_id,
                                   request.all_token_ids[:request.num_computed_tokens])
                 continue
-            token, logprob = int(token_ids[i]), float(logprobs[i])
-            request.output_token_ids.append(token)
-            request.output_logprobs.append(logprob)
+            row, row_logprobs = np.atleast_1d(token_ids[i]), np.atleast_1d(logprobs[i])
+            num_emitted = int(np.count_nonzero(row >= 0))
+            new_tokens, new_logprobs, reason = [], [], None
+            for token, logprob in zip(row[:num_emitted].tolist(),
+                                      row_logprobs[:num_emitted].tolist()):
+                request.output_token_ids.append(token)
+                request.output_logprobs.append(logprob)
+                new_tokens.append(token)
+                new_logprobs.append(logprob)
+                reason = self._stop_reason(request, token)
+                if reason is not None:
+                    break  # a stop inside an accepted run: drop the tokens after it
+            if chunk.num_draft_tokens:
+                verified.append((chunk.num_draft_tokens, num_emitted - 1))
+                # Accepted drafts' KV is final; the rejected ones' slots are given back.
+                request.num_computed_tokens += len(new_tokens) - 1
+                self.pages.truncate(request.request_id, request.num_computed_tokens)
             self.pages.commit(request.request_id,
                               request.all_token_ids[:request.num_computed_tokens])
-            reason = self._stop_reason(request, token)
             if reason is not None:
                 self._finish(request, reason)
-            events.append(TokenEvent(request.request_id, (token,), (logprob,), reason))
+            events.append(TokenEvent(request.request_id, tuple(new_tokens), tuple(new_logprobs),
+                                     reason))
+        if self.speculation is not None:
+            self.speculation.record_step(verified)
         return events
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:

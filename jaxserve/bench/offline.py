@@ -2,8 +2,11 @@
 
 Reports output tokens/s, requests/s, TTFT and TPOT (mean/p50/p99), preemptions, prefix-cache
 hit rate and compilations after warm-up. `--compare-batching` runs static and continuous
-batching side by side on the same requests and prints the ratio. Timing excludes start-up
-(loading, compiling); it measures generation only.
+batching side by side on the same requests and prints the ratio; `--compare-speculative` does
+the same with and without speculative decoding (jaxserve/spec/bench.py), and a speculative run
+reports its acceptance rate and accepted tokens per verification. `--workload repeat` sends the
+bundled copy-and-edit prompts through the chat template. Timing excludes start-up (loading,
+compiling); it measures generation only.
 """
 
 from __future__ import annotations
@@ -19,23 +22,28 @@ from jaxserve.request import SamplingParams
 
 def add_offline_flags(parser) -> None:
     parser.add_argument("--workload", default="anyscale",
-                        choices=["random", "anyscale", "shared-prefix"])
+                        choices=["random", "anyscale", "shared-prefix", "repeat"])
     parser.add_argument("--num-requests", type=int, default=200)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--compare-batching", action="store_true",
                         help="run static and continuous batching on the same requests")
+    parser.add_argument("--compare-speculative", action="store_true",
+                        help="run with and without the speculative settings on the same "
+                             "requests, alternating for --rounds rounds")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of --compare-speculative")
     parser.add_argument("--json", dest="json_path", default=None, help="write results here")
     parser.add_argument("--quiet", action="store_true")
 
 
 def run_workload(engine, requests, ignore_eos: bool = True) -> dict:
     from jaxserve.runner.compile_count import num_compilations
+    from jaxserve.spec import bench as spec_bench
 
     sched, pages = engine.scheduler, engine.pages
     preempt0, swaps0, steps0 = sched.num_preemptions, sched.num_swaps, engine.num_steps
     q0, h0 = pages.stats().prefix_query_tokens, pages.stats().prefix_hit_tokens
-    compiles0 = num_compilations()
+    compiles0, spec0 = num_compilations(), spec_bench.snapshot(engine)
     start = time.perf_counter()
     timelines: dict[str, RequestTimeline] = {}
     for r in requests:
@@ -59,6 +67,7 @@ def run_workload(engine, requests, ignore_eos: bool = True) -> dict:
         prefix_cache_hit_rate=(stats.prefix_hit_tokens - h0) / queried if queried else 0.0,
         compilations_after_warmup=num_compilations() - compiles0,
         total_prompt_tokens=sum(len(r.prompt_token_ids) for r in requests))
+    result.update(spec_bench.metrics(engine, spec0))
     return result
 
 
@@ -74,6 +83,8 @@ def _print(label: str, r: dict) -> None:
     print(f"  preemptions     {r['preemptions']} (swaps {r['swaps']}), prefix-cache hit rate "
           f"{r['prefix_cache_hit_rate']:.1%}, compilations after warm-up "
           f"{r['compilations_after_warmup']}")
+    from jaxserve.spec.bench import print_metrics
+    print_metrics(r)
 
 
 def run_offline_bench(args, config) -> int:
@@ -81,14 +92,28 @@ def run_offline_bench(args, config) -> int:
     from jaxserve.model.loader import load_model
 
     loaded = load_model(config.model, progress=not args.quiet)
-    requests = build_workload(args.workload, args.num_requests, loaded.config.vocab_size,
-                              config.seed, args.input_len, args.output_len)
+    if args.workload == "repeat":  # natural answers: they end at EOS
+        from jaxserve.spec.workload import repeat_workload
+        requests = repeat_workload(loaded.tokenizer, args.num_requests, args.output_len)
+    else:
+        requests = build_workload(args.workload, args.num_requests, loaded.config.vocab_size,
+                                  config.seed, args.input_len, args.output_len)
+    ignore_eos = args.workload != "repeat"
+    if args.compare_speculative:
+        from jaxserve.spec.bench import compare_speculative
+        results = compare_speculative(config, loaded, requests, run_workload, _print,
+                                      rounds=args.rounds, ignore_eos=ignore_eos,
+                                      progress=not args.quiet)
+        if args.json_path:
+            with open(args.json_path, "w") as f:
+                json.dump(results, f, indent=2)
+        return 0
     modes = ["static", "continuous"] if args.compare_batching else [config.batching]
     results = {"workload": args.workload, "num_requests": args.num_requests,
                "config": dataclasses.asdict(config), "runs": {}}
     for mode in modes:
         engine = Engine(config.replace(batching=mode), loaded=loaded, progress=not args.quiet)
-        results["runs"][mode] = run_workload(engine, requests)
+        results["runs"][mode] = run_workload(engine, requests, ignore_eos)
         _print(f"{mode} batching, {args.workload}, {len(requests)} requests", results["runs"][mode])
         del engine
     if args.compare_batching:

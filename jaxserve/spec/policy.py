@@ -1,0 +1,105 @@
+"""SpeculationPolicy: the scheduler's view of speculative decoding. Per step it says whether to
+speculate, and per decoding request how many tokens to verify and which (n-gram) or that the
+draft model proposes them; it keeps the acceptance statistics.
+
+When to speculate. A step that verifies k drafts for each of B decoding requests runs about
+B*(k+1) rows instead of B, and gains the accepted drafts. With `disable_by_batch_size` set, the
+rule is fixed: speculate while B <= that size. Otherwise the runner measures at warm-up what one
+step costs with and without speculation for every batch size (`set_step_costs`), and the policy
+speculates while cost_with / cost_without < 1 + (mean accepted drafts per verification), the
+mean being a moving average of what verification actually accepted (it starts at 1).
+
+Plain host code: it must not import jax, and it never touches pages or requests' state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from jaxserve.spec.ngram import NgramProposer
+
+_EMA_WEIGHT = 0.1          # weight of one step's mean in the accepted-drafts average
+_PRIOR_ACCEPTED = 1.0      # mean accepted drafts per verification before any was measured
+
+
+@dataclass
+class SpecStats:
+    num_verifications: int = 0   # request-steps that verified at least one draft
+    num_draft_tokens: int = 0    # drafts proposed and verified
+    num_accepted_tokens: int = 0  # drafts the target accepted
+    num_spec_steps: int = 0      # steps with at least one verification
+    num_skipped_steps: int = 0   # steps with decoding requests where the policy said no
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """Accepted drafts per verification (each verification also yields one more token)."""
+        return self.num_accepted_tokens / self.num_verifications if self.num_verifications else 0.0
+
+
+class SpeculationPolicy:
+    def __init__(self, method: str, num_speculative_tokens: int, *,
+                 ngram: NgramProposer | None = None, disable_by_batch_size: int | None = None):
+        if method not in ("ngram", "draft"):
+            raise ValueError(f"speculative method must be ngram or draft, got {method!r}")
+        if num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1 to speculate, got "
+                             f"{num_speculative_tokens}")
+        self.method = method
+        self.num_speculative_tokens = num_speculative_tokens
+        self.ngram = ngram or NgramProposer()
+        self.disable_by_batch_size = disable_by_batch_size
+        self.stats = SpecStats()
+        self.mean_accepted = _PRIOR_ACCEPTED
+        self.cost_ratio: dict[int, float] = {}  # batch size -> step cost with / without
+
+    # ---- the runner's measurements -------------------------------------------------------
+    def set_step_costs(self, cost_ratio: dict[int, float]) -> None:
+        """Measured at warm-up: for each batch size B, cost of a speculative step over cost of
+        a plain one."""
+        self.cost_ratio = dict(cost_ratio)
+
+    def max_batch_size(self) -> int:
+        """Largest batch that speculates at the current acceptance estimate (0: none)."""
+        if self.disable_by_batch_size is not None:
+            return self.disable_by_batch_size
+        ok = [b for b, r in self.cost_ratio.items() if r < 1.0 + self.mean_accepted]
+        return max(ok, default=0) if self.cost_ratio else 1
+
+    # ---- the scheduler's questions ---------------------------------------------------------
+    def should_speculate(self, num_decoding: int) -> bool:
+        if num_decoding == 0:
+            return False
+        if num_decoding <= self.max_batch_size():
+            return True
+        self.stats.num_skipped_steps += 1
+        return False
+
+    def propose(self, token_ids: Sequence[int], max_num: int) -> tuple[int, tuple[int, ...]]:
+        """(number of draft rows, their ids) for one decoding request; ids are () when the
+        runner's draft model proposes them on the device."""
+        max_num = min(max_num, self.num_speculative_tokens)
+        if max_num <= 0:
+            return 0, ()
+        if self.method == "draft":
+            return max_num, ()
+        drafts = self.ngram.propose(token_ids, max_num)
+        return len(drafts), drafts
+
+    # ---- results -------------------------------------------------------------------------
+    def record_step(self, verified: Sequence[tuple[int, int]]) -> None:
+        """(drafts, accepted drafts) for each request that verified drafts this step."""
+        if not verified:
+            return
+        s = self.stats
+        s.num_spec_steps += 1
+        s.num_verifications += len(verified)
+        s.num_draft_tokens += sum(n for n, _ in verified)
+        accepted = sum(a for _, a in verified)
+        s.num_accepted_tokens += accepted
+        step_mean = accepted / len(verified)
+        self.mean_accepted += _EMA_WEIGHT * (step_mean - self.mean_accepted)
