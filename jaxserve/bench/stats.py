@@ -63,12 +63,14 @@ def goodput(timelines: list[RequestTimeline], duration: float, ttft_slo: float |
 def report(timelines: list[RequestTimeline], duration: float) -> dict:
     done = [t for t in timelines if t.ok and t.token_times]
     num_out = sum(len(t.token_times) for t in done)
+    num_in = sum(t.num_prompt_tokens for t in done)
     return {
         "completed": len(done), "failed": len(timelines) - len(done),
         "duration_s": duration,
         "request_throughput": len(done) / duration if duration > 0 else 0.0,
         "output_throughput": num_out / duration if duration > 0 else 0.0,
-        "total_output_tokens": num_out,
+        "input_throughput": num_in / duration if duration > 0 else 0.0,
+        "total_output_tokens": num_out, "total_input_tokens": num_in,
         "ttft_s": summarize(t.ttft for t in done),
         "tpot_s": summarize(t.tpot for t in done),
         "itl_s": summarize(x for t in done for x in t.itls),
