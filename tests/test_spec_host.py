@@ -3,6 +3,8 @@ bookkeeping of draft rows (rollback of rejected slots, stops inside an accepted 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -10,7 +12,7 @@ from jaxserve.page_manager import PageManager
 from jaxserve.request import FinishReason, Request, SamplingParams
 from jaxserve.scheduler import Scheduler
 from jaxserve.spec.ngram import NgramProposer
-from jaxserve.spec.policy import SpeculationPolicy
+from jaxserve.spec.policy import PROBE_INTERVAL, SpeculationPolicy
 
 
 # ---- n-gram proposer ---------------------------------------------------------------------
@@ -58,8 +60,13 @@ def test_policy_measured_rule_follows_cost_and_acceptance():
     for _ in range(60):  # nothing is accepted any more
         policy.record_step([(4, 0)])
     assert policy.max_batch_size() == 0 and not policy.should_speculate(1)
+    probes = [policy.should_speculate(1) for _ in range(2 * PROBE_INTERVAL)]
+    assert sum(probes) == 2, "a refusing policy must still probe the acceptance now and then"
     stats = policy.stats
     assert stats.num_verifications == 180 and stats.num_accepted_tokens == 480
+    policy.set_step_costs({1: 6.0})
+    assert not any(policy.should_speculate(1) for _ in range(2 * PROBE_INTERVAL)), \
+        "probed a batch size where even full acceptance cannot pay"
     assert stats.acceptance_rate == pytest.approx(480 / 720)
 
 
@@ -143,3 +150,16 @@ def test_drafts_leave_every_other_running_request_its_decode_row():
     assert len(plan.chunks) == 4, "a decode row was crowded out by drafts"
     assert plan.num_tokens + sum(c.num_draft_tokens for c in plan.chunks) <= 12
     assert plan.chunks[0].num_draft_tokens == 12 - 4, "the first request got the spare rows"
+
+
+@pytest.mark.parametrize("module", ["jaxserve.spec.policy", "jaxserve.spec.ngram",
+                                    "jaxserve.spec.batch", "jaxserve.spec.setup"])
+def test_host_side_spec_modules_do_not_import_jax(module):
+    import subprocess
+    import sys
+    code = (f"import sys; import {module}; "
+            "assert not [m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib')]")
+    repo = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, f"{module} pulls in jax:\n{result.stderr[-2000:]}"

@@ -7,7 +7,9 @@ B*(k+1) rows instead of B, and gains the accepted drafts. With `disable_by_batch
 rule is fixed: speculate while B <= that size. Otherwise the runner measures at warm-up what one
 step costs with and without speculation for every batch size (`set_step_costs`), and the policy
 speculates while cost_with / cost_without < 1 + (mean accepted drafts per verification), the
-mean being a moving average of what verification actually accepted (it starts at 1).
+mean being a moving average of what verification actually accepted (it starts at 1). So that a
+low estimate cannot switch speculation off for good, one refused step in PROBE_INTERVAL
+speculates anyway when full acceptance (k drafts) would pay at that batch size.
 
 Plain host code: it must not import jax, and it never touches pages or requests' state.
 """
@@ -21,6 +23,7 @@ from jaxserve.spec.ngram import NgramProposer
 
 _EMA_WEIGHT = 0.1          # weight of one step's mean in the accepted-drafts average
 _PRIOR_ACCEPTED = 1.0      # mean accepted drafts per verification before any was measured
+PROBE_INTERVAL = 32        # refused steps between two probes of the acceptance
 
 
 @dataclass
@@ -56,6 +59,7 @@ class SpeculationPolicy:
         self.stats = SpecStats()
         self.mean_accepted = _PRIOR_ACCEPTED
         self.cost_ratio: dict[int, float] = {}  # batch size -> step cost with / without
+        self._refused_since_probe = 0
 
     # ---- the runner's measurements -------------------------------------------------------
     def set_step_costs(self, cost_ratio: dict[int, float]) -> None:
@@ -63,19 +67,31 @@ class SpeculationPolicy:
         a plain one."""
         self.cost_ratio = dict(cost_ratio)
 
-    def max_batch_size(self) -> int:
-        """Largest batch that speculates at the current acceptance estimate (0: none)."""
+    def pays(self, num_decoding: int) -> bool:
+        """Whether speculating for this many decoding requests pays at the current estimate."""
         if self.disable_by_batch_size is not None:
-            return self.disable_by_batch_size
-        ok = [b for b, r in self.cost_ratio.items() if r < 1.0 + self.mean_accepted]
-        return max(ok, default=0) if self.cost_ratio else 1
+            return num_decoding <= self.disable_by_batch_size
+        if not self.cost_ratio:  # never measured: only the single request, always cheap
+            return num_decoding == 1
+        return self.cost_ratio.get(num_decoding, float("inf")) < 1.0 + self.mean_accepted
+
+    def max_batch_size(self) -> int:
+        """Largest measured batch size that speculates now (0: none)."""
+        return max((b for b in self.cost_ratio if self.pays(b)), default=0)
 
     # ---- the scheduler's questions ---------------------------------------------------------
     def should_speculate(self, num_decoding: int) -> bool:
         if num_decoding == 0:
             return False
-        if num_decoding <= self.max_batch_size():
+        if self.pays(num_decoding):
             return True
+        full_gain = 1 + self.num_speculative_tokens
+        could_pay = self.cost_ratio.get(num_decoding, float("inf")) < full_gain
+        if self.disable_by_batch_size is None and could_pay:
+            self._refused_since_probe += 1
+            if self._refused_since_probe >= PROBE_INTERVAL:
+                self._refused_since_probe = 0
+                return True
         self.stats.num_skipped_steps += 1
         return False
 

@@ -72,6 +72,14 @@ class SpeculativeRunner:
         return self.base.buckets
 
     @property
+    def state(self):
+        return self.base.state
+
+    @property
+    def kv(self):
+        return self.base.kv
+
+    @property
     def num_host_swapped(self) -> int:
         draft_pages = self._draft_host_pages if self.draft_config is not None else {}
         return self.base.num_host_swapped + len(draft_pages)
