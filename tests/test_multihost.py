@@ -109,3 +109,88 @@ def _health(client) -> str:
         return client.health()
     except JaxServeError as exc:
         return exc.code.name
+
+
+# ---- the plan channel and the leader/follower runners, in one process -----------------------
+
+def _plan(n: int):
+    from jaxserve.plan import SamplingRow, ScheduledChunk, StepPlan, SwapIn
+
+    row = SamplingRow(temperature=0.5, top_k=3, top_p=0.9, min_p=0.0, seed=n, output_index=1)
+    chunk = ScheduledChunk(f"r{n}", tuple(range(3, 3 + 200 * n)), 0, (1, 2), row)
+    return StepPlan(chunks=[chunk], swap_in=[SwapIn("s", (4,))], dropped_swaps=["d"])
+
+
+def _linked_channels():
+    """A leader and a follower PlanChannel joined by a fake broadcast that, like the real one,
+    requires both sides to pass arrays of one shape and dtype."""
+    from jaxserve.runner.multihost import PlanChannel
+
+    wire = []
+
+    def follower_side(array):
+        sent = wire.pop(0)
+        assert (sent.shape, sent.dtype) == (array.shape, array.dtype), "collective mismatch"
+        return sent
+
+    return PlanChannel(lambda a: wire.append(a.copy()) or a), PlanChannel(follower_side), wire
+
+
+def test_plans_pings_and_stop_reach_the_follower_in_order():
+    leader, follower, wire = _linked_channels()
+    first, second = _plan(1), _plan(9)  # 9: a payload over the smallest bucket
+    leader.send(first)
+    leader.ping()
+    leader.send(second)
+    leader.send(None)
+    assert follower.receive() == first and follower.receive() == second
+    assert follower.receive() is None and not wire
+
+
+class _Recorder:
+    def __init__(self):
+        self.plans, self.pings = [], 0
+
+    def send(self, plan):
+        self.plans.append(plan)
+
+    def ping(self):
+        self.pings += 1
+
+
+def test_leader_sends_plans_that_touch_the_runner_and_pings_while_idle():
+    from jaxserve.plan import StepPlan
+    from jaxserve.runner.multihost import LeaderRunner
+
+    ran, channel = [], _Recorder()
+    leader = LeaderRunner(type("R", (), {"execute": lambda self, p: ran.append(p),
+                                         "page_size": 16})(), channel, keepalive_s=0.05)
+    empty, busy = StepPlan(), _plan(1)
+    leader.execute(empty)
+    leader.execute(busy)
+    assert ran == [empty, busy] and channel.plans == [busy], "empty plans stay on process 0"
+    assert leader.page_size == 16, "other runner attributes pass through"
+    deadline = time.monotonic() + 5
+    while channel.pings < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert channel.pings >= 2, "an idle leader must keep the followers' collective alive"
+    leader.stop_followers()
+    assert channel.plans[-1] is None
+    with pytest.raises(RuntimeError, match="stopped"):
+        leader.execute(busy)
+
+
+def test_follower_runs_every_plan_until_stop_and_never_schedules():
+    from jaxserve.runner.multihost import FollowerRunner
+
+    leader, follower_channel, _ = _linked_channels()
+    plans = [_plan(1), _plan(2)]
+    for plan in plans:
+        leader.send(plan)
+    leader.send(None)
+    ran = []
+    follower = FollowerRunner(type("R", (), {"execute": lambda self, p: ran.append(p)})(),
+                              follower_channel)
+    assert follower.follow() == 2 and ran == plans
+    with pytest.raises(RuntimeError, match="only process 0 schedules"):
+        follower.execute(plans[0])

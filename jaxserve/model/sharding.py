@@ -131,6 +131,8 @@ def make_mesh(tensor_parallel_size: int) -> Mesh | None:
     if tp > num_devices:
         raise ValueError(f"tensor_parallel_size={tp} exceeds the {num_devices} "
                          f"{jax.default_backend()} device(s) available")
-    from jax.experimental import mesh_utils
-    devices = mesh_utils.create_device_mesh((tp,), devices=jax.devices()[:tp])
+    devices = jax.devices()[:tp]
+    if tp == num_devices:  # the whole slice: let JAX order it along the physical topology
+        from jax.experimental import mesh_utils
+        devices = mesh_utils.create_device_mesh((tp,))
     return Mesh(np.asarray(devices), (TP_AXIS,))

@@ -10,7 +10,8 @@ process 0 sends stop.
 Transport: jax.experimental.multihost_utils.broadcast_one_to_all of uint8 arrays (a [2] i32
 header, kind and length, then the pickled plan padded to a power of two, so only a few
 broadcast shapes ever compile). The processes are one trusted job, so a pickle is fine here.
-Only plans that touch the device (chunks, swaps) or host swap state (dropped swaps) are sent.
+Only plans that touch the device (chunks, swaps) or host swap state (dropped swaps) are sent;
+an idle leader pings every minute instead, so a waiting follower's collective never times out.
 Every broadcast and every step is waited for before the next starts (the processes' Gloo/ICI
 collectives must come in the same order everywhere, and async dispatch could reorder them).
 This module never schedules and must not change what a step computes.
@@ -21,7 +22,9 @@ from __future__ import annotations
 import logging
 import pickle
 import threading
+import time
 import weakref
+from typing import Callable
 
 import jax
 import numpy as np
@@ -29,12 +32,14 @@ import numpy as np
 from jaxserve.plan import StepPlan
 
 log = logging.getLogger(__name__)
-_STOP, _PLAN = 0, 1
+_STOP, _PLAN, _PING = 0, 1, 2
 _MIN_PAYLOAD = 1024
+KEEPALIVE_S = 60.0  # well under Gloo's 30-minute collective timeout
 _leaders: "weakref.WeakSet[LeaderRunner]" = weakref.WeakSet()
 
 
 def _broadcast(array: np.ndarray) -> np.ndarray:
+    """Process 0's array, on every process (each passes an array of the same shape)."""
     from jax.experimental import multihost_utils
     return np.asarray(multihost_utils.broadcast_one_to_all(array))
 
@@ -47,22 +52,35 @@ def _payload_size(num_bytes: int) -> int:
 
 
 class PlanChannel:
-    """Process 0 -> every process: one StepPlan (or stop) per call, in order."""
+    """Process 0 -> every process: StepPlans, keep-alive pings and stop, in order.
+
+    broadcast: process 0's array on every process (tests pass a fake).
+    """
+
+    def __init__(self, broadcast: Callable[[np.ndarray], np.ndarray] = _broadcast):
+        self.broadcast = broadcast
 
     def send(self, plan: StepPlan | None) -> None:
+        """plan to every process; None sends stop."""
         payload = b"" if plan is None else pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
-        _broadcast(np.array([_STOP if plan is None else _PLAN, len(payload)], np.int32))
+        self.broadcast(np.array([_STOP if plan is None else _PLAN, len(payload)], np.int32))
         if plan is not None:
             buf = np.zeros(_payload_size(len(payload)), np.uint8)  # [bucket]
             buf[:len(payload)] = np.frombuffer(payload, np.uint8)
-            _broadcast(buf)
+            self.broadcast(buf)
+
+    def ping(self) -> None:
+        self.broadcast(np.array([_PING, 0], np.int32))
 
     def receive(self) -> StepPlan | None:
-        kind, size = (int(v) for v in _broadcast(np.zeros(2, np.int32)))
-        if kind == _STOP:
-            return None
-        buf = _broadcast(np.zeros(_payload_size(size), np.uint8))
-        return pickle.loads(buf[:size].tobytes())
+        """The next plan (pings skipped); None once process 0 sent stop."""
+        while True:
+            kind, size = (int(v) for v in self.broadcast(np.zeros(2, np.int32)))
+            if kind == _STOP:
+                return None
+            if kind == _PLAN:
+                buf = self.broadcast(np.zeros(_payload_size(size), np.uint8))
+                return pickle.loads(buf[:size].tobytes())
 
 
 def _touches_runner(plan: StepPlan) -> bool:
@@ -70,13 +88,25 @@ def _touches_runner(plan: StepPlan) -> bool:
 
 
 class LeaderRunner:
-    """Process 0's runner: sends each plan to the followers, then runs it itself."""
+    """Process 0's runner: sends each plan to the followers, then runs it itself.
 
-    def __init__(self, runner, channel: PlanChannel | None = None):
+    While the engine idles, a daemon thread pings the followers every keepalive_s seconds:
+    a follower waits for the next plan inside a collective, and Gloo (CPU) gives up on a
+    collective after 30 minutes. One lock orders pings, plans and stop, so the processes see
+    the same sequence of collectives.
+    """
+
+    def __init__(self, runner, channel: PlanChannel | None = None,
+                 keepalive_s: float = KEEPALIVE_S):
         self.runner = runner
         self.channel = channel or PlanChannel()
         self.stopped = False
-        self._lock = threading.Lock()  # a plan is sent and run whole, never cut by stop
+        self.num_pings = 0
+        self._lock = threading.Lock()
+        self._last_sent = time.monotonic()
+        self._closed = threading.Event()
+        threading.Thread(target=self._keep_alive, args=(keepalive_s,), daemon=True,
+                         name="jaxserve-keepalive").start()
         _leaders.add(self)
 
     def execute(self, plan: StepPlan):
@@ -86,6 +116,7 @@ class LeaderRunner:
                                    "run more steps")
             if _touches_runner(plan):
                 self.channel.send(plan)
+                self._last_sent = time.monotonic()
             return self.runner.execute(plan)
 
     def stop_followers(self) -> None:
@@ -93,9 +124,20 @@ class LeaderRunner:
         with self._lock:
             if not self.stopped:
                 self.stopped = True
+                self._closed.set()
                 self.channel.send(None)
 
+    def _keep_alive(self, period: float) -> None:
+        while not self._closed.wait(period / 2):
+            with self._lock:
+                if not self.stopped and time.monotonic() - self._last_sent >= period:
+                    self.channel.ping()
+                    self.num_pings += 1
+                    self._last_sent = time.monotonic()
+
     def __getattr__(self, name):
+        if name == "runner":  # not set yet: never recurse
+            raise AttributeError(name)
         return getattr(self.runner, name)
 
 
@@ -119,6 +161,8 @@ class FollowerRunner:
         return num_plans
 
     def __getattr__(self, name):
+        if name == "runner":
+            raise AttributeError(name)
         return getattr(self.runner, name)
 
 
