@@ -34,7 +34,7 @@ from jaxserve.spec.draft import share_weights
 from jaxserve.spec.policy import SpeculationPolicy
 
 log = logging.getLogger(__name__)
-_TIMING_RUNS = 3
+_TIMING_RUNS = 5
 
 
 class SpeculativeRunner:
@@ -122,35 +122,38 @@ class SpeculativeRunner:
 
     def _measure_costs(self) -> dict[int, float]:
         """Batch size B -> time of a step verifying k drafts for B requests over the time of a
-        plain step for B requests (plus the draft's sync pass), from all-padding batches. The
-        minimum of a few runs is taken: it is the least disturbed by other work on the host."""
+        plain step for B requests (plus the draft's sync pass), from all-padding batches. Each
+        time is the minimum of a few interleaved runs: the least disturbed by other work."""
         buckets, p = self.base.buckets, self.base.buckets.max_pages_per_request
         max_tokens, max_seqs = buckets.token_buckets[-1], buckets.seq_buckets[-1]
 
-        def best(run) -> float:
-            times = []
-            for _ in range(_TIMING_RUNS):
-                start = time.perf_counter()
-                run()
-                times.append(time.perf_counter() - start)
-            return min(times)
+        def plain_step(shape):
+            batch, sync = empty_host_batch(*shape, p), self._empty(shape).sync
+            if self.draft_config is None:
+                return lambda: np.asarray(self.base._run(batch))
+            return lambda: (self._run_sync(sync).block_until_ready(),
+                            np.asarray(self.base._run(batch)))
 
-        plain, spec = {}, {}
-        ratio = {}
+        def spec_step(shape):
+            batch = self._empty(shape)
+            return lambda: np.asarray(self._run_verify(batch))
+
+        pairs = {}
         for size in range(1, max_seqs + 1):
-            plain_shape = buckets.select(size, size)
-            spec_shape = buckets.select(min(size * (self.k + 1), max_tokens), size)
-            if plain_shape not in plain:
-                batch = empty_host_batch(*plain_shape, p)
-                cost = best(lambda: np.asarray(self.base._run(batch)))
-                if self.draft_config is not None:
-                    sync_batch = self._empty(plain_shape)
-                    cost += best(lambda: self._run_sync(sync_batch.sync).block_until_ready())
-                plain[plain_shape] = cost
-            if spec_shape not in spec:
-                spec_batch = self._empty(spec_shape)
-                spec[spec_shape] = best(lambda: np.asarray(self._run_verify(spec_batch)))
-            ratio[size] = spec[spec_shape] / plain[plain_shape]
+            pairs[size] = (buckets.select(size, size),
+                           buckets.select(min(size * (self.k + 1), max_tokens), size))
+        best: dict[tuple, float] = {}
+        for plain_shape, spec_shape in set(pairs.values()):
+            # Interleaved runs, so that load from elsewhere hits both alike.
+            runs = {("plain", plain_shape): plain_step(plain_shape),
+                    ("spec", spec_shape): spec_step(spec_shape)}
+            for _ in range(_TIMING_RUNS):
+                for key, run in runs.items():
+                    start = time.perf_counter()
+                    run()
+                    elapsed = time.perf_counter() - start
+                    best[key] = min(best.get(key, elapsed), elapsed)
+        ratio = {size: best[("spec", s)] / best[("plain", pl)] for size, (pl, s) in pairs.items()}
         log.info("speculative step cost / plain step cost by batch size: %s",
                  {b: round(r, 2) for b, r in ratio.items()})
         return ratio
