@@ -140,7 +140,7 @@ class Scheduler:
         if not preempted and not self.swapped and self._may_admit():
             budget = self._schedule_waiting(scheduled, budget)
         if self.static and self._static_batch:
-            plan.num_padding_rows = self._static_padding(scheduled, budget)
+            plan.num_padding_rows = self._static_padding(budget)
 
         scheduled.sort(key=lambda item: item[1] != 1)  # decode rows first
         plan.chunks = [self._chunk(r, n) for r, n in scheduled]
@@ -180,7 +180,9 @@ class Scheduler:
 
     def _schedule_waiting(self, scheduled, budget: int) -> int:
         new_batch = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        # A static batch takes all its members at once; their prompts are read in later steps.
+        while (self.waiting and (budget > 0 or self.static)
+               and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
             tokens = request.all_token_ids
             num_cached = len(self.pages.lookup_prefix(tokens)) * self.pages.page_size
@@ -197,7 +199,8 @@ class Scheduler:
             request.num_computed_tokens = got
             num_new = min(len(tokens) - got, budget)
             self._start_running(request)
-            scheduled.append((request, num_new))
+            if num_new > 0:
+                scheduled.append((request, num_new))
             new_batch.append(request)
             budget -= num_new
         if self.static and new_batch and not self._static_batch:
@@ -206,10 +209,9 @@ class Scheduler:
             self._static_pad_left = sum(longest - r.num_tokens for r in new_batch)
         return budget
 
-    def _static_padding(self, scheduled, budget: int) -> int:
+    def _static_padding(self, budget: int) -> int:
         """Rows a padded static batch would compute: finished members' slots, prompt padding."""
-        live = {r.request_id for r, _ in scheduled}
-        finished = min(len(self._static_batch) - len(live & self._static_batch), budget)
+        finished = min(sum(rid not in self.requests for rid in self._static_batch), budget)
         pad = min(self._static_pad_left, budget - finished)
         self._static_pad_left -= pad
         return finished + pad

@@ -1,0 +1,74 @@
+"""Scheduler policy on plain Python objects (no model, no jax): budgets, chunking, batching."""
+
+from __future__ import annotations
+
+from jaxserve.page_manager import PageManager
+from jaxserve.request import Request, SamplingParams
+from jaxserve.scheduler import Scheduler
+from jaxserve.swap_space import HostSwapSpace
+
+
+def make_scheduler(**kw) -> Scheduler:
+    settings = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=512)
+    settings.update(kw)
+    return Scheduler(PageManager(64, 16), swap_space=HostSwapSpace(1 << 20, 1024), **settings)
+
+
+def add(sched: Scheduler, n: int, prompt_len: int, max_tokens: int = 8,
+        prefix: str = "r") -> list[Request]:
+    reqs = []
+    for i in range(n):
+        r = Request(f"{prefix}{i}", [5 + i] * prompt_len,
+                    SamplingParams(max_tokens=max_tokens, temperature=0), seed=i)
+        r.arrival_seq = len(sched.requests)
+        assert sched.add(r) is None
+        reqs.append(r)
+    return reqs
+
+
+def run_step(sched: Scheduler):
+    plan = sched.schedule()
+    return plan, sched.update(plan, [7] * len(plan.chunks), [0.0] * len(plan.chunks))
+
+
+def test_static_batch_takes_all_members_even_when_their_prompts_exceed_the_budget():
+    sched = make_scheduler(batching="static")
+    add(sched, 4, prompt_len=100)
+    plan, _ = run_step(sched)
+    assert len(sched.running) == 4, "a static batch must hold max_num_seqs members"
+    assert plan.num_tokens + plan.num_padding_rows <= 32
+
+
+def test_static_batch_admits_nothing_until_every_member_finished():
+    sched = make_scheduler(batching="static")
+    first = add(sched, 4, prompt_len=10, max_tokens=3)
+    first[0].sampling = SamplingParams(max_tokens=1, temperature=0)
+    run_step(sched)
+    add(sched, 2, prompt_len=10, prefix="late")
+    while any(not r.is_finished for r in first):
+        plan, _ = run_step(sched)
+        assert all(c.request_id.startswith("r") for c in plan.chunks), "joined a live batch"
+    assert sched.num_waiting == 2
+
+
+def test_continuous_batch_cuts_long_prompts_into_chunks_within_the_budget():
+    sched = make_scheduler()
+    add(sched, 1, prompt_len=100)
+    steps = 0
+    while sched.running or sched.waiting:
+        plan, _ = run_step(sched)
+        assert plan.num_tokens <= 32
+        steps += 1
+        if steps > 50:
+            raise AssertionError("request never finished")
+    assert steps == 4 + 7, f"100 prompt tokens in chunks of 32 then 7 more decodes, got {steps}"
+
+
+def test_decode_rows_come_before_prefill_chunks():
+    sched = make_scheduler()
+    add(sched, 1, prompt_len=10)
+    run_step(sched)  # prefill, now decoding
+    add(sched, 1, prompt_len=40)
+    plan, _ = run_step(sched)
+    assert [c.num_tokens for c in plan.chunks][0] == 1
+    assert plan.chunks[1].num_tokens == 31
