@@ -68,7 +68,7 @@ def test_decode_rows_come_before_prefill_chunks():
     sched = make_scheduler()
     add(sched, 1, prompt_len=10)
     run_step(sched)  # prefill, now decoding
-    add(sched, 1, prompt_len=40)
+    add(sched, 1, prompt_len=40, prefix="long")
     plan, _ = run_step(sched)
     assert [c.num_tokens for c in plan.chunks][0] == 1
     assert plan.chunks[1].num_tokens == 31
