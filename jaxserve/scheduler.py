@@ -7,9 +7,8 @@ latest-arrived running request is preempted (recompute, or swap with recompute a
 `batching="static"` admits a new batch only when the previous one has fully finished and
 charges the padded rows a static batch computes. With a speculation policy (jaxserve/spec), a
 decoding request also gets draft rows to verify; update() keeps only the accepted tokens, gives
-back the KV slots of rejected ones and caches only accepted ones. Plain Python: it must never
-import jax, touch device arrays, or see text (stop strings are the engine's job, through
-finish()).
+back the KV slots of rejected ones and caches only accepted ones. Plain Python: no jax, no
+device arrays, no text (stop strings are the engine's job, through finish()).
 """
 
 from __future__ import annotations
