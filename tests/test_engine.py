@@ -135,3 +135,12 @@ def test_request_that_can_never_fit_is_finished_with_an_error():
     out = llm.generate([[5] * 900], SamplingParams(max_tokens=100), use_tqdm=False)[0]
     assert out.finish_reason == "error" and "pages" in out.error
     assert_idle_and_no_leak(llm)
+
+
+def test_pallas_kernels_in_interpret_mode_give_the_reference_greedy_tokens(small_llm):
+    prompts, params = mixed_requests(n=6, seed=4, max_prompt=40, max_out=12)
+    want = [o.token_ids for o in small_llm.generate(prompts, params, use_tqdm=False)]
+    pallas = make_llm(attention_impl="pallas-interpret", token_buckets=(32,), seq_buckets=(16,))
+    got = [o.token_ids for o in pallas.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert_idle_and_no_leak(pallas)
