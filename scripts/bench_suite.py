@@ -1,6 +1,6 @@
 """The benchmark suite: what each serving mechanism buys, on the default model, in one run.
 
-    python scripts/bench_suite.py                 # the whole report (about 20-30 min, 2 cores)
+    python scripts/bench_suite.py                 # the whole report (14-18 min measured, 2 cores)
     python scripts/bench_suite.py --scale quick   # a smoke run of every scenario
 
 A/B scenarios (each B changes one engine setting; see jaxserve/bench/scenarios.py):
@@ -37,6 +37,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from jaxserve.bench import peer, plots, scenarios as sc  # noqa: E402
 from jaxserve.bench import spec_scenario as spec  # noqa: E402
 from jaxserve.bench.roofline import decode_bound, measure_machine  # noqa: E402
+from jaxserve.bench.serve import jsonable  # noqa: E402
 from jaxserve.bench.suite_report import targets, write_report  # noqa: E402
 
 
@@ -153,7 +154,7 @@ def run_ab_scenarios(loaded, scale: sc.Scale, results: dict, base: sc.Served,
 
     pairs = {"on": variant(loaded, results, "chunked on (budget 64)",
                            max_num_batched_tokens=64),
-             "off": variant(loaded, results, "chunked off", enable_chunked_prefill=False)}
+             "off": variant(loaded, results, "chunked off (budget 512)", **sc.NO_CHUNKING)}
     requests, offsets = sc.chunked_requests(scale, vocab)
     s["chunked_prefill"]["runs"] = run_pairs(pairs, requests, "chunked prefill",
                                              send_offsets=offsets, rounds=scale.rounds,
@@ -198,17 +199,6 @@ def run_peer(results: dict, scale: sc.Scale, prompts: list[list[int]]) -> None:
     log("peer: transformers generate (static batch)")
     results["peer"]["hf_static"] = peer.static_generate(model, prompts, scale.peer_output_len)
     del model
-
-
-def _jsonable(value):
-    """Strict JSON: inf and nan become strings, tuples lists."""
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    return value
 
 
 def plot_all(results: dict, out: Path) -> None:
@@ -287,7 +277,7 @@ def main(argv=None) -> int:
     results["targets"] = targets(results)
     plot_all(results, out)
     with open(out / "results.json", "w") as f:
-        json.dump(_jsonable(results), f, indent=1)
+        json.dump(jsonable(results), f, indent=1)
     write_report(results, out / "report.md")
     log(f"done in {results['wall_s'] / 60:.1f} min: {out / 'report.md'}")
     for t in results["targets"]:

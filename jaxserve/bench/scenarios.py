@@ -27,6 +27,10 @@ BASE = dict(max_num_seqs=16, max_num_batched_tokens=256, max_model_len=512, page
 # Batch-1 decode with no padding rows: one-token steps (prompts prefill in 16-token chunks).
 ROOFLINE = dict(max_num_seqs=1, max_num_batched_tokens=16, max_model_len=512, page_size=16,
                 num_pages=40, token_buckets=(1, 16), seq_buckets=(1,))
+# Without chunked prefill a prompt is prefilled in one step, so the step budget must hold the
+# longest prompt: max_model_len, as vLLM requires. One extra token bucket.
+NO_CHUNKING = dict(enable_chunked_prefill=False, max_num_batched_tokens=512,
+                   token_buckets=(16, 64, 256, 512))
 INF = math.inf
 
 
@@ -46,7 +50,7 @@ class Scale:
     chunk_decodes: int = 8             # chat requests decoding when the long prompts arrive
     chunk_decode_output: int = 64
     chunk_long_prompts: int = 6
-    chunk_long_len: int = 200          # fits one 256-token step beside the decodes
+    chunk_long_len: int = 448          # prefilled whole (off) needs a 512-token step
     chunk_first_arrival_s: float = 2.0
     chunk_gap_s: float = 4.0
     preempt_requests: int = 16

@@ -15,6 +15,8 @@ import argparse
 import collections
 import json
 import math
+import sys
+import time
 
 import numpy as np
 
@@ -50,6 +52,8 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                         help="SLOs for goodput, e.g. ttft:2000 tpot:500 (milliseconds)")
     parser.add_argument("--timeout", type=float, default=None, help="per-request deadline, s")
+    parser.add_argument("--wait-ready", type=float, default=0.0, metavar="S",
+                        help="wait up to S seconds for the server's health to be SERVING")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", dest="json_path", default=None, help="write results here")
     parser.add_argument("--quiet", action="store_true")
@@ -104,8 +108,19 @@ def benchmark(address: str, requests: list[ServeRequest], *, request_rate: float
     return result
 
 
+def jsonable(value):
+    """Strict JSON: inf and nan become strings, tuples lists."""
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
 def print_result(result: dict, title: str = "Serving Benchmark Result") -> None:
-    line = lambda name, value: print(f"{name:<40}{value}")  # noqa: E731
+    line = lambda name, value: print(f"{name:<40} {value}")  # noqa: E731
     print(f"{' ' + title + ' ':=^60}")
     line("Successful requests:", result["completed"])
     line("Failed requests:", result["failed"])
@@ -132,11 +147,34 @@ def print_result(result: dict, title: str = "Serving Benchmark Result") -> None:
     print("=" * 60)
 
 
+def wait_until_serving(client, seconds: float) -> None:
+    """Poll health until SERVING; after `seconds`, let the next call fail with its reason."""
+    from jaxserve.server.client import JaxServeError
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if client.health() == "SERVING":
+                return
+        except JaxServeError:
+            pass  # not listening yet
+        time.sleep(1.0)
+
+
 def run_serve_bench(args) -> int:
-    from jaxserve.server.client import JaxServeClient
+    from jaxserve.server.client import JaxServeClient, JaxServeError
 
     slos = parse_goodput(args.goodput)
-    with JaxServeClient(args.address, timeout=30.0) as client:
+    try:
+        return _run(args, slos, JaxServeClient(args.address, timeout=30.0))
+    except JaxServeError as exc:
+        print(f"jaxserve bench serve: {args.address}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _run(args, slos: dict, client) -> int:
+    with client:
+        wait_until_serving(client, args.wait_ready)
         info = client.model_info()
         requests = build_requests(args.dataset, args.num_prompts, info.vocab_size, args.seed,
                                   args.input_len, args.output_len, args.range_ratio,
@@ -159,5 +197,5 @@ def run_serve_bench(args) -> int:
     print_result(result)
     if args.json_path:
         with open(args.json_path, "w") as f:
-            json.dump(result, f, indent=2, allow_nan=True)
+            json.dump(jsonable(result), f, indent=2)
     return 0 if result["completed"] else 1

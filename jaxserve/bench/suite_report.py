@@ -110,6 +110,12 @@ def targets(results: dict) -> list[dict]:
             for name, target, value in checks]
 
 
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f}" if isinstance(value, float) else str(value)
+
+
 def _serve_table(runs: dict[str, dict], extra: tuple[str, ...] = ()) -> list[str]:
     head = ("| run | ok / failed | out tok/s | mean TTFT | p99 TTFT | mean TPOT | p99 ITL "
             "| p99 e2e |" + "".join(f" {e} |" for e in extra))
@@ -119,7 +125,7 @@ def _serve_table(runs: dict[str, dict], extra: tuple[str, ...] = ()) -> list[str
                      f"{r['output_throughput']:.1f} | {_ms(r['ttft_s']['mean'])} | "
                      f"{_ms(r['ttft_s']['p99'])} | {_ms(r['tpot_s']['mean'])} | "
                      f"{_ms(r['itl_s']['p99'])} | {_ms(r['e2e_s']['p99'])} |"
-                     + "".join(f" {r.get(e, '-')} |" for e in extra))
+                     + "".join(f" {_cell(r.get(e))} |" for e in extra))
     return lines
 
 
@@ -202,10 +208,11 @@ def report_lines(results: dict) -> list[str]:
                 f"from t=0; {sc['chunk_long_prompts']} prompts of {sc['chunk_long_len']} tokens "
                 f"(one output token each) arrive at {sc['chunk_first_arrival_s']} s and every "
                 f"{sc['chunk_gap_s']} s after. On: chunks of at most 64 tokens per step "
-                "(max_num_batched_tokens 64). Off: a prompt is prefilled whole, so the step "
-                "budget must hold it (256). With chunking on and a 256 budget these prompts "
-                "would not be split at all: the mechanism is what makes the small budget "
-                "possible.", ""]
+                "(max_num_batched_tokens 64). Off: a prompt is prefilled whole in one step, so "
+                "the step budget must hold the longest prompt (512 = max_model_len, as vLLM "
+                "requires without chunked prefill). The mechanism is what makes the small "
+                "budget possible; its price is more steps, so TTFT of the prompts themselves "
+                "rises.", ""]
         out += _serve_table(c, ("steps",))
         out += ["", "![CDFs](chunked_prefill_cdf.png)"]
     pr = s["preemption"]["runs"]
