@@ -29,34 +29,46 @@ SPEC_CONFIGS = {
     "draft-dir-k4-swap": dict(speculative_method="draft", num_speculative_tokens=4,
                               preemption_mode="swap"),
 }
+DRAFT_DIRS = {"draft-dir-k4": "whole", "draft-dir-k4-swap": "whole",
+              "draft-layer0-dir-k3": "layer0"}
+BUSY_BATCH_CONFIGS = list(SPEC_CONFIGS)
+SPEC_CONFIGS["draft-layer0-dir-k3"] = dict(speculative_method="draft", num_speculative_tokens=3)
 
 
 @pytest.fixture(scope="module")
-def draft_dir(tmp_path_factory):
-    """The tiny target itself, saved as a Hugging Face directory: a draft that agrees often."""
+def draft_dirs(tmp_path_factory):
+    """Hugging Face directories of the tiny target itself ("whole": a draft that always agrees)
+    and of its first layer alone ("layer0": what `layers:1` cuts out of it)."""
+    import dataclasses
+
     from model_fixtures import tiny_tokenizer
     from tiny_models import tiny_model
 
     from jaxserve.model.loader import save_hf_directory
-    path = tmp_path_factory.mktemp("draft")
-    save_hf_directory(path, *tiny_model(seed=0), tiny_tokenizer())
-    return path
+    config, params = tiny_model(seed=0)
+    first = {k: (v[:1] if k.startswith("layers.") else v) for k, v in params.items()}
+    dirs = {"whole": tmp_path_factory.mktemp("whole"), "layer0": tmp_path_factory.mktemp("l0")}
+    save_hf_directory(dirs["whole"], config, params, tiny_tokenizer())
+    save_hf_directory(dirs["layer0"], dataclasses.replace(config, num_layers=1), first,
+                      tiny_tokenizer())
+    return dirs
 
 
 @pytest.fixture(scope="module")
-def spec_llm(draft_dir):
+def spec_llm(draft_dirs):
     """name -> LLM with that speculative config, each built once for the module."""
     @functools.cache
     def build(name):
         settings = dict(SPEC_CONFIGS[name], speculative_disable_by_batch_size=16)
-        if not name.startswith("draft-dir"):
+        if name not in DRAFT_DIRS:
             return make_llm(**settings)
         from model_fixtures import tiny_tokenizer
         from tiny_models import TinyLoaded, tiny_model
 
         from jaxserve.llm import LLM
         loaded = TinyLoaded(*tiny_model(seed=0), tokenizer=tiny_tokenizer())
-        return LLM(loaded=loaded, progress=False, speculative_draft=str(draft_dir),
+        return LLM(loaded=loaded, progress=False,
+                   speculative_draft=str(draft_dirs[DRAFT_DIRS[name]]),
                    **{**SMALL_ENGINE, **settings})
     return build
 
@@ -85,7 +97,7 @@ def greedy_plain(small_llm):
     return [o.token_ids for o in small_llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("name", list(SPEC_CONFIGS))
+@pytest.mark.parametrize("name", BUSY_BATCH_CONFIGS)
 def test_greedy_busy_batch_with_preemption_is_token_identical(name, spec_llm, greedy_plain):
     llm = spec_llm(name)
     stats, sched = llm.engine.speculation.policy.stats, llm.engine.scheduler
@@ -128,6 +140,23 @@ def test_a_layers_draft_is_the_targets_first_layers_sharing_its_arrays(spec_llm)
     assert runner.draft_config.num_layers == 1 and ("layers", 1, "wq") not in draft
     for path in [("embed",), ("lm_head",), ("final_norm",), ("layers", 0, "wq")]:
         assert draft[path].get_value() is target[path].get_value(), f"{path} was copied"
+
+
+def test_a_layers_draft_in_the_targets_cache_proposes_like_the_same_layers_loaded(spec_llm):
+    """layers:1 works in the target's KV cache; the same layer loaded from a directory keeps a
+    cache of its own, synced every step. Same weights, same proposals: same acceptance."""
+    prompts, params = repetitive_requests(n=16, seed=4, max_prompt=100, max_out=40)
+    counts = []
+    for name in ("draft-layers1-k3", "draft-layer0-dir-k3"):
+        llm = spec_llm(name)
+        stats = llm.engine.speculation.policy.stats
+        before = (stats.num_draft_tokens, stats.num_accepted_tokens)
+        llm.generate(prompts, params, use_tqdm=False)
+        counts.append((stats.num_draft_tokens - before[0], stats.num_accepted_tokens - before[1]))
+        assert_idle_and_no_leak(llm)
+    (drafts_a, accepted_a), (drafts_b, accepted_b) = counts
+    assert drafts_a == drafts_b and accepted_a > 20, counts
+    assert abs(accepted_a - accepted_b) <= max(2, accepted_a // 50), counts
 
 
 def test_stops_inside_accepted_runs_match_the_plain_engine(spec_llm, small_llm):

@@ -3,9 +3,10 @@
 `load_draft` makes the draft's (config, params): `layers:N` takes the target's first N layers
 with its embedding, final norm and head (zero download; the device arrays are shared with the
 target, see share_weights), and any other spec goes through load_model and must share the
-target's tokenizer. The draft keeps its own paged KV cache with the target's page ids, and it
+target's tokenizer. A loaded draft keeps its own paged KV cache with the target's page ids and
 writes K/V for exactly the slots the target writes, so its cache is valid wherever the target's
 is: the sync pass covers every step's real tokens, the proposal passes cover the draft rows.
+A `layers:N` draft works in the target's own cache: its K/V for layers < N are the target's.
 
 This module never samples the target and never decides how many tokens to propose.
 """

@@ -2,8 +2,9 @@
 
 It wraps the engine's ModelRunner (same weights, KV pages, buckets and swaps) and adds, per
 (T, S) bucket, one compiled verification step (with the draft model's passes in front for the
-draft method) and, for the draft method, the draft's sync pass, so the draft model's own KV
-cache follows every step and every swap. All of them are compiled and timed at warm-up: the
+draft method) and, for a draft with a KV cache of its own, the draft's sync pass, so that cache
+follows every step and every swap. A `layers:N` draft needs neither: it is the target's first N
+layers, so it works in the target's own cache. All are compiled and timed at warm-up: the
 timings give the policy the cost of speculating at each batch size. Serving never compiles.
 It never decides what runs or how many tokens to propose: the scheduler and policy do.
 """
@@ -46,6 +47,7 @@ class SpeculativeRunner:
         self.k = policy.num_speculative_tokens
         attention_fn = get_attention_fn(attention_impl)
         self.draft_config = None
+        self.own_draft_cache = False  # a draft model with a paged KV cache of its own
         if draft is None:
             verify = functools.partial(step.ngram_step, base.graphdef, attention_fn, self.k)
             self._verify = jax.jit(verify, donate_argnums=(1,))
@@ -54,16 +56,20 @@ class SpeculativeRunner:
             self.draft_config = config
             self.draft_graphdef, self.draft_state = nnx.split(
                 Llama(config, params, base.dtype, base.layer_loop))
+            self.draft_kv = None
             if shares_target:
                 self.draft_state = share_weights(self.draft_state, base.state)
-            self.draft_kv = init_kv_cache(config, base.num_pages, base.page_size, base.dtype)
-            self.draft_swapper = KVSwapper(powers_of_two(1, base.buckets.max_pages_per_request))
-            self._draft_host_pages = {}
+            else:
+                self.own_draft_cache = True
+                self.draft_kv = init_kv_cache(config, base.num_pages, base.page_size, base.dtype)
+                self.draft_swapper = KVSwapper(
+                    powers_of_two(1, base.buckets.max_pages_per_request))
+                self._draft_host_pages = {}
+                sync = functools.partial(step.draft_sync_step, self.draft_graphdef, attention_fn)
+                self._sync = jax.jit(sync, donate_argnums=(1,))
             verify = functools.partial(step.draft_model_step, base.graphdef, self.draft_graphdef,
                                        attention_fn, self.k)
-            self._verify = jax.jit(verify, donate_argnums=(1, 3))
-            sync = functools.partial(step.draft_sync_step, self.draft_graphdef, attention_fn)
-            self._sync = jax.jit(sync, donate_argnums=(1,))
+            self._verify = jax.jit(verify, donate_argnums=(1, 3) if self.own_draft_cache else (1,))
         self._verify_exes, self._sync_exes = {}, {}
         self.compilations_after_warmup: int | None = None
 
@@ -81,7 +87,7 @@ class SpeculativeRunner:
 
     @property
     def num_host_swapped(self) -> int:
-        draft_pages = self._draft_host_pages if self.draft_config is not None else {}
+        draft_pages = self._draft_host_pages if self.own_draft_cache else {}
         return self.base.num_host_swapped + len(draft_pages)
 
     # ---- compilation and timing ------------------------------------------------------------
@@ -90,7 +96,7 @@ class SpeculativeRunner:
         shapes = self.base.buckets.shapes()
         lowered = {("verify", shape): self._verify.lower(*self._verify_args(self._empty(shape)))
                    for shape in shapes}
-        if self.draft_config is not None:
+        if self.own_draft_cache:
             for shape in shapes:
                 lowered[("sync", shape)] = self._sync.lower(*self._sync_args(self._empty(shape)))
         workers = max(1, min(len(lowered), os.cpu_count() or 1, 4))
@@ -100,9 +106,9 @@ class SpeculativeRunner:
             (self._verify_exes if kind == "verify" else self._sync_exes)[shape] = exe
         for shape in shapes:  # a first run can allocate: do it now
             self._run_verify(self._empty(shape))
-            if self.draft_config is not None:
+            if self.own_draft_cache:
                 self._run_sync(self._empty(shape).sync)
-        if self.draft_config is not None:
+        if self.own_draft_cache:
             self.draft_swapper.warmup(self.draft_kv)
         self.policy.set_step_costs(self._measure_costs())
         self.compilations_after_warmup = num_compilations()
@@ -129,7 +135,7 @@ class SpeculativeRunner:
 
         def plain_step(shape):
             batch, sync = empty_host_batch(*shape, p), self._empty(shape).sync
-            if self.draft_config is None:
+            if not self.own_draft_cache:
                 return lambda: np.asarray(self.base._run(batch))
             return lambda: (self._run_sync(sync).block_until_ready(),
                             np.asarray(self.base._run(batch)))
@@ -160,10 +166,10 @@ class SpeculativeRunner:
 
     # ---- one step ----------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
-        if self.draft_config is not None:
+        if self.own_draft_cache:
             self._draft_swaps(plan)
         if not any(c.num_draft_tokens for c in plan.chunks):
-            if self.draft_config is not None and plan.chunks:
+            if self.own_draft_cache and plan.chunks:
                 self._run_sync(build_host_batch(plan, self.base.buckets, self.base.page_size))
             return self.base.execute(plan)
         self.base.execute(StepPlan(swap_out=plan.swap_out, swap_in=plan.swap_in,
@@ -180,7 +186,9 @@ class SpeculativeRunner:
         if self.draft_config is None:
             packed, self.base.kv = exe(*self._verify_args(batch))
         else:
-            packed, self.base.kv, self.draft_kv = exe(*self._verify_args(batch))
+            packed, self.base.kv, draft_kv = exe(*self._verify_args(batch))
+            if self.own_draft_cache:
+                self.draft_kv = draft_kv
         packed.copy_to_host_async()
         return packed
 

@@ -1,7 +1,7 @@
 """Speculation: builds speculative decoding from an EngineConfig for the Engine to plug in.
 
-The Engine asks it three things: extra KV bytes per token (the draft's cache shares the page
-pool's page ids, so it is sized with it), the policy to hand the scheduler, and to wrap the
+The Engine asks it three things: extra KV bytes per token (a separate draft's cache shares the
+page pool's page ids, so it is sized with it), the policy to hand the scheduler, and to wrap the
 ModelRunner. With speculation off every answer is neutral (0, None, the runner itself), so the
 engine has no branch of its own. Loading only: nothing here runs a step.
 """
@@ -39,7 +39,10 @@ class Speculation:
         return cls(config, policy, draft)
 
     def draft_kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 0 if self.draft is None else self.draft[0].kv_bytes_per_token(dtype_bytes)
+        """0 without a draft, or for `layers:N` (it works in the target's cache)."""
+        if self.draft is None or self.draft[2]:
+            return 0
+        return self.draft[0].kv_bytes_per_token(dtype_bytes)
 
     def wrap(self, runner):
         """The runner the engine steps: `runner` itself, or a SpeculativeRunner around it."""

@@ -51,14 +51,21 @@ def draft_model_step(graphdef, draft_graphdef, attention_fn, k, state, kv, draft
                      *sampling):
     """Draft passes, then verification of their proposals.
 
+    draft_kv None: the draft is the target's first layers and works in the target's own cache
+    (its K/V there are the target's; the verification rewrites every slot it wrote).
     Returns (packed [2, S, k+1], kv, draft_kv)."""
     temperature, top_k, top_p, min_p, seeds, output_index, any_sampling = sampling
     draft_model = nnx.merge(draft_graphdef, draft_state)
     sync = StepInputs(sync_token_ids, sync_positions, sync_slot_mapping, sync_cu_q_lens,
                       sync_kv_lens, page_table, num_seqs, sync_logits_indices)
-    drafts, q, draft_kv = draft.propose(draft_model, attention_fn, draft_kv, sync, num_drafts,
-                                        k, temperature, top_k, top_p, min_p, seeds,
-                                        output_index, any_sampling)  # [S, k], [S, k, V]
+    drafts, q, cache = draft.propose(draft_model, attention_fn,
+                                     kv if draft_kv is None else draft_kv, sync, num_drafts, k,
+                                     temperature, top_k, top_p, min_p, seeds, output_index,
+                                     any_sampling)  # [S, k], [S, k, V]
+    if draft_kv is None:
+        kv = cache
+    else:
+        draft_kv = cache
     # The proposals take their places among the target's rows and in the verification rows.
     token_ids = token_ids.at[draft_rows.reshape(-1)].set(drafts.reshape(-1), mode="drop")
     num_req = kv_lens.shape[0]
