@@ -8,8 +8,10 @@ Cost follows the real work: query rows are processed in blocks of `q_block` rows
 block walks only the KV tiles that its own rows need (a while loop bounded by the block's
 largest context), so decode rows never pay for a long prefill row or for padding rows.
 A block whose rows all belong to one request (a prefill chunk) gathers each KV tile once and
-shares it across its rows; a mixed block (decode rows) gathers per row. Memory is
-O(q_block * tile), never O(T * context).
+shares it across its rows; a mixed block (decode rows) gathers per row, in smaller tiles
+(`row_tile_pages`, default 2 pages): on a 2-core CPU, 16 decode rows at 320 tokens of context
+measured 4.6 ms per layer with 8-page tiles and 1.9 ms with 2-page ones, since the gathered
+per-row tile then stays in cache. Memory is O(q_block * tile), never O(T * context).
 """
 
 from __future__ import annotations
@@ -97,7 +99,8 @@ def _attend_rows(q, k_pages, v_pages, layer, page_rows, positions, *, sm_scale, 
     return out.reshape(num_rows, num_heads, head_dim).astype(q.dtype)
 
 
-def _blocked(q, k_pages, v_pages, layer, page_table, seq_ids, positions, *, q_block, **kw):
+def _blocked(q, k_pages, v_pages, layer, page_table, seq_ids, positions, *, q_block,
+             tile_pages, row_tile_pages, **kw):
     """Split rows into blocks of q_block; each block loops only over its own tiles."""
     num_rows = q.shape[0]
     q_block = min(q_block, num_rows)
@@ -112,9 +115,10 @@ def _blocked(q, k_pages, v_pages, layer, page_table, seq_ids, positions, *, q_bl
         page_rows = page_table[seq_ids]  # [R, P]
         one_request = jnp.all((seq_ids == seq_ids[0]) | (positions < 0))
         args = (q, k_pages, v_pages, layer, page_rows, positions)
-        return jax.lax.cond(one_request,
-                            lambda a: _attend_rows(*a, shared=True, **kw),
-                            lambda a: _attend_rows(*a, shared=False, **kw), args)
+        return jax.lax.cond(
+            one_request,
+            lambda a: _attend_rows(*a, shared=True, tile_pages=tile_pages, **kw),
+            lambda a: _attend_rows(*a, shared=False, tile_pages=row_tile_pages, **kw), args)
 
     if num_blocks == 1:
         out = block(q, seq_ids, positions)
@@ -127,11 +131,12 @@ def _blocked(q, k_pages, v_pages, layer, page_table, seq_ids, positions, *, q_bl
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window",
-                                             "q_block", "tile_pages"))
+                                             "q_block", "tile_pages",
+                                             "row_tile_pages"))
 def ragged_paged_attention(q, k_pages, v_pages, layer, kv_lens, page_table, cu_q_lens, num_seqs,
                            *, sm_scale: float, soft_cap: float | None = None,
                            sliding_window: int | None = None, q_block: int = 16,
-                           tile_pages: int = 8):
+                           tile_pages: int = 8, row_tile_pages: int = 2):
     """Mixed prefill/decode attention over a ragged token batch.
 
     q: [T, Hq, D]; k_pages, v_pages: [L, N, page_size, Hkv, D]; layer: i32 scalar;
@@ -145,14 +150,15 @@ def ragged_paged_attention(q, k_pages, v_pages, layer, kv_lens, page_table, cu_q
     seq_ids, positions = token_metadata(kv_lens, cu_q_lens, num_seqs, q.shape[0])
     return _blocked(q, k_pages, v_pages, layer, page_table, seq_ids, positions, q_block=q_block,
                     sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
-                    tile_pages=tile_pages)
+                    tile_pages=tile_pages, row_tile_pages=row_tile_pages)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window",
-                                             "q_block", "tile_pages"))
+                                             "q_block", "tile_pages",
+                                             "row_tile_pages"))
 def paged_attention(q, k_pages, v_pages, layer, kv_lens, page_table, *, sm_scale: float,
                     soft_cap: float | None = None, sliding_window: int | None = None,
-                    q_block: int = 16, tile_pages: int = 8):
+                    q_block: int = 16, tile_pages: int = 8, row_tile_pages: int = 2):
     """Decode attention: one query row per request.
 
     q: [S, Hq, D]; kv_lens: [S] context length including the current token (0 = unused row,
@@ -162,4 +168,4 @@ def paged_attention(q, k_pages, v_pages, layer, kv_lens, page_table, *, sm_scale
     seq_ids = jnp.arange(q.shape[0], dtype=jnp.int32)
     return _blocked(q, k_pages, v_pages, layer, page_table, seq_ids, positions, q_block=q_block,
                     sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
-                    tile_pages=tile_pages)
+                    tile_pages=tile_pages, row_tile_pages=row_tile_pages)
