@@ -35,7 +35,7 @@ class EngineConfig:
     layer_loop: str = "auto"                  # unroll on CPU, scan elsewhere
     max_queued_requests: int | None = None
     seed: int = 0
-    token_buckets: tuple[int, ...] | None = None  # default: powers of two from 16
+    token_buckets: tuple[int, ...] | None = None  # default: 1, 4, then powers of two from 16
     seq_buckets: tuple[int, ...] | None = None    # default: powers of two from 1
     compile_cache_dir: str | None = None      # default ~/.cache/jaxserve/xla; "" disables
     tensor_parallel_size: int = 1

@@ -149,6 +149,23 @@ def test_ragged_soft_cap_and_sliding_window_match_reference():
     check_ragged(True, 4, 16, jnp.float32, soft_cap=3.0, sliding_window=13)
 
 
+@pytest.mark.parametrize("num_rows,q_lens", [(1, [1]), (4, [1, 1, 1])])
+def test_ragged_in_the_smallest_token_buckets_matches_reference(num_rows, q_lens):
+    """The default buckets start at T=1 and T=4: decode rows alone, then a padding row."""
+    rng = np.random.default_rng([num_rows, 11])
+    page_size, kw = 8, {"sm_scale": 32 ** -0.5}
+    kv_lens = [int(x) for x in rng.integers(1, PAGES_PER_SEQ * page_size + 1, MAX_SEQS)]
+    q, k, v, layer, kv, table = make_inputs(rng, q_lens, kv_lens, 3, page_size, 32,
+                                            jnp.float32, num_rows)
+    cu_q_lens = np.full(MAX_SEQS + 1, len(q_lens), np.int32)
+    cu_q_lens[:len(q_lens) + 1] = np.arange(len(q_lens) + 1)
+    args = (q, k, v, layer, kv, table, jnp.asarray(cu_q_lens), jnp.int32(len(q_lens)))
+    ref = compile_once(functools.partial(reference.ragged_paged_attention, **kw), *args)
+    kernel = compile_once(functools.partial(ragged_paged_attention, interpret=True, **kw), *args)
+    assert_close(kernel(*args), ref(*args), jnp.float32, np.arange(num_rows) < len(q_lens),
+                 f"T={num_rows} kv_lens={kv_lens[:len(q_lens)]}")
+
+
 @pytest.mark.parametrize("group,page_size,dtype,splits", [
     (1, 16, jnp.float32, 1), (3, 8, jnp.float32, 3), (8, 16, jnp.bfloat16, 2)])
 def test_decode_matches_reference(group, page_size, dtype, splits):
