@@ -99,6 +99,27 @@ def _attend_rows(q, k_pages, v_pages, layer, page_rows, positions, *, sm_scale, 
     return out.reshape(num_rows, num_heads, head_dim).astype(q.dtype)
 
 
+def _attend_sorted_rows(q, k_pages, v_pages, layer, page_rows, positions, *, tile_pages,
+                        rows_per_loop: int = 4, **kw):
+    """Per-row attention with rows sorted by context, `rows_per_loop` rows per tile loop.
+
+    A loop walks its longest row's tiles for every row in it, so mixing one long context with
+    short ones would make all of them pay for the long one (16 decode rows, one at 1000 tokens
+    and fifteen at 200, measured 4.1 ms per layer vs 1.3 ms for all at 200). Sorted groups of
+    a few rows keep each loop close to its own rows' lengths."""
+    num_rows = q.shape[0]
+    if num_rows <= rows_per_loop:
+        return _attend_rows(q, k_pages, v_pages, layer, page_rows, positions, shared=False,
+                            tile_pages=tile_pages, **kw)
+    order = jnp.argsort(positions)
+    q, page_rows, positions = q[order], page_rows[order], positions[order]
+    outs = [_attend_rows(q[i:i + rows_per_loop], k_pages, v_pages, layer,
+                         page_rows[i:i + rows_per_loop], positions[i:i + rows_per_loop],
+                         shared=False, tile_pages=tile_pages, **kw)
+            for i in range(0, num_rows, rows_per_loop)]
+    return jnp.zeros_like(q).at[order].set(jnp.concatenate(outs))
+
+
 def _blocked(q, k_pages, v_pages, layer, page_table, seq_ids, positions, *, q_block,
              tile_pages, row_tile_pages, **kw):
     """Split rows into blocks of q_block; each block loops only over its own tiles."""
@@ -118,7 +139,7 @@ def _blocked(q, k_pages, v_pages, layer, page_table, seq_ids, positions, *, q_bl
         return jax.lax.cond(
             one_request,
             lambda a: _attend_rows(*a, shared=True, tile_pages=tile_pages, **kw),
-            lambda a: _attend_rows(*a, shared=False, tile_pages=row_tile_pages, **kw), args)
+            lambda a: _attend_sorted_rows(*a, tile_pages=row_tile_pages, **kw), args)
 
     if num_blocks == 1:
         out = block(q, seq_ids, positions)
