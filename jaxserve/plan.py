@@ -61,6 +61,10 @@ class SwapIn:
 class StepPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)  # decode chunks first
     num_padding_rows: int = 0      # static batching: rows a padded batch computes for nothing
+    # Static batching: how many of those padding rows are finished members' slots. Each is
+    # computed like a decode row over the longest member's context (a padded batch's
+    # rows all share one length), reading its pages and writing only scratch page 0.
+    num_finished_slots: int = 0
     swap_out: list[SwapOut] = field(default_factory=list)
     swap_in: list[SwapIn] = field(default_factory=list)
     dropped_swaps: list[str] = field(default_factory=list)  # host copies no longer needed

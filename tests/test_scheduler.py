@@ -72,3 +72,29 @@ def test_decode_rows_come_before_prefill_chunks():
     plan, _ = run_step(sched)
     assert [c.num_tokens for c in plan.chunks][0] == 1
     assert plan.chunks[1].num_tokens == 31
+
+
+def test_static_batch_computes_finished_members_slots_over_the_longest_context():
+    from jaxserve.runner.batch import build_host_batch
+    from jaxserve.runner.buckets import BucketTable
+
+    sched = make_scheduler(batching="static")
+    members = add(sched, 4, prompt_len=10, max_tokens=6)
+    members[0].sampling = SamplingParams(max_tokens=1, temperature=0)
+    members[3].all_token_ids.extend([9] * 20)  # the longest member: 30 prompt tokens
+    run_step(sched)
+    run_step(sched)  # member 0 has finished; the batch still steps its slot
+    plan = sched.schedule()
+    assert len(plan.chunks) == 3 and plan.num_finished_slots == 1
+    assert plan.num_padding_rows >= 1
+    table = BucketTable.build(32, 4, 512, 16)
+    batch = build_host_batch(plan, table, 16)
+    longest = max(plan.chunks, key=lambda c: c.kv_len)
+    slot = len(plan.chunks)  # the finished slot is the sequence after the live ones
+    assert int(batch.num_seqs) == 4
+    assert batch.kv_lens[slot] == longest.kv_len
+    assert list(batch.page_table[slot, :len(longest.page_table)]) == list(longest.page_table)
+    row = batch.cu_q_lens[slot]
+    assert batch.cu_q_lens[slot + 1] == row + 1
+    assert batch.positions[row] == longest.kv_len - 1
+    assert batch.slot_mapping[row] == 0, "a finished slot must write only scratch page 0"
