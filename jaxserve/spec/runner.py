@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,7 +26,7 @@ from jaxserve.plan import StepPlan
 from jaxserve.runner.batch import build_host_batch, empty_host_batch
 from jaxserve.runner.buckets import powers_of_two
 from jaxserve.runner.compile_count import num_compilations
-from jaxserve.runner.model_runner import ModelRunner, StepResult
+from jaxserve.runner.model_runner import ModelRunner, StepResult, compile_threads
 from jaxserve.runner.swap import KVSwapper
 from jaxserve.spec import step
 from jaxserve.spec.batch import build_spec_batch, empty_spec_batch
@@ -99,7 +98,7 @@ class SpeculativeRunner:
         if self.own_draft_cache:
             for shape in shapes:
                 lowered[("sync", shape)] = self._sync.lower(*self._sync_args(self._empty(shape)))
-        workers = max(1, min(len(lowered), os.cpu_count() or 1, 4))
+        workers = compile_threads(len(lowered))
         with ThreadPoolExecutor(workers) as pool:
             compiled = dict(zip(lowered, pool.map(lambda low: low.compile(), lowered.values())))
         for (kind, shape), exe in compiled.items():
