@@ -99,16 +99,8 @@ class SpeculativeRunner:
             for shape in shapes:
                 lowered[("sync", shape)] = self._sync.lower(*self._sync_args(self._empty(shape)))
         workers = compile_threads(len(lowered))
-        # Kept out of the persistent compilation cache: with jaxlib 0.10.2 on CPU, writing or
-        # reading these verify executables there segfaulted in clean-cache CI runs.
-        enabled = jax.config.jax_enable_compilation_cache
-        jax.config.update("jax_enable_compilation_cache", False)
-        try:
-            with ThreadPoolExecutor(workers) as pool:
-                compiled = dict(zip(lowered, pool.map(lambda low: low.compile(),
-                                                      lowered.values())))
-        finally:
-            jax.config.update("jax_enable_compilation_cache", enabled)
+        with ThreadPoolExecutor(workers) as pool:
+            compiled = dict(zip(lowered, pool.map(lambda low: low.compile(), lowered.values())))
         for (kind, shape), exe in compiled.items():
             (self._verify_exes if kind == "verify" else self._sync_exes)[shape] = exe
         for shape in shapes:  # a first run can allocate: do it now
