@@ -64,15 +64,6 @@ def enable_compile_cache(cache_dir: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def compile_threads(num_jobs: int) -> int:
-    """Threads for ahead-of-time compiles: 1 unless JAXSERVE_COMPILE_THREADS says more.
-
-    Parallel compiles were faster to start, but a clean-cache CI run (jax 0.10.2, CPU) died
-    with a segfault inside `executable.serialize()` (the persistent-cache write) while another
-    thread compiled; it did not reproduce alone, so compiles are serial by default."""
-    return max(1, min(num_jobs, int(os.environ.get("JAXSERVE_COMPILE_THREADS", "1"))))
-
-
 def _step(graphdef, attention_fn, state, kv, token_ids, positions, slot_mapping,
           cu_q_lens, kv_lens, page_table, num_seqs, logits_indices, temperature, top_k, top_p,
           min_p, seeds, output_index, any_sampling):
@@ -121,7 +112,8 @@ class ModelRunner:
     def warmup(self, progress: bool = True) -> None:
         """Compile every bucket (and the swap copies) ahead of time, then run each once.
 
-        Tracing is serial (Python); XLA compiles run on compile_threads() threads.
+        Tracing is serial (Python); XLA compiles run on a small thread pool, since the
+        compiler releases the GIL and start-up time is mostly compile time.
         """
         shapes = self.buckets.shapes()
         batches = {shape: empty_host_batch(*shape, self.buckets.max_pages_per_request)
@@ -129,7 +121,7 @@ class ModelRunner:
         lowered = {shape: self._jitted.lower(self.state, self.kv, *b.model_inputs(),
                                              *b.sampling_inputs())
                    for shape, b in batches.items()}
-        workers = compile_threads(len(shapes))
+        workers = max(1, min(len(shapes), os.cpu_count() or 1, 4))
         with ThreadPoolExecutor(workers) as pool, tqdm(
                 total=len(shapes), desc="compiling step buckets", disable=not progress) as bar:
             futures = {pool.submit(low.compile): shape for shape, low in lowered.items()}

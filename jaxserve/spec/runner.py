@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,7 +27,7 @@ from jaxserve.plan import StepPlan
 from jaxserve.runner.batch import build_host_batch, empty_host_batch
 from jaxserve.runner.buckets import powers_of_two
 from jaxserve.runner.compile_count import num_compilations
-from jaxserve.runner.model_runner import ModelRunner, StepResult, compile_threads
+from jaxserve.runner.model_runner import ModelRunner, StepResult
 from jaxserve.runner.swap import KVSwapper
 from jaxserve.spec import step
 from jaxserve.spec.batch import build_spec_batch, empty_spec_batch
@@ -98,7 +99,7 @@ class SpeculativeRunner:
         if self.own_draft_cache:
             for shape in shapes:
                 lowered[("sync", shape)] = self._sync.lower(*self._sync_args(self._empty(shape)))
-        workers = compile_threads(len(lowered))
+        workers = max(1, min(len(lowered), os.cpu_count() or 1, 4))
         with ThreadPoolExecutor(workers) as pool:
             compiled = dict(zip(lowered, pool.map(lambda low: low.compile(), lowered.values())))
         for (kind, shape), exe in compiled.items():
