@@ -36,3 +36,30 @@ def make_llm(seed: int = 0, model_overrides: dict | None = None, **settings):
 def small_llm():
     """The default tiny engine; tests must leave it idle (every request finished)."""
     return make_llm()
+
+
+def _memory_mappings() -> int:
+    try:
+        with open("/proc/self/maps") as maps:
+            return sum(1 for _ in maps)
+    except OSError:  # not Linux: no per-process mapping limit to watch
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def _release_executables_when_mappings_pile_up():
+    """Drop JAX's in-memory executable caches once the process holds many memory mappings.
+
+    Every loaded CPU executable holds mappings, and the jit / op-by-op caches never let go:
+    the eager forward passes in test_model.py alone load tens of thousands, and a whole-suite
+    run that kept them crossed the kernel's vm.max_map_count (65530) and segfaulted inside
+    XLA. Engines keep their own ahead-of-time executables, so shared fixtures are unaffected;
+    released jit functions recompile (or hit the persistent cache) when next called."""
+    yield
+    if _memory_mappings() > 20000:
+        import gc
+
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
