@@ -74,10 +74,10 @@ def build_host_batch(plan: StepPlan, buckets: BucketTable, page_size: int) -> Ho
                 sr.temperature, sr.top_k, sr.top_p, sr.min_p)
             b.seeds[i], b.output_index[i] = sr.seed, sr.output_index
         row += n
+    # A finished static member's slot: a decode row over the longest member's pages (read
+    # only); its own K/V goes to scratch page 0 and nothing samples it.
+    table = np.asarray(longest.page_table if finished_slots else [], dtype=np.int32)
     for i in range(num_seqs, num_seqs + finished_slots):
-        # A finished static member's slot: a decode row over the longest member's pages
-        # (read only); its own K/V goes to scratch page 0 and nothing samples it.
-        table = np.asarray(longest.page_table, dtype=np.int32)
         b.positions[row] = longest.kv_len - 1
         b.page_table[i, :len(table)] = table
         b.kv_lens[i] = longest.kv_len
