@@ -123,7 +123,7 @@ def cmd_generate(args) -> int:
 def cmd_serve(args) -> int:
     from jaxserve.server.grpc_server import run_server
     return run_server(engine_config_from_args(args), host=args.host, port=args.port,
-                      shutdown_timeout=args.shutdown_timeout)
+                      shutdown_timeout=args.shutdown_timeout, metrics_port=args.metrics_port)
 
 
 def cmd_convert(args) -> int:
@@ -150,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=50051)
+    serve.add_argument("--metrics-port", type=int, default=None,
+                       help="also serve Prometheus metrics over HTTP at "
+                            "http://HOST:PORT/metrics (off unless given)")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds to drain in-flight requests after SIGTERM")
     serve.set_defaults(func=cmd_serve)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from jaxserve.config import EngineConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.metrics import EngineMetrics
 from jaxserve.page_manager import PageManager
 from jaxserve.request import FinishReason, Request, SamplingParams, TokenEvent
 from jaxserve.scheduler import Scheduler
@@ -45,6 +46,7 @@ class RequestOutput:
     error: str | None = None
     num_cached_tokens: int = 0
     time_to_first_token: float | None = None
+    latency: float | None = None  # arrival to finish, seconds (set when finished)
 
 
 def size_page_pool(config: EngineConfig, kv_bytes_per_token: int, max_model_len: int) -> int:
@@ -117,6 +119,7 @@ class Engine:
         self._arrivals = itertools.count()
         self._seed_rng = random.Random(config.seed)
         self.num_steps = 0
+        self.metrics = EngineMetrics(self)
 
     # ---- requests ---------------------------------------------------------------------
     def make_request(self, prompt: str | list[int] | None = None,
@@ -174,18 +177,24 @@ class Engine:
     def abort(self, request_id: str) -> RequestOutput | None:
         if not self.scheduler.finish(request_id, FinishReason.ABORT):
             return None
-        return self._emit(TokenEvent(request_id, (), (), FinishReason.ABORT))
+        out = self._emit(TokenEvent(request_id, (), (), FinishReason.ABORT))
+        self.metrics.observe_outputs([out] if out is not None else [])
+        return out
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending_events)
 
     # ---- the loop -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         plan = self.scheduler.schedule()
         result = self.runner.execute(plan)
         events = self.scheduler.update(plan, result.token_ids, result.logprobs)
         self.num_steps += 1
-        return self._process(events)
+        outputs = self._process(events)
+        self.metrics.observe_step(time.perf_counter() - start)
+        self.metrics.observe_outputs(outputs)
+        return outputs
 
     def _process(self, events: list[TokenEvent]) -> list[RequestOutput]:
         if self._pending_events:
@@ -206,10 +215,11 @@ class Engine:
         self.scheduler.finish(request_id, FinishReason.ERROR)
         out = self._outputs.pop(request_id, None)
         self._detok.pop(request_id, None)
-        self._live.pop(request_id, None)
+        request = self._live.pop(request_id, None)
         if out is None:
             return None
         out.finished, out.finish_reason, out.error = True, FinishReason.ERROR.value, message
+        out.latency = time.monotonic() - request.arrival_time
         out.new_token_ids, out.new_text = [], ""
         return out
 
@@ -243,6 +253,7 @@ class Engine:
         out.num_cached_tokens = request.num_cached_tokens
         if reason is not None:
             out.finished, out.finish_reason, out.error = True, reason.value, error
+            out.latency = time.monotonic() - request.arrival_time
             del self._outputs[rid], self._detok[rid], self._live[rid]
         return dataclasses.replace(  # a snapshot: later steps must not change it
             out, token_ids=list(out.token_ids),

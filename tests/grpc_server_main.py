@@ -1,6 +1,6 @@
 """Run `run_server` with the tiny test model, for tests that need a real server process.
 
-    python tests/grpc_server_main.py [--port 0] [--shutdown-timeout 30]
+    python tests/grpc_server_main.py [--port 0] [--shutdown-timeout 30] [--metrics-port 0]
 
 Uses the shapes in conftest.SMALL_ENGINE so warm-up hits the persistent compile cache the test
 session configured (the environment is inherited). Logs "listening on HOST:PORT" on stderr;
@@ -29,12 +29,14 @@ def main() -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--shutdown-timeout", type=float, default=30.0)
+    parser.add_argument("--metrics-port", type=int, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     config = EngineConfig.from_kwargs(**SMALL_ENGINE)
     return run_server(config, host=args.host, port=args.port,
-                      shutdown_timeout=args.shutdown_timeout, loaded=tiny_loaded())
+                      shutdown_timeout=args.shutdown_timeout, loaded=tiny_loaded(),
+                      metrics_port=args.metrics_port)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import runpy
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -45,7 +46,7 @@ def health_or_unavailable(client: JaxServeClient, service: str = "") -> str:
 def server_process():
     """A `run_server` process; records the health statuses seen while it started."""
     proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "grpc_server_main.py"),
-                             "--port", "0", "--shutdown-timeout", "30"],
+                             "--port", "0", "--shutdown-timeout", "30", "--metrics-port", "0"],
                             stderr=subprocess.PIPE, text=True, cwd=ROOT)
     lines = []
     for line in proc.stderr:
@@ -55,8 +56,13 @@ def server_process():
             break
     else:
         pytest.fail(f"server process exited before listening:\n{''.join(lines)}")
-    reader = concurrent.futures.ThreadPoolExecutor(1)  # keep draining stderr: never block it
-    log = reader.submit(lambda: lines + list(proc.stderr))
+    def drain():  # keep reading stderr (never let it block the server); lines grow as it logs
+        for line in proc.stderr:
+            lines.append(line)
+        return lines
+
+    reader = concurrent.futures.ThreadPoolExecutor(1)
+    log = reader.submit(drain)
     client = JaxServeClient(match.group(1), timeout=60.0)
     seen, early_call = [], None
     deadline = time.monotonic() + 180
@@ -68,7 +74,7 @@ def server_process():
             with pytest.raises(JaxServeError) as early_call:
                 client.generate_text("too early")
         time.sleep(0.02)
-    yield SimpleNamespace(proc=proc, client=client, health_seen=seen, log=log,
+    yield SimpleNamespace(proc=proc, client=client, health_seen=seen, log=log, lines=lines,
                           early_call=early_call and early_call.value)
     client.close()
     if proc.poll() is None:
@@ -81,6 +87,18 @@ def test_health_goes_not_serving_then_serving_around_warm_up(server_process):
     assert server_process.health_seen == ["NOT_SERVING", "SERVING"], server_process.health_seen
     assert server_process.early_call.code == grpc.StatusCode.UNAVAILABLE, "call while loading"
     assert health_or_unavailable(server_process.client, "jaxserve.v1.JaxServe") == "SERVING"
+
+
+def test_metrics_port_serves_what_the_server_did(server_process):
+    server_process.client.generate_text("count me", SamplingParams(max_tokens=3, **GREEDY))
+    urls = [m.group(1) for line in list(server_process.lines)
+            if (m := re.search(r"Prometheus metrics on (\S+/metrics)", line))]
+    assert urls, "the server logged no metrics address"
+    with urllib.request.urlopen(urls[0], timeout=10) as response:
+        text = response.read().decode()
+    # The one request that reached the engine (the early call was refused while loading).
+    assert 'jaxserve_requests_finished_total{finish_reason="length"} 1.0' in text, text
+    assert "jaxserve_generation_tokens_total 3.0" in text, text
 
 
 def test_sigterm_drains_8_in_flight_requests_refuses_new_ones_and_exits_0(server_process):

@@ -140,8 +140,9 @@ def report_lines(results: dict) -> list[str]:
            f"* command: `{results['command']}` (scale `{results['scale_name']}`)",
            f"* machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM; {m['platform']};"
            f" Python {m['python']}, jax {m['jax']} ({m['backend']})",
-           f"* load average at start {m['load_avg_start']}, at end {m.get('load_avg_end')}: "
-           "other jobs shared these cores during the run, so every figure is noisy.",
+           f"* load average at start {m['load_avg_start']}, at end {m.get('load_avg_end')} "
+           "(the suite alone keeps the 1-minute figure near 1.5; more means other jobs shared "
+           "the cores and the figures are noisy).",
            f"* A/Bs with a target run {sc['rounds']} round(s), A B B A, and each side reports "
            "its best round (all rounds are in results.json); the others run once.",
            "* engine settings shared by every A/B (each B changes one): "

@@ -246,7 +246,7 @@ def _install_stop_signals(stop: asyncio.Event) -> None:
 
 
 async def serve(engine_config: EngineConfig, host: str, port: int, shutdown_timeout: float,
-                loaded=None) -> int:
+                loaded=None, metrics_port: int | None = None) -> int:
     """run_server's body, on the running event loop."""
     from jaxserve.engine import Engine
 
@@ -270,6 +270,10 @@ async def serve(engine_config: EngineConfig, host: str, port: int, shutdown_time
         raise
     async_engine = AsyncEngine(engine)
     async_engine.start()
+    metrics_http = None
+    if metrics_port is not None:
+        metrics_http, _ = engine.metrics.serve_http(metrics_port, host)
+        log.info("Prometheus metrics on http://%s:%d/metrics", host, metrics_http.server_port)
     await handle.attach(async_engine)
     log.info("serving %s on %s: max_model_len %d, %d KV pages of %d tokens (health SERVING)",
              engine.model_name, handle.address, engine.max_model_len, engine.pages.num_pages,
@@ -285,12 +289,16 @@ async def serve(engine_config: EngineConfig, host: str, port: int, shutdown_time
              async_engine.num_in_flight, shutdown_timeout)
     await handle.shutdown(shutdown_timeout)
     async_engine.stop(timeout=10.0)
+    if metrics_http is not None:
+        metrics_http.shutdown()
     log.info("shutdown complete")
     return 0
 
 
 def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 50051,
-               shutdown_timeout: float = 30.0, loaded=None) -> int:
+               shutdown_timeout: float = 30.0, loaded=None, metrics_port: int | None = None
+               ) -> int:
     """Serve until SIGTERM/SIGINT, then drain and return 0 (the process exit code); 1 when the
     engine thread dies."""
-    return asyncio.run(serve(engine_config, host, port, shutdown_timeout, loaded=loaded))
+    return asyncio.run(serve(engine_config, host, port, shutdown_timeout, loaded=loaded,
+                             metrics_port=metrics_port))
