@@ -219,7 +219,8 @@ class Engine:
         if out is None:
             return None
         out.finished, out.finish_reason, out.error = True, FinishReason.ERROR.value, message
-        out.latency = time.monotonic() - request.arrival_time
+        if request is not None:
+            out.latency = time.monotonic() - request.arrival_time
         out.new_token_ids, out.new_text = [], ""
         return out
 

@@ -144,3 +144,27 @@ def test_pallas_kernels_in_interpret_mode_give_the_reference_greedy_tokens(small
     got = [o.token_ids for o in pallas.generate(prompts, params, use_tqdm=False)]
     assert got == want
     assert_idle_and_no_leak(pallas)
+
+
+def test_a_failure_while_emitting_one_request_fails_only_that_request(small_llm):
+    engine = small_llm.engine
+    errors_before = engine.metrics.registry.get_sample_value(
+        "jaxserve_requests_finished_total", {"finish_reason": "error"}) or 0.0
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    want = small_llm.generate([[7, 8, 9]], params, use_tqdm=False)[0].token_ids
+    good = engine.add_request([7, 8, 9], params)
+    bad = engine.add_request([10, 11, 12, 13], params)
+
+    def broken(token_ids):
+        raise RuntimeError("detokenizer broke")
+
+    engine._detok[bad].add_tokens = broken
+    outs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[out.request_id] = out
+    assert outs[bad].finish_reason == "error" and "detokenizer broke" in outs[bad].error
+    assert outs[good].finish_reason == "length" and outs[good].token_ids == want
+    assert engine.metrics.registry.get_sample_value(
+        "jaxserve_requests_finished_total", {"finish_reason": "error"}) == errors_before + 1
+    assert_idle_and_no_leak(small_llm)
