@@ -139,7 +139,8 @@ class Scheduler:
         if not preempted and not self.swapped and self._may_admit():
             budget = self._schedule_waiting(scheduled, budget)
         if self.static and self._static_batch:
-            plan.num_padding_rows = self._static_padding(plan, budget)
+            plan.num_finished_slots, pad = self._static_padding(budget)
+            plan.num_padding_rows = plan.num_finished_slots + pad
 
         scheduled.sort(key=lambda item: item[1] != 1)  # decode rows first
         plan.chunks = [self._chunk(r, n) for r, n in scheduled]
@@ -208,13 +209,12 @@ class Scheduler:
             self._static_pad_left = sum(longest - r.num_tokens for r in new_batch)
         return budget
 
-    def _static_padding(self, plan: StepPlan, budget: int) -> int:
-        """Rows a padded static batch would compute: finished members' slots, prompt padding."""
+    def _static_padding(self, budget: int) -> tuple[int, int]:
+        """Rows a padded static batch would compute: (finished members' slots, prompt padding)."""
         finished = min(sum(rid not in self.requests for rid in self._static_batch), budget)
         pad = min(self._static_pad_left, budget - finished)
         self._static_pad_left -= pad
-        plan.num_finished_slots = finished
-        return finished + pad
+        return finished, pad
 
     def _start_running(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING

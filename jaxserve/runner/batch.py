@@ -48,8 +48,7 @@ class HostBatch:
 def build_host_batch(plan: StepPlan, buckets: BucketTable, page_size: int) -> HostBatch:
     num_tokens = plan.num_tokens + plan.num_padding_rows
     num_seqs = len(plan.chunks)
-    longest = max(plan.chunks, key=lambda c: c.kv_len, default=None)
-    finished_slots = plan.num_finished_slots if longest is not None else 0
+    finished_slots = plan.num_finished_slots if plan.chunks else 0  # static batching only
     t, s = buckets.select(num_tokens, num_seqs + finished_slots)
     p = buckets.max_pages_per_request
     b = empty_host_batch(t, s, p)
@@ -74,21 +73,29 @@ def build_host_batch(plan: StepPlan, buckets: BucketTable, page_size: int) -> Ho
                 sr.temperature, sr.top_k, sr.top_p, sr.min_p)
             b.seeds[i], b.output_index[i] = sr.seed, sr.output_index
         row += n
-    # A finished static member's slot: a decode row over the longest member's pages (read
-    # only); its own K/V goes to scratch page 0 and nothing samples it.
-    table = np.asarray(longest.page_table if finished_slots else [], dtype=np.int32)
-    for i in range(num_seqs, num_seqs + finished_slots):
+    if finished_slots:
+        row = _fill_finished_slots(b, plan, num_seqs, row, finished_slots)
+        num_seqs += finished_slots
+    b.cu_q_lens[num_seqs + 1:] = row
+    b.num_seqs[...] = num_seqs
+    b.any_sampling[...] = bool(np.any(b.temperature[:num_seqs] > 0))
+    return b
+
+
+def _fill_finished_slots(b: HostBatch, plan: StepPlan, first: int, row: int, count: int) -> int:
+    """Static batching: a finished member's slot is a decode row over the longest member's
+    pages (read only); its own K/V goes to scratch page 0 and nothing samples it. Returns the
+    next free row."""
+    longest = max(plan.chunks, key=lambda c: c.kv_len)
+    table = np.asarray(longest.page_table, dtype=np.int32)
+    for i in range(first, first + count):
         b.positions[row] = longest.kv_len - 1
         b.page_table[i, :len(table)] = table
         b.kv_lens[i] = longest.kv_len
         b.cu_q_lens[i + 1] = row + 1
         b.logits_indices[i] = row
         row += 1
-    num_seqs += finished_slots
-    b.cu_q_lens[num_seqs + 1:] = row
-    b.num_seqs[...] = num_seqs
-    b.any_sampling[...] = bool(np.any(b.temperature[:num_seqs] > 0))
-    return b
+    return row
 
 
 def empty_host_batch(t: int, s: int, p: int) -> HostBatch:
