@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import typing
 
@@ -120,10 +121,25 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def http_settings_from_args(args):
+    """The OpenAI HTTP front end's settings, or None when --http-port is 0."""
+    from jaxserve.server.http_server import HttpSettings
+    if args.http_port == 0:
+        return None
+    template = None
+    if args.chat_template is not None:
+        with open(args.chat_template, encoding="utf-8") as f:
+            template = f.read()
+    return HttpSettings(port=args.http_port, served_model_name=args.served_model_name,
+                        api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY") or None,
+                        chat_template=template, max_body_bytes=args.http_max_body_bytes)
+
+
 def cmd_serve(args) -> int:
     from jaxserve.server.grpc_server import run_server
     return run_server(engine_config_from_args(args), host=args.host, port=args.port,
-                      shutdown_timeout=args.shutdown_timeout, metrics_port=args.metrics_port)
+                      shutdown_timeout=args.shutdown_timeout, metrics_port=args.metrics_port,
+                      http=http_settings_from_args(args))
 
 
 def cmd_convert(args) -> int:
@@ -146,10 +162,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="serve the gRPC Generate API")
+    serve = sub.add_parser("serve", help="serve the gRPC Generate API and the OpenAI HTTP API")
     add_engine_flags(serve)
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=50051)
+    serve.add_argument("--port", type=int, default=50051, help="gRPC port")
+    serve.add_argument("--http-port", type=int, default=8000,
+                       help="OpenAI-compatible HTTP API port (0 turns it off)")
+    serve.add_argument("--api-key", default=None,
+                       help="HTTP: require 'Authorization: Bearer KEY' (default: "
+                            "$JAXSERVE_API_KEY; unset: no key)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="HTTP: the model name clients send (default: the model's own)")
+    serve.add_argument("--chat-template", default=None, metavar="FILE",
+                       help="HTTP: a Jinja chat template overriding the model's")
+    serve.add_argument("--http-max-body-bytes", type=_parse_size, default=16 << 20,
+                       help="HTTP: larger request bodies get 413 (default 16M)")
     serve.add_argument("--metrics-port", type=int, default=None,
                        help="also serve Prometheus metrics over HTTP at "
                             "http://HOST:PORT/metrics (off unless given)")

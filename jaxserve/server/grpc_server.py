@@ -246,8 +246,9 @@ def _install_stop_signals(stop: asyncio.Event) -> None:
 
 
 async def serve(engine_config: EngineConfig, host: str, port: int, shutdown_timeout: float,
-                loaded=None, metrics_port: int | None = None) -> int:
-    """run_server's body, on the running event loop."""
+                loaded=None, metrics_port: int | None = None, http=None) -> int:
+    """run_server's body, on the running event loop. http: an http_server.HttpSettings to
+    serve the OpenAI HTTP API too, over the same AsyncEngine (None: gRPC only)."""
     from jaxserve.engine import Engine
 
     stop = asyncio.Event()
@@ -255,18 +256,29 @@ async def serve(engine_config: EngineConfig, host: str, port: int, shutdown_time
     handle = await GrpcServer.start(host, port)
     log.info("jaxserve gRPC server listening on %s (health NOT_SERVING until the engine is "
              "ready)", handle.address)
+    fronts = [handle]
+    if http is not None:
+        from jaxserve.server.http_server import HttpServer
+        try:
+            fronts.append(await HttpServer.start(host, http))
+        except BaseException:
+            await handle.server.stop(0)
+            raise
+        log.info("jaxserve HTTP (OpenAI API) server listening on %s (/health 503 until the "
+                 "engine is ready)", fronts[1].url)
     loading = _in_daemon_thread(lambda: Engine(engine_config, loaded=loaded))
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if not loading.done():
         log.info("stop signal during loading: exiting without serving")
-        await handle.shutdown(0)
+        await asyncio.gather(*(front.shutdown(0) for front in fronts))
         return 0
     try:
         engine = loading.result()
     except BaseException:
         stopping.cancel()
         await handle.server.stop(0)
+        await asyncio.gather(*(front.shutdown(0) for front in fronts[1:]))
         raise
     async_engine = AsyncEngine(engine)
     async_engine.start()
@@ -275,6 +287,8 @@ async def serve(engine_config: EngineConfig, host: str, port: int, shutdown_time
         metrics_http, _ = engine.metrics.serve_http(metrics_port, host)
         log.info("Prometheus metrics on http://%s:%d/metrics", host, metrics_http.server_port)
     await handle.attach(async_engine)
+    for front in fronts[1:]:
+        front.attach(async_engine)
     log.info("serving %s on %s: max_model_len %d, %d KV pages of %d tokens (health SERVING)",
              engine.model_name, handle.address, engine.max_model_len, engine.pages.num_pages,
              engine.config.page_size)
@@ -282,12 +296,12 @@ async def serve(engine_config: EngineConfig, host: str, port: int, shutdown_time
     await asyncio.wait({stopping, dead}, return_when=asyncio.FIRST_COMPLETED)
     if not stopping.done():  # nothing left to drain: every open stream has failed
         stopping.cancel()
-        await handle.shutdown(0)
+        await asyncio.gather(*(front.shutdown(0) for front in fronts))
         return 1
     dead.cancel()
     log.info("stop signal: draining %d in-flight request(s) for up to %.1f s",
              async_engine.num_in_flight, shutdown_timeout)
-    await handle.shutdown(shutdown_timeout)
+    await asyncio.gather(*(front.shutdown(shutdown_timeout) for front in fronts))
     async_engine.stop(timeout=10.0)
     if metrics_http is not None:
         metrics_http.shutdown()
@@ -296,9 +310,9 @@ async def serve(engine_config: EngineConfig, host: str, port: int, shutdown_time
 
 
 def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 50051,
-               shutdown_timeout: float = 30.0, loaded=None, metrics_port: int | None = None
-               ) -> int:
+               shutdown_timeout: float = 30.0, loaded=None, metrics_port: int | None = None,
+               http=None) -> int:
     """Serve until SIGTERM/SIGINT, then drain and return 0 (the process exit code); 1 when the
-    engine thread dies."""
+    engine thread dies. http: HttpSettings to serve the OpenAI HTTP API too (None: off)."""
     return asyncio.run(serve(engine_config, host, port, shutdown_timeout, loaded=loaded,
-                             metrics_port=metrics_port))
+                             metrics_port=metrics_port, http=http))

@@ -1,0 +1,62 @@
+"""Chat messages -> prompt text and token ids, through the model's chat template (or an override).
+
+What the OpenAI front end adds to Tokenizer.apply_chat_template: content given as a list of text
+parts, the `developer` role (OpenAI's new name for `system`), `continue_final_message` (the
+final assistant message left open, cut exactly as transformers' apply_chat_template cuts it) and
+`--chat-template FILE`. Pure functions over a tokenizer: no engine, no I/O, no HTTP.
+"""
+
+from __future__ import annotations
+
+
+def with_chat_template(tokenizer, source: str | None):
+    """The tokenizer, or a copy sharing its vocabulary that renders `source` instead."""
+    if source is None:
+        return tokenizer
+    from jaxserve.model.tokenizer import Tokenizer
+
+    if not isinstance(tokenizer, Tokenizer):
+        raise ValueError(f"--chat-template needs a Hugging Face style tokenizer; this model's "
+                         f"is a {type(tokenizer).__name__}")
+    return Tokenizer(tokenizer.backend, bos_token_id=tokenizer.bos_token_id,
+                     eos_token_ids=tokenizer.eos_token_ids, chat_template=source,
+                     pad_token_id=tokenizer.pad_token_id)
+
+
+def message_dicts(messages) -> list[dict]:
+    """Pydantic ChatMessages (or dicts) -> the {role, content[, name]} dicts templates read."""
+    out = []
+    for m in messages:
+        m = m if isinstance(m, dict) else m.model_dump(exclude_none=True)
+        content = m["content"]
+        if not isinstance(content, str):  # text parts, as vLLM joins them
+            content = "\n".join(part["text"] for part in content)
+        role = "system" if m["role"] == "developer" else m["role"]
+        out.append({"role": role, "content": content,
+                    **({"name": m["name"]} if m.get("name") is not None else {})})
+    return out
+
+
+def _cut_after_final_message(text: str, final: str) -> str:
+    """transformers' continue_final_message: end the prompt right after the last message."""
+    if final.strip() not in text:
+        raise ValueError("continue_final_message is set, but the final message does not "
+                         "appear in the rendered chat template")
+    loc = text.rindex(final.strip())
+    if text[loc:loc + len(final.lstrip())] == final:
+        return text[:loc + len(final.lstrip())]
+    return text[:loc + len(final.strip())]
+
+
+def render_chat(tokenizer, messages, add_generation_prompt: bool = True,
+                continue_final_message: bool = False) -> tuple[str, list[int]]:
+    """(prompt text, token ids); ValueError naming what is wrong (the template's own refusals
+    included). The ids are encoded without special tokens: the template writes any BOS."""
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message=true cannot be combined with "
+                         "add_generation_prompt=true: set add_generation_prompt to false")
+    dicts = message_dicts(messages)
+    text = tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt)
+    if continue_final_message:
+        text = _cut_after_final_message(text, dicts[-1]["content"])
+    return text, list(tokenizer.encode(text, add_special_tokens=False))

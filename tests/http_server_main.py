@@ -1,0 +1,60 @@
+"""Run `run_server` (gRPC + OpenAI HTTP) with a tiny model that has a real tokenizer, for tests.
+
+    python tests/http_server_main.py [--api-key KEY] [--max-queued-requests N] [engine overrides]
+
+The model is the tiny random Llama with the tiny byte-level BPE vocabulary and ChatML template
+of model_fixtures (so chat templates, special tokens and --chat-template behave as with a real
+model); engine shapes are conftest.SMALL_ENGINE's. Both ports are free ones, logged on stderr as
+"gRPC server listening on HOST:PORT" and "HTTP (OpenAI API) server listening on http://...".
+Exits with run_server's return code. It serves nothing but the tiny random model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from conftest import SMALL_ENGINE  # noqa: E402  (needs the path set above)
+from model_fixtures import tiny_tokenizer  # noqa: E402
+from tiny_models import TinyLoaded, tiny_model  # noqa: E402
+
+from jaxserve.config import EngineConfig  # noqa: E402
+from jaxserve.server.grpc_server import run_server  # noqa: E402
+from jaxserve.server.http_server import HttpSettings  # noqa: E402
+
+
+def tiny_bpe_loaded(seed: int = 0) -> TinyLoaded:
+    """The tiny Llama over the tiny BPE vocabulary (the offline oracle builds the same one)."""
+    tokenizer = tiny_tokenizer()
+    return TinyLoaded(*tiny_model(seed, vocab_size=tokenizer.vocab_size), tokenizer=tokenizer)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0)
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    parser.add_argument("--max-queued-requests", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--seq-buckets", type=int, nargs="+", default=None)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+    overrides = {k: v for k, v in (("max_queued_requests", args.max_queued_requests),
+                                   ("max_num_seqs", args.max_num_seqs),
+                                   ("seq_buckets", args.seq_buckets)) if v is not None}
+    config = EngineConfig.from_kwargs(**{**SMALL_ENGINE, **overrides})
+    http = HttpSettings(port=0, api_key=args.api_key, served_model_name=args.served_model_name,
+                        max_body_bytes=args.max_body_bytes)
+    return run_server(config, host="127.0.0.1", port=0, shutdown_timeout=args.shutdown_timeout,
+                      loaded=tiny_bpe_loaded(), http=http)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

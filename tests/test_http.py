@@ -1,0 +1,182 @@
+"""The OpenAI HTTP API: one `run_server` process (gRPC + HTTP, tests/http_server_main.py) driven
+by the official openai client and raw httpx: greedy output equals the offline LLM token for
+token, streams concatenate to the full text, usage is exact, bad input is a 4xx naming the
+field, and every KV page is free afterwards (read through /metrics, never the scheduler).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+ROOT = Path(__file__).resolve().parent.parent
+KEY = "sk-test"
+MODEL = "tiny-llama"
+GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True, "return_token_ids": True})
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "http_server_main.py"),
+                             "--api-key", KEY], stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    url = None
+    for line in proc.stderr:
+        if m := re.search(r"listening on (http://\S+)", line):
+            url = m.group(1)
+        if "health SERVING" in line:
+            break
+    else:
+        pytest.fail("the server exited before serving")
+    yield url
+    proc.terminate()
+    assert proc.wait(timeout=60) == 0, "SIGTERM must drain and exit 0"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    from conftest import SMALL_ENGINE
+    from http_server_main import tiny_bpe_loaded
+
+    from jaxserve.llm import LLM
+    return LLM(loaded=tiny_bpe_loaded(), progress=False, **SMALL_ENGINE)
+
+
+def offline_ids(offline, prompt_ids, max_tokens):
+    from jaxserve import SamplingParams
+    out = offline.generate([prompt_ids], SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                         ignore_eos=True))[0]
+    return out.token_ids
+
+
+def free_pages(server) -> float:
+    text = httpx.get(server + "/metrics").text
+    return float(re.search(r"^jaxserve_kv_cache_free_pages (\S+)$", text, re.M).group(1))
+
+
+def test_completion_equals_offline_greedy_and_usage_is_exact(client, offline):
+    r = client.completions.create(model=MODEL, prompt="the cat sat", max_tokens=12, **GREEDY)
+    choice = r.choices[0]
+    prompt_ids = choice.model_extra["prompt_token_ids"]
+    assert choice.model_extra["token_ids"] == offline_ids(offline, prompt_ids, 12)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt_ids), 12)
+    assert choice.finish_reason == "length"
+
+
+def test_streamed_completion_deltas_concatenate_to_the_full_text(client):
+    full = client.completions.create(model=MODEL, prompt="on the mat", max_tokens=10, **GREEDY)
+    chunks = list(client.completions.create(model=MODEL, prompt="on the mat", max_tokens=10,
+                                            stream=True, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+    ids = [t for c in chunks for t in c.choices[0].model_extra["token_ids"]]
+    assert ids == full.choices[0].model_extra["token_ids"]
+
+
+def test_chat_streamed_and_not_equal_the_template_prompt_offline(server, client, offline):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, **GREEDY)
+    ids = httpx.post(server + "/tokenize", json={"messages": messages},
+                     headers={"Authorization": f"Bearer {KEY}"}).json()["tokens"]
+    assert r.choices[0].model_extra["token_ids"] == offline_ids(offline, ids, 8)
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 8
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
+                                            stream=True, stream_options={"include_usage": True},
+                                            **GREEDY)
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == r.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_n_and_logprobs_are_refused_until_the_engine_supports_them(client):
+    for kwargs, param in ((dict(n=2), "n"), (dict(logprobs=1), "logprobs")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=2, **kwargs)
+        assert info.value.body["param"] == param, info.value.body
+
+
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+M = [{"role": "user", "content": "hi"}]
+BAD = [  # (path, json body or raw bytes, headers override, status, field named)
+    (COMP, {"model": MODEL, "prompt": 5}, None, 400, "prompt"),
+    (COMP, {"model": MODEL}, None, 400, "prompt"),
+    (COMP, {"model": MODEL, "prompt": ""}, None, 400, "prompt"),
+    (COMP, {"model": MODEL, "prompt": []}, None, 400, "prompt"),
+    (COMP, {"model": MODEL, "prompt": [10**9]}, None, 400, "prompt"),
+    (COMP, {"model": MODEL, "prompt": [-1]}, None, 400, "prompt"),
+    (COMP, {"model": MODEL, "prompt": "x" * 3000}, None, 400, "prompt"),
+    (COMP, {"model": MODEL, "prompt": "x", "max_tokens": 0}, None, 400, "max_tokens"),
+    (COMP, {"model": MODEL, "prompt": "x", "max_tokens": 600}, None, 400, "max_tokens"),
+    (COMP, {"model": MODEL, "prompt": "x", "max_tokens": "ten"}, None, 400, "max_tokens"),
+    (COMP, {"model": MODEL, "prompt": "x", "temperature": -1}, None, 400, "temperature"),
+    (COMP, {"model": MODEL, "prompt": "x", "top_p": 0}, None, 400, "top_p"),
+    (COMP, {"model": MODEL, "prompt": "x", "top_p": 1.5}, None, 400, "top_p"),
+    (COMP, {"model": MODEL, "prompt": "x", "top_k": -5}, None, 400, "top_k"),
+    (COMP, {"model": MODEL, "prompt": "x", "min_p": 2}, None, 400, "min_p"),
+    (COMP, {"model": MODEL, "prompt": "x", "seed": -1}, None, 400, "seed"),
+    (COMP, {"model": MODEL, "prompt": "x", "stop": [""]}, None, 400, "stop"),
+    (COMP, {"model": MODEL, "prompt": "x", "stop_token_ids": [-3]}, None, 400, "stop_token_ids"),
+    (COMP, {"model": MODEL, "prompt": "x", "suffix": "y"}, None, 400, "suffix"),
+    (COMP, {"model": MODEL, "prompt": "x", "best_of": 2}, None, 400, "best_of"),
+    (COMP, {"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, None, 400,
+     "presence_penalty"),
+    (COMP, {"model": MODEL, "prompt": "x", "frequency_penalty": 1}, None, 400,
+     "frequency_penalty"),
+    (COMP, {"model": MODEL, "prompt": "x", "repetition_penalty": 1.2}, None, 400,
+     "repetition_penalty"),
+    (COMP, {"model": MODEL, "prompt": "x", "logit_bias": {"5": 3}}, None, 400, "logit_bias"),
+    (COMP, {"model": MODEL, "prompt": "x", "bogus": 1}, None, 400, "bogus"),
+    (COMP, {"model": "gpt-4", "prompt": "x"}, None, 404, "model"),
+    (CHAT, {"model": MODEL, "messages": []}, None, 400, "messages"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, None, 400,
+     "messages[0].role"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user"}]}, None, 400, "messages[0].content"),
+    (CHAT, {"model": MODEL, "messages": M, "logprobs": True}, None, 400, "logprobs"),
+    (CHAT, {"model": MODEL, "messages": M, "top_logprobs": 3}, None, 400, "top_logprobs"),
+    (CHAT, {"model": MODEL, "messages": M, "response_format": {"type": "json_object"}}, None,
+     400, "response_format"),
+    (CHAT, {"model": MODEL, "messages": M, "max_completion_tokens": 9999}, None, 400,
+     "max_completion_tokens"),
+    (CHAT, {"model": MODEL, "messages": M, "continue_final_message": True}, None, 400,
+     "continue_final_message"),
+    (CHAT, b"{not json", None, 400, "body"),
+    (CHAT, b"x" * (2 << 20), None, 413, "body"),
+    (CHAT, {"model": MODEL, "messages": M}, {"Authorization": "Bearer wrong"}, 401,
+     "authorization"),
+    (CHAT, {"model": MODEL, "messages": M}, {"Authorization": ""}, 401, "authorization"),
+]
+
+
+def test_bad_input_table_is_4xx_naming_the_field_and_the_server_keeps_serving(server, client):
+    assert len(BAD) >= 30
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    with httpx.Client(base_url=server, timeout=60) as http:
+        for path, body, extra, status, field in BAD:
+            kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+            r = http.post(path, headers={**headers, **(extra or {})}, **kwargs)
+            assert r.status_code == status, (path, body if len(str(body)) < 200 else "...",
+                                             r.text)
+            error = r.json()["error"]
+            # the field, or an element of it ("stop_token_ids[0]")
+            assert re.fullmatch(re.escape(field) + r"(\[\d+\].*)?", error["param"]), error
+            assert error["message"], (body, error)
+        assert http.get("/no/such/path", headers=headers).status_code == 404
+    r = client.completions.create(model=MODEL, prompt="still here", max_tokens=3, **GREEDY)
+    assert r.usage.completion_tokens == 3
+    deadline = time.monotonic() + 30
+    while free_pages(server) != 47 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert free_pages(server) == 47, "every KV page (48 minus reserved page 0) is free"
