@@ -1,28 +1,26 @@
-"""ModelConfig: the shape of a Llama-family decoder, read from HF config.json or GGUF metadata.
+"""ModelConfig: the shape of a decoder of one supported family, read from HF config.json or GGUF.
 
 Plain data only; it must not import jax or hold weights. The parameter naming contract lives
-here too (PARAM_SHAPES), so loaders, the model and checkpoints agree on one layout.
+here too (PARAM_SHAPES), so loaders, the model and checkpoints agree on one layout. What an
+architecture family changes (norm kind, q/k norm, ...) is declared in `families/`; the
+per-checkpoint settings (rope, windows per layer, soft caps) are fields here. config.json reading
+and writing live in hf_config.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+from jaxserve.model.families import SUPPORTED_ARCHITECTURES, get_family
+from jaxserve.model.families.base import Family
+from jaxserve.model.rope import RopeScaling, rotary_dim
 
+__all__ = ["ModelConfig", "RopeScaling", "SUPPORTED_ARCHITECTURES", "FULL", "SLIDING"]
 
-@dataclass(frozen=True)
-class RopeScaling:
-    """Llama-3 style frequency scaling ("rope_type": "llama3")."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+FULL, SLIDING = "full_attention", "sliding_attention"
 
 
 @dataclass(frozen=True)
@@ -38,23 +36,79 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False      # q, k, v biases
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     add_bos_token: bool = False
     architecture: str = "llama"
     name: str = "model"
+    output_bias: bool = False         # o_proj bias (Llama/Qwen3/Gemma3 attention_bias=true)
+    hidden_act: str = "silu"
+    partial_rotary_factor: float = 1.0
+    sliding_window: int | None = None
+    # Per layer FULL or SLIDING; () means every layer is FULL.
+    layer_types: tuple[str, ...] = ()
+    # RoPE of SLIDING layers when it differs from the global one (Gemma 3's local base).
+    sliding_rope_theta: float | None = None
+    sliding_rope_scaling: RopeScaling | None = None
+    query_pre_attn_scalar: float | None = None  # attention scale (q·k) * this ** -0.5
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {self.architecture!r}; supported: "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        family = get_family(self.architecture)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
                              f"num_kv_heads={self.num_kv_heads}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported {family.activation_key}={self.hidden_act!r}; "
+                             f"supported: {', '.join(ACTIVATIONS)}")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
+                             f"{self.num_layers} layers")
+        bad = [t for t in self.layer_types if t not in (FULL, SLIDING)]
+        if bad:
+            raise ValueError(f"unsupported layer_types entry {bad[0]!r}; supported: "
+                             f"{FULL}, {SLIDING}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+            raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} gives an odd "
+                             f"or empty rotary dimension for head_dim={self.head_dim}")
+
+    def check_runnable(self) -> None:
+        """Raise ValueError naming the first setting the decoder in llama.py does not compute yet.
+
+        Config reading covers more than the model implements (issue 14 is in progress): until
+        llama.py reads the family data and per-layer windows, such a checkpoint is refused here
+        rather than run with the setting dropped."""
+        unsupported = [
+            ("architecture", self.architecture, self.architecture not in RUNNABLE_ARCHITECTURES),
+            ("sliding_window", self.sliding_window, any(w is not None for w in self.layer_windows)),
+            ("partial_rotary_factor", self.partial_rotary_factor, self.partial_rotary_factor != 1),
+            ("rope_scaling", self.rope_scaling, self.rope_scaling is not None
+             and self.rope_scaling.rope_type not in ("linear", "dynamic", "llama3")),
+            ("sliding_rope_theta", self.sliding_rope_theta, self.sliding_rope_theta is not None),
+            ("query_pre_attn_scalar", self.query_pre_attn_scalar,
+             self.query_pre_attn_scalar is not None),
+            ("attn_logit_softcapping", self.attn_logit_softcap, self.attn_logit_softcap is not None),
+            ("final_logit_softcapping", self.final_logit_softcap,
+             self.final_logit_softcap is not None),
+            ("attention_bias (o_proj bias)", self.output_bias, self.output_bias),
+            ("hidden_act", self.hidden_act, self.hidden_act != "silu"),
+        ]
+        for key, value, bad in unsupported:
+            if bad:
+                raise ValueError(f"{self.name}: {key}={value!r} is read but not yet computed by "
+                                 f"jaxserve's decoder; refusing to load rather than run it "
+                                 f"without (runnable: {', '.join(RUNNABLE_ARCHITECTURES)} with "
+                                 f"full attention and linear/dynamic/llama3 rope)")
+
+    @property
+    def family(self) -> Family:
+        return get_family(self.architecture)
 
     @property
     def q_size(self) -> int:
@@ -64,9 +118,47 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def rotary_dim(self) -> int:
+        return rotary_dim(self.head_dim, self.partial_rotary_factor)
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (HF convention: a query at p sees keys in (p - W, p])."""
+        types = self.layer_types or (FULL,) * self.num_layers
+        return tuple(self.sliding_window if t == SLIDING else None for t in types)
+
+    @property
+    def sliding_windows(self) -> tuple[int | None, ...]:
+        """The distinct windows over layers, in layer order; (None,) when no layer has one."""
+        return tuple(dict.fromkeys(self.layer_windows))
+
+    def layer_rope(self, layer: int) -> tuple[float, RopeScaling | None]:
+        """(theta, scaling) of a layer's RoPE."""
+        sliding = bool(self.layer_types) and self.layer_types[layer] == SLIDING
+        if sliding and self.sliding_rope_theta is not None:
+            return self.sliding_rope_theta, self.sliding_rope_scaling
+        return self.rope_theta, self.rope_scaling
+
+    @property
+    def attention_scale(self) -> float:
+        """sm_scale: q·k is multiplied by this before the softmax."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def max_exact_len(self) -> int | None:
+        """The longest sequence whose RoPE jaxserve computes exactly as transformers, when
+        shorter than max_position_embeddings allows (dynamic and longrope scaling: rope.py)."""
+        limits = [s.original_max_position_embeddings if s.rope_type == "longrope"
+                  else self.max_position_embeddings
+                  for s in (self.rope_scaling, self.sliding_rope_scaling)
+                  if s is not None and s.rope_type in ("dynamic", "longrope")]
+        return min(limits) if limits else None
+
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every parameter's name and shape. Matrices are [in, out] (x @ w)."""
         L, D, F, V = self.num_layers, self.hidden_size, self.intermediate_size, self.vocab_size
+        family = self.family
         shapes = {
             "embed": (V, D),
             "layers.attn_norm": (L, D),
@@ -84,6 +176,14 @@ class ModelConfig:
             shapes["layers.bq"] = (L, self.q_size)
             shapes["layers.bk"] = (L, self.kv_size)
             shapes["layers.bv"] = (L, self.kv_size)
+        if self.output_bias:
+            shapes["layers.bo"] = (L, D)
+        if family.qk_norm:
+            shapes["layers.q_norm"] = (L, self.head_dim)
+            shapes["layers.k_norm"] = (L, self.head_dim)
+        if family.sandwich_norms:
+            shapes["layers.post_attn_norm"] = (L, D)
+            shapes["layers.post_mlp_norm"] = (L, D)
         if not self.tie_word_embeddings:
             shapes["lm_head"] = (D, V)
         return shapes
@@ -97,62 +197,16 @@ class ModelConfig:
     # ---- HF config.json round trip -------------------------------------------------------
     @classmethod
     def from_hf_dict(cls, d: dict, name: str = "model") -> "ModelConfig":
-        archs = d.get("architectures") or []
-        model_type = d.get("model_type", "llama")
-        arch = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                "Qwen2ForCausalLM": "qwen2"}.get(archs[0] if archs else "", model_type)
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {archs or model_type!r}; supported: "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-        if arch == "mistral" and d.get("sliding_window"):
-            raise ValueError("Mistral with sliding_window is not supported "
-                             f"(sliding_window={d['sliding_window']})")
-        num_heads = d["num_attention_heads"]
-        rs = d.get("rope_scaling")
-        scaling = None
-        if rs:
-            kind = rs.get("rope_type", rs.get("type"))
-            if kind == "llama3":
-                scaling = RopeScaling(float(rs["factor"]), float(rs["low_freq_factor"]),
-                                      float(rs["high_freq_factor"]),
-                                      int(rs["original_max_position_embeddings"]))
-            elif kind not in (None, "default"):
-                raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: llama3")
-        eos = d.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        return cls(
-            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"], num_layers=d["num_hidden_layers"],
-            num_heads=num_heads, num_kv_heads=d.get("num_key_value_heads", num_heads),
-            head_dim=d.get("head_dim") or d["hidden_size"] // num_heads,
-            rms_norm_eps=d.get("rms_norm_eps", 1e-5), rope_theta=d.get("rope_theta", 10000.0),
-            rope_scaling=scaling, tie_word_embeddings=d.get("tie_word_embeddings", False),
-            attention_bias=d.get("attention_bias", arch == "qwen2"),
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
-            bos_token_id=d.get("bos_token_id"), eos_token_ids=eos_ids,
-            add_bos_token=d.get("add_bos_token", arch == "llama" and d.get("bos_token_id") is not None),
-            architecture=arch, name=name)
+        """Read a config.json dict (transformers 4 or 5 layout); raises ValueError naming any key
+        that would change the forward pass and is not supported."""
+        from jaxserve.model.hf_config import read_hf_config
+        config = cls(**read_hf_config(d), name=name)
+        config.check_runnable()
+        return config
 
     def to_hf_dict(self) -> dict:
-        arch_name = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                     "qwen2": "Qwen2ForCausalLM"}[self.architecture]
-        d = {
-            "architectures": [arch_name], "model_type": self.architecture,
-            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta, "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.attention_bias,
-            "max_position_embeddings": self.max_position_embeddings,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1
-            else self.eos_token_ids[0],
-            "add_bos_token": self.add_bos_token, "hidden_act": "silu",
-        }
-        if self.rope_scaling is not None:
-            d["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
-        return d
+        from jaxserve.model.hf_config import write_hf_config
+        return write_hf_config(self)
 
     def save(self, directory: str | Path) -> None:
         (Path(directory) / "config.json").write_text(json.dumps(self.to_hf_dict(), indent=2))
@@ -163,3 +217,9 @@ class ModelConfig:
         if not path.exists():
             raise FileNotFoundError(f"no config.json in {directory}")
         return cls.from_hf_dict(json.loads(path.read_text()), name=name or Path(directory).name)
+
+
+# Families whose math llama.py computes today (the others are read, then refused).
+RUNNABLE_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# MLP activations by their transformers names.
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu_new", "gelu")

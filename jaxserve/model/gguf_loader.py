@@ -18,7 +18,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from tqdm.auto import tqdm
 
-from jaxserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+from jaxserve.model.config import RUNNABLE_ARCHITECTURES, ModelConfig, RopeScaling
 from jaxserve.model.gguf_tokenizer import wants_bos
 from jaxserve.model.tokenizer import Tokenizer
 from jaxserve.model.weights import LoadedModel, ParamBuilder, shape_error
@@ -75,9 +75,9 @@ def reverse_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 def config_from_metadata(metadata: dict, tensor_names, *, name: str) -> ModelConfig:
     arch = metadata.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in RUNNABLE_ARCHITECTURES:
         raise ValueError(f"unsupported architecture {arch!r} in GGUF; supported: "
-                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+                         f"{', '.join(RUNNABLE_ARCHITECTURES)}")
 
     def key(suffix, default=KeyError):
         if f"{arch}.{suffix}" in metadata:

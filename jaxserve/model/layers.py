@@ -1,59 +1,68 @@
-"""Stateless building blocks of a Llama-family decoder: RMSNorm, RoPE, SwiGLU.
+"""Stateless building blocks of the decoder: RMSNorm (w or 1 + w), RoPE (full or partial), the
+gated MLP (SwiGLU / GeGLU) and logit soft-capping.
 
-Pure functions over jnp arrays; they hold no weights and know nothing about paging.
+Pure functions over jnp arrays; they hold no weights and know nothing about paging or families.
 """
 
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.model import rope
 from jaxserve.model.config import ModelConfig
 
 
-def rms_norm(x, weight, eps: float):
-    """x: [T, D]; computed in float32, returned in x's dtype."""
+def rms_norm(x, weight, eps: float, plus_one: bool = False):
+    """x: [..., D]; computed in float32, returned in x's dtype. plus_one: scale by (1 + w)."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * weight.astype(jnp.float32)).astype(x.dtype)
+    w = weight.astype(jnp.float32)
+    return (xf * (1.0 + w if plus_one else w)).astype(x.dtype)
 
 
-def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [head_dim // 2], with Llama-3 scaling when configured."""
-    dim = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-    rs = config.rope_scaling
-    if rs is None:
-        return inv.astype(np.float32)
-    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
-    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
-    wavelen = 2 * math.pi / inv
-    scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
-    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
-        rs.high_freq_factor - rs.low_freq_factor)
-    mid = (1 - smooth) * scaled / rs.factor + smooth * scaled
-    is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return np.where(is_mid, mid, scaled).astype(np.float32)
+def rope_inv_freq(config: ModelConfig, layer: int = 0) -> np.ndarray:
+    """Inverse frequencies [rotary_dim // 2] of a layer's RoPE (scaled as its config says)."""
+    theta, scaling = config.layer_rope(layer)
+    return rope.inv_freq(theta, config.rotary_dim, scaling)
 
 
-def rope_cos_sin(positions, inv_freq):
-    """positions: [T] -> cos, sin: [T, 1, head_dim // 2] (float32)."""
+def rope_cos_sin(positions, inv_freq, attention_factor: float = 1.0):
+    """positions: [T] -> cos, sin: [T, 1, rotary_dim // 2] (float32)."""
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    return jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return cos, sin
 
 
 def apply_rope(x, cos, sin):
-    """Rotate-half RoPE (Hugging Face layout). x: [T, H, head_dim]."""
-    half = x.shape[-1] // 2
+    """Rotate-half RoPE (Hugging Face layout) on the first 2 * cos.shape[-1] features of each
+    head; the rest pass through (partial rotary). x: [T, H, head_dim]."""
+    half = cos.shape[-1]
     xf = x.astype(jnp.float32)
-    x1, x2 = xf[..., :half], xf[..., half:]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    x1, x2, rest = xf[..., :half], xf[..., half:2 * half], xf[..., 2 * half:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
     return out.astype(x.dtype)
+
+
+_ACTIVATIONS = {"silu": jax.nn.silu,
+                "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+                "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+                "gelu": lambda x: jax.nn.gelu(x, approximate=False)}
+
+
+def gated_mlp(x, w_gate, w_up, w_down, activation: str = "silu"):
+    """act(x @ w_gate) * (x @ w_up) @ w_down (SwiGLU for silu, GeGLU for gelu). x: [T, D]."""
+    return (_ACTIVATIONS[activation](x @ w_gate) * (x @ w_up)) @ w_down
 
 
 def swiglu(x, w_gate, w_up, w_down):
     """x: [T, D] -> [T, D]."""
-    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+    return gated_mlp(x, w_gate, w_up, w_down, "silu")
+
+
+def soft_cap(x, cap: float | None):
+    """cap * tanh(x / cap), or x when cap is None."""
+    return x if cap is None else cap * jnp.tanh(x / cap)

@@ -1,0 +1,56 @@
+"""Family: what one architecture family changes relative to the Llama decoder, as plain data.
+
+Every field has Llama's behaviour as its default, so a family file states only its differences
+(norm kind, MLP activation, q/k norm, extra norms, embedding scale, biases, fused tensors, how
+`sliding_window` applies to layers, GGUF naming). The model, the config reader and the loaders read
+these fields; none of them branches on a family's name. Data only: no jax, no file access.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str                                # ModelConfig.architecture, GGUF general.architecture
+    hf_architectures: tuple[str, ...]        # config.json "architectures"
+    model_types: tuple[str, ...]             # config.json "model_type"
+    # RMSNorm scales by (1 + w) instead of w (Gemma stores the offset from one).
+    norm_plus_one: bool = False
+    # config.json key naming the MLP activation, and its default when absent.
+    activation_key: str = "hidden_act"
+    default_activation: str = "silu"
+    qk_norm: bool = False                    # RMSNorm over head_dim on q and k before RoPE
+    # Norms on the attention output and MLP output too (Gemma's four norms per layer).
+    sandwich_norms: bool = False
+    embed_scale: bool = False                # embeddings times sqrt(hidden_size)
+    # "config": config.json attention_bias adds q, k, v and o biases; "qkv": q, k, v biases
+    # always (Qwen2); "none": no biases, and attention_bias must be false if present.
+    attention_bias: str = "config"
+    # How sliding_window reaches layers: "none" (the key must be null), "all" (every layer,
+    # when set), "max_window_layers" (layers >= max_window_layers, when use_sliding_window),
+    # "pattern" (every sliding_window_pattern-th layer is global). layer_types, when present,
+    # always wins.
+    window_rule: str = "none"
+    default_rope_theta: float = 10000.0
+    default_sliding_rope_theta: float | None = None  # rope_local_base_freq default (Gemma)
+    # config.json keys this family reads beyond the common ones, each with the values it accepts
+    # (None: any value).
+    extra_keys: dict = field(default_factory=dict)
+    # HF tensor names (under model.layers.{i}.) that differ from Llama's, by our name.
+    hf_layer_names: dict = field(default_factory=dict)
+    # HF fused tensors split on their rows into our tensors, in order (Phi-3's qkv_proj).
+    hf_fused: dict = field(default_factory=dict)
+    # GGUF: tensor names that differ from llama.cpp's Llama ones; whether the converter permuted
+    # Q/K rows for interleaved RoPE; norm weights stored as (1 + w).
+    gguf_layer_names: dict = field(default_factory=dict)
+    gguf_fused: dict = field(default_factory=dict)
+    gguf_permute_qk: bool = False
+    gguf_norm_plus_one: bool = False
+    # A BOS token is prepended when the tokenizer's config does not say (Llama's SentencePiece).
+    bos_by_default: bool = False
+
+    @property
+    def hf_architecture(self) -> str:
+        return self.hf_architectures[0]
