@@ -6,6 +6,7 @@ field, and every KV page is free afterwards (read through /metrics, never the sc
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -180,3 +181,45 @@ def test_bad_input_table_is_4xx_naming_the_field_and_the_server_keeps_serving(se
     while free_pages(server) != 47 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert free_pages(server) == 47, "every KV page (48 minus reserved page 0) is free"
+
+
+def _metric(server, name: str) -> float:
+    text = httpx.get(server + "/metrics").text
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_clients_closing_streams_midway_abort_their_requests_and_free_pages(server):
+    import asyncio
+
+    aborted = 'jaxserve_requests_finished_total{finish_reason="abort"}'
+    before = _metric(server, aborted)
+    body = {"model": MODEL, "prompt": "a long story", "max_tokens": 200, "temperature": 0.0,
+            "ignore_eos": True, "stream": True}
+
+    async def one(http, close_early: bool):
+        num_chunks, finished = 0, None
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200, await r.aread()
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    num_chunks += 1
+                    finished = finished or json.loads(line[6:])["choices"][0]["finish_reason"]
+                    if close_early and num_chunks == 3:
+                        return num_chunks  # leaving the block closes the connection
+        return finished
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=server, timeout=120,
+                                     headers={"Authorization": f"Bearer {KEY}"}) as http:
+            return await asyncio.gather(*(one(http, i % 2 == 0) for i in range(20)))
+
+    counts = asyncio.run(burst())
+    assert counts[0::2] == [3] * 10
+    assert counts[1::2] == ["length"] * 10, counts  # the other 10 ran to max_tokens
+    deadline = time.monotonic() + 30
+    while (_metric(server, aborted) - before < 10 or free_pages(server) != 47) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _metric(server, aborted) - before == 10, "each closed stream is one aborted request"
+    assert free_pages(server) == 47
