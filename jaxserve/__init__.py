@@ -15,6 +15,6 @@ def __getattr__(name):
         from jaxserve.llm import LLM
         return LLM
     if name == "RequestOutput":
-        from jaxserve.engine import RequestOutput
+        from jaxserve.outputs import RequestOutput
         return RequestOutput
     raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")

@@ -16,7 +16,8 @@ import threading
 import time
 from typing import AsyncIterator
 
-from jaxserve.engine import Engine, QueueFullError, RequestOutput
+from jaxserve.engine import Engine, QueueFullError
+from jaxserve.outputs import RequestOutput
 from jaxserve.request import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ class AsyncEngine:
         stream: asyncio.Queue = asyncio.Queue()
         with self._lock:
             limit = self.engine.config.max_queued_requests
-            queued = self.engine.scheduler.num_waiting + self._num_pending_adds
+            queued = self.engine.stats.num_waiting + self._num_pending_adds
             if limit is not None and queued >= limit:
                 raise QueueFullError(f"waiting queue is full (max_queued_requests={limit})")
             if rid in self._streams:
@@ -110,10 +111,12 @@ class AsyncEngine:
         while True:
             kind, payload = item
             if kind == "add":
-                with self._lock:
-                    self._num_pending_adds -= 1
                 try:
-                    self.engine.add(payload)
+                    # Under the lock, so that a caller's queue check sees this request either
+                    # as pending or in the published stats' waiting count, never neither.
+                    with self._lock:
+                        self._num_pending_adds -= 1
+                        self.engine.add(payload)
                 except Exception as exc:  # one bad request must not stop the loop
                     self._deliver(payload.request_id, exc)
             elif kind == "abort":

@@ -13,11 +13,12 @@ import logging
 import random
 import time
 import uuid
-from dataclasses import dataclass, field
 
 from jaxserve.config import EngineConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.engine_info import EngineInfo
 from jaxserve.metrics import EngineMetrics
+from jaxserve.outputs import RequestOutput
 from jaxserve.page_manager import PageManager
 from jaxserve.request import FinishReason, Request, SamplingParams, TokenEvent
 from jaxserve.scheduler import Scheduler
@@ -29,24 +30,6 @@ DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
 class QueueFullError(RuntimeError):
     """The waiting queue holds max_queued_requests already."""
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)    # all output tokens so far
-    text: str = ""                                          # all output text so far
-    new_token_ids: list[int] = field(default_factory=list)  # this step's tokens
-    new_text: str = ""                                      # this step's text delta
-    new_logprobs: list[float] = field(default_factory=list)
-    logprobs: list[float] | None = None
-    finished: bool = False
-    finish_reason: str | None = None
-    error: str | None = None
-    num_cached_tokens: int = 0
-    time_to_first_token: float | None = None
-    latency: float | None = None  # arrival to finish, seconds (set when finished)
 
 
 def size_page_pool(config: EngineConfig, kv_bytes_per_token: int, max_model_len: int) -> int:
@@ -119,7 +102,21 @@ class Engine:
         self._arrivals = itertools.count()
         self._seed_rng = random.Random(config.seed)
         self.num_steps = 0
-        self.metrics = EngineMetrics(self)
+        self.info = EngineInfo(
+            model_name=mc.name, architecture=mc.architecture, max_model_len=self.max_model_len,
+            vocab_size=mc.vocab_size, dtype=self.dtype_name, page_size=config.page_size,
+            num_pages=num_pages, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_queued_requests=config.max_queued_requests,
+            eos_token_ids=tuple(int(t) for t in self.tokenizer.eos_token_ids),
+            tensor_parallel_size=config.tensor_parallel_size,
+            speculative_method=config.speculative_method)
+        self._publish_stats()
+        self.metrics = EngineMetrics(lambda: self.stats)
+
+    def _publish_stats(self) -> None:
+        """A fresh immutable snapshot for other threads (metrics, front ends) to read."""
+        self.stats = self.scheduler.stats(self.pages.stats(), self.num_steps)
 
     # ---- requests ---------------------------------------------------------------------
     def make_request(self, prompt: str | list[int] | None = None,
@@ -168,6 +165,7 @@ class Engine:
         event = self.scheduler.add(request)
         if event is not None:
             self._pending_events.append(event)
+        self._publish_stats()
 
     def add_request(self, prompt=None, params=None, **kwargs) -> str:
         request = self.make_request(prompt, params, **kwargs)
@@ -179,6 +177,7 @@ class Engine:
             return None
         out = self._emit(TokenEvent(request_id, (), (), FinishReason.ABORT))
         self.metrics.observe_outputs([out] if out is not None else [])
+        self._publish_stats()
         return out
 
     def has_unfinished(self) -> bool:
@@ -192,6 +191,7 @@ class Engine:
         events = self.scheduler.update(plan, result.token_ids, result.logprobs)
         self.num_steps += 1
         outputs = self._process(events)
+        self._publish_stats()
         self.metrics.observe_step(time.perf_counter() - start)
         self.metrics.observe_outputs(outputs)
         return outputs

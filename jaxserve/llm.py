@@ -11,7 +11,8 @@ from typing import Sequence
 from tqdm.auto import tqdm
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine import Engine, RequestOutput
+from jaxserve.engine import Engine
+from jaxserve.outputs import RequestOutput
 from jaxserve.request import SamplingParams
 
 

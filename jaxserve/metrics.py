@@ -3,7 +3,8 @@
 Two kinds, as prometheus_client intends them:
 * state the scheduler and page manager already count (requests running / waiting / swapped,
   KV page usage, preemptions, prefix-cache tokens, steps) is read at scrape time by a custom
-  collector, so a scrape never sees a stale value and the engine loop does no extra work;
+  collector from the engine's latest EngineStats snapshot (published by the engine thread
+  after every step), so a scrape never touches the live queues from another thread;
 * per-request events (tokens, time to first token, time per output token, end-to-end latency,
   finish reasons) and step durations are recorded by the engine thread as outputs leave it.
 
@@ -13,14 +14,14 @@ process). `jaxserve serve --metrics-port` exposes it over HTTP. No jax here.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:  # annotations only
-    from jaxserve.engine import Engine, RequestOutput
+from jaxserve.engine_info import EngineStats
+from jaxserve.outputs import RequestOutput
 
 PREFIX = "jaxserve_"
 # Seconds: CPU steps take tens to hundreds of ms, accelerator steps a few ms; queues add more.
@@ -31,39 +32,39 @@ TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.
 
 
 class _EngineStateCollector(Collector):
-    """Reads the scheduler's and page manager's own counters when Prometheus scrapes."""
+    """Reads the engine's latest stats snapshot when Prometheus scrapes."""
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    def __init__(self, stats: Callable[[], EngineStats]):
+        self.stats = stats
 
     def collect(self) -> Iterable:
-        sched, pages = self.engine.scheduler, self.engine.pages.stats()
+        st = self.stats()
         for name, doc, value in (
-                ("num_requests_running", "Requests in the running batch.", len(sched.running)),
-                ("num_requests_waiting", "Requests waiting to be admitted.", len(sched.waiting)),
+                ("num_requests_running", "Requests in the running batch.", st.num_running),
+                ("num_requests_waiting", "Requests waiting to be admitted.", st.num_waiting),
                 ("num_requests_swapped", "Preempted requests whose KV pages are in host memory.",
-                 len(sched.swapped)),
+                 st.num_swapped),
                 ("kv_cache_usage_ratio", "Fraction of KV pages held by requests (0-1).",
-                 pages.usage),
+                 st.kv_usage),
                 ("kv_cache_free_pages", "KV pages allocatable now (evictable cached included).",
-                 pages.num_free)):
+                 st.num_free_pages)):
             yield GaugeMetricFamily(PREFIX + name, doc, value=value)
         for name, doc, value in (
-                ("preemptions", "Requests preempted for lack of KV pages.",
-                 sched.num_preemptions),
-                ("swap_outs", "Preemptions that swapped KV pages to host memory.", sched.num_swaps),
+                ("preemptions", "Requests preempted for lack of KV pages.", st.num_preemptions),
+                ("swap_outs", "Preemptions that swapped KV pages to host memory.", st.num_swaps),
                 ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                 pages.prefix_query_tokens),
+                 st.prefix_query_tokens),
                 ("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                 pages.prefix_hit_tokens),
-                ("engine_steps", "Engine steps run.", self.engine.num_steps)):
+                 st.prefix_hit_tokens),
+                ("engine_steps", "Engine steps run.", st.num_steps)):
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
 
 
 class EngineMetrics:
-    def __init__(self, engine: Engine):
+    def __init__(self, stats: Callable[[], EngineStats]):
+        """stats: returns the engine's latest snapshot (called at scrape time)."""
         self.registry = registry = CollectorRegistry()
-        registry.register(_EngineStateCollector(engine))
+        registry.register(_EngineStateCollector(stats))
         self.prompt_tokens = Counter(
             PREFIX + "prompt_tokens", "Prompt tokens of requests that produced a first token.",
             registry=registry)

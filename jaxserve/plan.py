@@ -30,11 +30,6 @@ class ScheduledChunk:
     start_position: int            # position of token_ids[0]
     page_table: tuple[int, ...]    # the request's pages, in order
     sampling: SamplingRow | None   # None: a prefill chunk that is not the last one
-    # Speculative decoding: rows after token_ids that verify proposed tokens this step. Their
-    # ids are draft_token_ids (host proposals, e.g. n-gram) or, when that is empty, tokens the
-    # runner's draft model proposes during the step. Positions follow token_ids.
-    num_draft_tokens: int = 0
-    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -43,6 +38,29 @@ class ScheduledChunk:
     @property
     def kv_len(self) -> int:
         return self.start_position + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class DraftRows:
+    """Speculative decoding: rows after a decode chunk's token that verify proposed tokens.
+
+    Their ids are token_ids (host proposals, e.g. n-gram) or, when that is empty, tokens the
+    runner's draft model proposes during the step. Positions follow the chunk's token."""
+
+    num_tokens: int
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class StaticPadding:
+    """Static batching: rows a padded batch computes for nothing this step.
+
+    num_finished_slots of them are finished members' slots, each computed like a decode row
+    over the longest member's context (a padded batch's rows all share one length), reading its
+    pages and writing only scratch page 0; the other rows are prompt padding."""
+
+    num_rows: int
+    num_finished_slots: int
 
 
 @dataclass(frozen=True)
@@ -60,11 +78,8 @@ class SwapIn:
 @dataclass
 class StepPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)  # decode chunks first
-    num_padding_rows: int = 0      # static batching: rows a padded batch computes for nothing
-    # Static batching: how many of those padding rows are finished members' slots. Each is
-    # computed like a decode row over the longest member's context (a padded batch's
-    # rows all share one length), reading its pages and writing only scratch page 0.
-    num_finished_slots: int = 0
+    drafts: dict[str, DraftRows] = field(default_factory=dict)  # request id -> its draft rows
+    static_padding: StaticPadding | None = None
     swap_out: list[SwapOut] = field(default_factory=list)
     swap_in: list[SwapIn] = field(default_factory=list)
     dropped_swaps: list[str] = field(default_factory=list)  # host copies no longer needed
@@ -73,6 +88,18 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def num_padding_rows(self) -> int:
+        return 0 if self.static_padding is None else self.static_padding.num_rows
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(d.num_tokens for d in self.drafts.values())
+
+    def num_drafts_of(self, request_id: str) -> int:
+        draft = self.drafts.get(request_id)
+        return 0 if draft is None else draft.num_tokens
 
     @property
     def is_empty(self) -> bool:

@@ -4,11 +4,11 @@ Order within a step: running requests (one decode token or the next prefill chun
 swapped-out requests coming back, then waiting requests (priority, then arrival), all within
 `max_num_batched_tokens` and `max_num_seqs`. When a page can't be found, the lowest-priority,
 latest-arrived running request is preempted (recompute, or swap with recompute as fallback).
-`batching="static"` admits a new batch only when the previous one has fully finished and
-charges the padded rows a static batch computes. With a speculation policy (jaxserve/spec), a
-decoding request also gets draft rows to verify; update() keeps only the accepted tokens, gives
-back the KV slots of rejected ones and caches only accepted ones. Plain Python: no jax, no
-device arrays, no text (stop strings are the engine's job, through finish()).
+When to admit and what padding costs is the batching policy's (batching.py: continuous, or the
+static baseline). With a speculation policy (jaxserve/spec), a decoding request also gets draft
+rows to verify, carried as plan-level data (StepPlan.drafts); update() keeps only the accepted
+tokens, gives back the KV slots of rejected ones and caches only accepted ones. Plain Python: no
+jax, no device arrays, no text (stop strings are the engine's job, through finish()).
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ import bisect
 
 import numpy as np
 
+from jaxserve.batching import make_batching_policy
+from jaxserve.engine_info import EngineStats
 from jaxserve.page_manager import PageManager
-from jaxserve.plan import SamplingRow, ScheduledChunk, StepPlan, SwapIn, SwapOut
+from jaxserve.plan import DraftRows, SamplingRow, ScheduledChunk, StepPlan, SwapIn, SwapOut
 from jaxserve.request import FinishReason, Request, RequestStatus, TokenEvent
 from jaxserve.swap_space import HostSwapSpace
 
@@ -35,17 +37,14 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.preemption_mode = preemption_mode
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.static = batching == "static"
+        self.batching = make_batching_policy(batching)
         self.swap_space = swap_space
         self.speculation = speculation  # jaxserve.spec.policy.SpeculationPolicy or None
-        self._drafts: dict[str, tuple[int, tuple[int, ...]]] = {}  # this step's draft rows
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []   # sorted by Request.sort_key
         self.running: list[Request] = []   # sorted by Request.sort_key
         self.swapped: list[Request] = []   # FIFO
         self._dropped_swaps: list[str] = []
-        self._static_batch: set[str] = set()
-        self._static_pad_left = 0
         self.num_preemptions = 0
         self.num_swaps = 0
 
@@ -94,19 +93,38 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    def stats(self, pages, num_steps: int) -> EngineStats:
+        """An immutable snapshot for other threads (pages: the page manager's PageStats)."""
+        return EngineStats(
+            num_running=len(self.running), num_waiting=len(self.waiting),
+            num_swapped=len(self.swapped), num_preemptions=self.num_preemptions,
+            num_swaps=self.num_swaps, num_steps=num_steps, kv_usage=pages.usage,
+            num_free_pages=pages.num_free, prefix_query_tokens=pages.prefix_query_tokens,
+            prefix_hit_tokens=pages.prefix_hit_tokens)
+
     # ---- scheduling ----------------------------------------------------------------
     def schedule(self) -> StepPlan:
+        """Running requests, then swapped-out ones coming back, then waiting ones."""
         plan = StepPlan(dropped_swaps=self._dropped_swaps)
         self._dropped_swaps = []
-        budget = self.max_num_batched_tokens
+        self.batching.begin_step(self.requests)
         scheduled: list[tuple[Request, int]] = []
-        if self.static and not any(rid in self.requests for rid in self._static_batch):
-            self._static_batch = set()
+        budget, preempted = self._schedule_running(plan, scheduled, self.max_num_batched_tokens)
+        if not preempted:
+            budget = self._schedule_swapped(plan, scheduled, budget)
+        if not preempted and not self.swapped and self.batching.may_admit(len(self.running)):
+            budget = self._schedule_waiting(scheduled, budget)
+        plan.static_padding = self.batching.padding(budget, self.requests)
+        scheduled.sort(key=lambda item: item[1] != 1)  # decode rows first
+        plan.chunks = [self._chunk(r, n) for r, n in scheduled]
+        return plan
+
+    def _schedule_running(self, plan: StepPlan, scheduled, budget: int) -> tuple[int, bool]:
+        """Each running request's next token or prefill chunk (plus draft rows when speculating),
+        preempting others for pages. Returns (budget left, whether anything was preempted)."""
         preempted = False
-        self._drafts = {}
         speculate = self.speculation is not None and self.speculation.should_speculate(
             sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running))
-
         for index, request in enumerate(list(self.running)):
             if budget == 0:
                 break
@@ -132,19 +150,8 @@ class Scheduler:
                 scheduled.append((request, num_new))
                 budget -= num_new + num_draft
                 if num_draft:
-                    self._drafts[request.request_id] = (num_draft, draft_ids)
-
-        if not preempted:
-            budget = self._schedule_swapped(plan, scheduled, budget)
-        if not preempted and not self.swapped and self._may_admit():
-            budget = self._schedule_waiting(scheduled, budget)
-        if self.static and self._static_batch:
-            plan.num_finished_slots, pad = self._static_padding(budget)
-            plan.num_padding_rows = plan.num_finished_slots + pad
-
-        scheduled.sort(key=lambda item: item[1] != 1)  # decode rows first
-        plan.chunks = [self._chunk(r, n) for r, n in scheduled]
-        return plan
+                    plan.drafts[request.request_id] = DraftRows(num_draft, tuple(draft_ids))
+        return budget, preempted
 
     def _max_drafts(self, request: Request, room: int) -> int:
         """Drafts that fit the budget, max_tokens (the bonus token counts) and max_model_len."""
@@ -174,14 +181,9 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _may_admit(self) -> bool:
-        # Static batching: the next batch waits until every member of this one is done.
-        return not self.static or not self.running
-
     def _schedule_waiting(self, scheduled, budget: int) -> int:
         new_batch = []
-        # A static batch takes all its members at once; their prompts are read in later steps.
-        while (self.waiting and (budget > 0 or self.static)
+        while (self.waiting and (budget > 0 or self.batching.admits_whole_batch)
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
             tokens = request.all_token_ids
@@ -203,18 +205,8 @@ class Scheduler:
                 scheduled.append((request, num_new))
             new_batch.append(request)
             budget -= num_new
-        if self.static and new_batch and not self._static_batch:
-            self._static_batch = {r.request_id for r in new_batch}
-            longest = max(r.num_tokens for r in new_batch)
-            self._static_pad_left = sum(longest - r.num_tokens for r in new_batch)
+        self.batching.admitted(new_batch)
         return budget
-
-    def _static_padding(self, budget: int) -> tuple[int, int]:
-        """Rows a padded static batch would compute: (finished members' slots, prompt padding)."""
-        finished = min(sum(rid not in self.requests for rid in self._static_batch), budget)
-        pad = min(self._static_pad_left, budget - finished)
-        self._static_pad_left -= pad
-        return finished, pad
 
     def _start_running(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING
@@ -253,10 +245,8 @@ class Scheduler:
             sp = request.sampling
             sampling = SamplingRow(sp.temperature, sp.top_k, sp.top_p, sp.min_p, request.seed,
                                    len(request.output_token_ids))
-        num_draft, draft_ids = self._drafts.get(request.request_id, (0, ()))
         return ScheduledChunk(request.request_id, tuple(request.all_token_ids[start:end]), start,
-                              tuple(self.pages.page_table(request.request_id)), sampling,
-                              num_draft, draft_ids)
+                              tuple(self.pages.page_table(request.request_id)), sampling)
 
     # ---- results ---------------------------------------------------------------------
     def update(self, plan: StepPlan, token_ids, logprobs) -> list[TokenEvent]:
@@ -286,8 +276,9 @@ class Scheduler:
                 reason = self._stop_reason(request, token)
                 if reason is not None:
                     break  # a stop inside an accepted run: drop the tokens after it
-            if chunk.num_draft_tokens:
-                verified.append((chunk.num_draft_tokens, num_emitted - 1))
+            num_draft = plan.num_drafts_of(chunk.request_id)
+            if num_draft:
+                verified.append((num_draft, num_emitted - 1))
                 # Accepted drafts' KV is final; the rejected ones' slots are given back.
                 request.num_computed_tokens += len(new_tokens) - 1
                 self.pages.truncate(request.request_id, request.num_computed_tokens)

@@ -20,27 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import tuning
+from pallas_kernels.metadata import kv_split_metadata
 from pallas_kernels.ragged_paged_attention import KernelConfig, attend_blocks, gather_q_blocks
-
-
-def kv_split_metadata(kv_lens, num_splits: int, tile: int, sliding_window: int | None):
-    """Block metadata [S * num_splits, 5] for decode rows: split k of request s is block
-    s * num_splits + k and covers its k-th run of the tiles the row can see."""
-    kv_lens = kv_lens.astype(jnp.int32)
-    num_seqs = kv_lens.shape[0]
-    position = kv_lens - 1
-    live = kv_lens > 0
-    lo = (jnp.zeros_like(position) if sliding_window is None
-          else jnp.maximum(position - sliding_window + 1, 0))
-    first_tile = jnp.where(live, lo // tile, 0)
-    end_tile = jnp.where(live, position // tile + 1, 0)
-    per_split = -(-(end_tile - first_tile) // num_splits)                        # [S]
-    t_lo = first_tile[:, None] + jnp.arange(num_splits) * per_split[:, None]    # [S, K]
-    t_hi = jnp.minimum(t_lo + per_split[:, None], end_tile[:, None])
-    t_lo = jnp.minimum(t_lo, t_hi)
-    per_request = [jnp.arange(num_seqs), position, live.astype(jnp.int32)]
-    fields = [jnp.broadcast_to(x[:, None], t_lo.shape) for x in per_request] + [t_lo, t_hi]
-    return jnp.stack(fields, axis=-1).reshape(num_seqs * num_splits, -1).astype(jnp.int32)
 
 
 def merge_splits(out, lse):
@@ -68,23 +49,44 @@ def paged_attention(q, k_pages, v_pages, layer, kv_lens, page_table, *, sm_scale
                    num_kv_splits=num_kv_splits)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window",
-                                             "formulation", "sizes", "interpret", "tile_pages",
-                                             "num_kv_splits"))
-def _decode(q, k_pages, v_pages, layer, kv_lens, page_table, *, sm_scale, soft_cap,
-            sliding_window, formulation, sizes, interpret, tile_pages, num_kv_splits):
-    num_seqs, num_heads, head_dim = q.shape
-    pages_per_seq = page_table.shape[1]
-    page_size, num_kv_heads = k_pages.shape[2], k_pages.shape[3]
-    group = num_heads // num_kv_heads
+def decode_config(group: int, page_size: int, pages_per_seq: int, num_kv_heads: int,
+                  num_seqs: int, sizes, *, sm_scale: float, soft_cap: float | None,
+                  sliding_window: int | None, tile_pages: int | None = None,
+                  num_kv_splits: int | None = None) -> tuple[KernelConfig, int]:
+    """(kernel configuration, KV splits per request) of the decode kernel for these shapes."""
     tile_pages = tile_pages or tuning.pages_per_tile(page_size, sizes)
     num_splits = num_kv_splits or tuning.num_kv_splits(
         num_kv_heads, num_seqs, -(-pages_per_seq // tile_pages), sizes)
     c = KernelConfig(group, 1, tuning.block_rows(group, 1, sizes), page_size, tile_pages,
                      pages_per_seq, sm_scale, soft_cap, sliding_window,
                      with_stats=num_splits > 1)
+    return c, num_splits
 
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window",
+                                             "formulation", "sizes", "interpret", "tile_pages",
+                                             "num_kv_splits"))
+def _decode(q, k_pages, v_pages, layer, kv_lens, page_table, *, sm_scale, soft_cap,
+            sliding_window, formulation, sizes, interpret, tile_pages, num_kv_splits):
+    num_seqs, num_heads, _ = q.shape
+    c, num_splits = decode_config(num_heads // k_pages.shape[3], k_pages.shape[2],
+                                  page_table.shape[1], k_pages.shape[3], num_seqs, sizes,
+                                  sm_scale=sm_scale, soft_cap=soft_cap,
+                                  sliding_window=sliding_window, tile_pages=tile_pages,
+                                  num_kv_splits=num_kv_splits)
     meta = kv_split_metadata(kv_lens, num_splits, c.tile, sliding_window)
+    return decode_attend(q, k_pages, v_pages, layer, page_table, kv_lens, meta, c=c,
+                         num_splits=num_splits, formulation=formulation, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("c", "num_splits", "formulation", "interpret"))
+def decode_attend(q, k_pages, v_pages, layer, page_table, kv_lens, meta, *, c: KernelConfig,
+                  num_splits: int, formulation: str, interpret):
+    """One layer's decode attention over precomputed split metadata (kv_split_metadata).
+    q: [S, Hq, D]; rows with kv_lens 0 come back zero. Returns [S, Hq, D]."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_pages.shape[3]
+    group = c.group
     requests = jnp.repeat(jnp.arange(num_seqs, dtype=jnp.int32), num_splits)[:, None]
     q_blocks = gather_q_blocks(q, requests, group, c.rows)          # [Hkv, S*K, rows, D]
     out_dtype = jnp.float32 if c.with_stats else q.dtype

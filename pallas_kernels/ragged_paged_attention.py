@@ -37,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import tuning
+from pallas_kernels import metadata, tuning
 
 NEG_INF = -1e30
 META_FIELDS = 5  # request, first position, tokens, first tile, end tile
@@ -287,6 +287,18 @@ def gather_q_blocks(q, token_index, group: int, rows: int):
     return jnp.pad(blocks, ((0, 0), (0, 0), (0, rows - group * tokens), (0, 0)))
 
 
+def ragged_config(group: int, page_size: int, pages_per_seq: int, sizes, *, sm_scale: float,
+                  soft_cap: float | None, sliding_window: int | None, q_block: int | None = None,
+                  tile_pages: int | None = None) -> KernelConfig:
+    """The ragged kernel's static configuration for these shapes (tuning.py's sizes)."""
+    tokens = q_block or tuning.tokens_per_block(group, sizes.q_block_rows)
+    if tokens & (tokens - 1):
+        raise ValueError(f"q_block must be a power of two, got {tokens}")
+    return KernelConfig(group, tokens, tuning.block_rows(group, tokens, sizes), page_size,
+                        tile_pages or tuning.pages_per_tile(page_size, sizes), pages_per_seq,
+                        sm_scale, soft_cap, sliding_window, with_stats=False)
+
+
 def ragged_paged_attention(q, k_pages, v_pages, layer, kv_lens, page_table, cu_q_lens, num_seqs,
                            *, sm_scale: float, soft_cap: float | None = None,
                            sliding_window: int | None = None, interpret=False,
@@ -298,62 +310,31 @@ def ragged_paged_attention(q, k_pages, v_pages, layer, kv_lens, page_table, cu_q
     cu_q_lens[num_seqs] come back zero. interpret: False (compiled for the default backend),
     True (generic Pallas interpreter), or a TPU / GPU interpret-params object. q_block (query
     tokens per block, a power of two) and tile_pages (pages per KV tile) override tuning.py.
-    Returns [T, Hq, D].
+    Returns [T, Hq, D]. The engine computes the block metadata once per step instead
+    (metadata.ragged_blocks) and calls ragged_attend per layer.
     """
     formulation, sizes, interpret = tuning.plan(interpret)
-    return _ragged(q, k_pages, v_pages, layer, kv_lens, page_table, cu_q_lens, num_seqs,
-                   sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
-                   formulation=formulation, sizes=sizes, interpret=interpret, q_block=q_block,
-                   tile_pages=tile_pages)
+    c = ragged_config(q.shape[1] // k_pages.shape[3], k_pages.shape[2], page_table.shape[1],
+                      sizes, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+                      q_block=q_block, tile_pages=tile_pages)
+    blocks = metadata.ragged_blocks(cu_q_lens, kv_lens, num_seqs, q.shape[0], tokens=c.tokens,
+                                    tile=c.tile, sliding_window=sliding_window)
+    return ragged_attend(q, k_pages, v_pages, layer, page_table, blocks, c=c,
+                         formulation=formulation, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window",
-                                             "formulation", "sizes", "interpret", "q_block",
-                                             "tile_pages"))
-def _ragged(q, k_pages, v_pages, layer, kv_lens, page_table, cu_q_lens, num_seqs, *, sm_scale,
-            soft_cap, sliding_window, formulation, sizes, interpret, q_block, tile_pages):
+@functools.partial(jax.jit, static_argnames=("c", "formulation", "interpret"))
+def ragged_attend(q, k_pages, v_pages, layer, page_table, blocks: metadata.RaggedBlocks, *,
+                  c: KernelConfig, formulation: str, interpret):
+    """One layer's ragged attention over precomputed blocks; rows not blocks.valid are zero."""
     num_tokens, num_heads, head_dim = q.shape
-    num_seqs_max, pages_per_seq = page_table.shape
-    page_size, num_kv_heads = k_pages.shape[2], k_pages.shape[3]
-    group = num_heads // num_kv_heads
-    tokens = q_block or tuning.tokens_per_block(group, sizes.q_block_rows)
-    if tokens & (tokens - 1):
-        raise ValueError(f"q_block must be a power of two, got {tokens}")
-    c = KernelConfig(group, tokens, tuning.block_rows(group, tokens, sizes), page_size,
-                     tile_pages or tuning.pages_per_tile(page_size, sizes), pages_per_seq,
-                     sm_scale, soft_cap, sliding_window, with_stats=False)
-
-    # Blocks: request s gets ceil(q_len / tokens) consecutive blocks.
-    cu_q_lens = cu_q_lens.astype(jnp.int32)
-    kv_lens = kv_lens.astype(jnp.int32)
-    live = jnp.arange(num_seqs_max) < jnp.reshape(num_seqs, ())
-    q_lens = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)
-    block_ends = jnp.cumsum(-(-q_lens // tokens))
-    block_starts = block_ends - -(-q_lens // tokens)
-    num_blocks = max(1, min(num_tokens, -(-num_tokens // tokens) + num_seqs_max))
-    blocks = jnp.arange(num_blocks, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(block_ends, blocks, side="right"), num_seqs_max - 1)
-    start = (blocks - block_starts[seq]) * tokens
-    n = jnp.where(blocks < block_ends[-1], jnp.clip(q_lens[seq] - start, 0, tokens), 0)
-    first = kv_lens[seq] - q_lens[seq] + start
-    lo = (jnp.zeros_like(first) if sliding_window is None
-          else jnp.maximum(first - sliding_window + 1, 0))
-    t_lo = jnp.where(n > 0, lo // c.tile, 0)
-    t_hi = jnp.where(n > 0, (first + n - 1) // c.tile + 1, 0)
-    meta = jnp.stack([seq, first, n, t_lo, t_hi], axis=1)              # [NB, 5]
-
-    token_index = cu_q_lens[seq][:, None] + start[:, None] + jnp.arange(tokens)
-    q_blocks = gather_q_blocks(q, jnp.clip(token_index, 0, num_tokens - 1), group, c.rows)
-    out, _ = attend_blocks(c, formulation, interpret, layer, page_table, meta, q_blocks,
+    num_kv_heads = k_pages.shape[3]
+    group, tokens = c.group, c.tokens
+    num_blocks = blocks.meta.shape[0]
+    q_blocks = gather_q_blocks(q, blocks.token_index, group, c.rows)
+    out, _ = attend_blocks(c, formulation, interpret, layer, page_table, blocks.meta, q_blocks,
                            k_pages, v_pages, q.dtype)
     out = out[:, :, :group * tokens].reshape(num_kv_heads, num_blocks, group, tokens, head_dim)
-
-    # Back to token order: token t of request s sits in block start[s] + local // tokens.
-    rows_t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq_t = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], rows_t, side="right"), num_seqs_max - 1)
-    local = rows_t - cu_q_lens[seq_t]
-    block_t = jnp.minimum(block_starts[seq_t] + local // tokens, num_blocks - 1)
-    out_t = out[:, block_t, :, local % tokens]                          # [T, Hkv, G, D]
-    valid = rows_t < cu_q_lens[jnp.reshape(num_seqs, ())]
-    out_t = jnp.where(valid[:, None, None, None], out_t, 0)
+    out_t = out[:, blocks.block_of_row, :, blocks.slot_of_row]          # [T, Hkv, G, D]
+    out_t = jnp.where(blocks.valid[:, None, None, None], out_t, 0)
     return out_t.reshape(num_tokens, num_heads, head_dim)

@@ -153,9 +153,10 @@ def _blocked(q, k_pages, v_pages, layer, page_table, seq_ids, positions, *, q_bl
     return out[:num_rows]
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window",
-                                             "q_block", "tile_pages",
-                                             "row_tile_pages"))
+_STATIC = ("sm_scale", "soft_cap", "sliding_window", "q_block", "tile_pages", "row_tile_pages")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def ragged_paged_attention(q, k_pages, v_pages, layer, kv_lens, page_table, cu_q_lens, num_seqs,
                            *, sm_scale: float, soft_cap: float | None = None,
                            sliding_window: int | None = None, q_block: int = 16,
@@ -171,14 +172,23 @@ def ragged_paged_attention(q, k_pages, v_pages, layer, kv_lens, page_table, cu_q
     Returns [T, Hq, D].
     """
     seq_ids, positions = token_metadata(kv_lens, cu_q_lens, num_seqs, q.shape[0])
+    return attend_rows(q, k_pages, v_pages, layer, page_table, seq_ids, positions,
+                       sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+                       q_block=q_block, tile_pages=tile_pages, row_tile_pages=row_tile_pages)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def attend_rows(q, k_pages, v_pages, layer, page_table, seq_ids, positions, *, sm_scale: float,
+                soft_cap: float | None = None, sliding_window: int | None = None,
+                q_block: int = 16, tile_pages: int = 8, row_tile_pages: int = 2):
+    """ragged_paged_attention with the per-row metadata (token_metadata) already computed:
+    what the engine calls per layer, having computed the metadata once for the step."""
     return _blocked(q, k_pages, v_pages, layer, page_table, seq_ids, positions, q_block=q_block,
                     sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
                     tile_pages=tile_pages, row_tile_pages=row_tile_pages)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window",
-                                             "q_block", "tile_pages",
-                                             "row_tile_pages"))
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def paged_attention(q, k_pages, v_pages, layer, kv_lens, page_table, *, sm_scale: float,
                     soft_cap: float | None = None, sliding_window: int | None = None,
                     q_block: int = 16, tile_pages: int = 8, row_tile_pages: int = 2):

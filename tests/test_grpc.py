@@ -8,6 +8,7 @@ test_grpc_process.py.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import time
 from types import SimpleNamespace
 
@@ -299,7 +300,7 @@ def test_model_info_describes_the_served_engine(served):
 def test_engine_finishes_other_than_stop_or_length_end_the_call_with_a_status(served):
     """error: RESOURCE_EXHAUSTED if the page pool can never hold the request, else INTERNAL;
     abort by the server: ABORTED. A fake engine yields each outcome for its prompt."""
-    from jaxserve.engine import RequestOutput
+    from jaxserve.outputs import RequestOutput
     from jaxserve.server.background import ServerThread
 
     outcomes = {1: ("error", "request needs 64 KV pages"), 2: ("error", "kaput"),
@@ -309,8 +310,8 @@ def test_engine_finishes_other_than_stop_or_length_end_the_call_with_a_status(se
         reason, error = outcomes[len(prompt_token_ids) % 4]
         yield RequestOutput("r", prompt_token_ids, finished=True, finish_reason=reason, error=error)
 
-    engine = SimpleNamespace(tokenizer=served.engine.tokenizer, pages=served.engine.pages,
-                             max_model_len=4096)  # 47 pages of 16 hold 752 tokens
+    info = dataclasses.replace(served.engine.info, max_model_len=4096)
+    engine = SimpleNamespace(tokenizer=served.engine.tokenizer, info=info)  # 47 pages of 16
     fake = SimpleNamespace(engine=engine, error=None, generate=generate)
     expected = {1001: "RESOURCE_EXHAUSTED", 10: "INTERNAL", 7: "ABORTED"}
     with ServerThread(fake) as server, JaxServeClient(server.address, timeout=10) as client:

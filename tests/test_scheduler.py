@@ -75,7 +75,7 @@ def test_decode_rows_come_before_prefill_chunks():
 
 
 def test_static_batch_computes_finished_members_slots_over_the_longest_context():
-    from jaxserve.runner.batch import build_host_batch
+    from jaxserve.runner.batch import build_step_inputs
     from jaxserve.runner.buckets import BucketTable
 
     sched = make_scheduler(batching="static")
@@ -85,10 +85,11 @@ def test_static_batch_computes_finished_members_slots_over_the_longest_context()
     run_step(sched)
     run_step(sched)  # member 0 has finished; the batch still steps its slot
     plan = sched.schedule()
-    assert len(plan.chunks) == 3 and plan.num_finished_slots == 1
+    assert len(plan.chunks) == 3 and plan.static_padding.num_finished_slots == 1
     assert plan.num_padding_rows >= 1
     table = BucketTable.build(32, 4, 512, 16)
-    batch = build_host_batch(plan, table, 16)
+    inputs = build_step_inputs(plan, table, 16)
+    batch, rows = inputs.attention, inputs.model
     longest = max(plan.chunks, key=lambda c: c.kv_len)
     slot = len(plan.chunks)  # the finished slot is the sequence after the live ones
     assert int(batch.num_seqs) == 4
@@ -96,5 +97,5 @@ def test_static_batch_computes_finished_members_slots_over_the_longest_context()
     assert list(batch.page_table[slot, :len(longest.page_table)]) == list(longest.page_table)
     row = batch.cu_q_lens[slot]
     assert batch.cu_q_lens[slot + 1] == row + 1
-    assert batch.positions[row] == longest.kv_len - 1
-    assert batch.slot_mapping[row] == 0, "a finished slot must write only scratch page 0"
+    assert rows.positions[row] == longest.kv_len - 1
+    assert rows.slot_mapping[row] == 0, "a finished slot must write only scratch page 0"

@@ -135,9 +135,10 @@ def test_many_rejections_leak_no_pages(spec_llm):
 def test_a_layers_draft_is_the_targets_first_layers_sharing_its_arrays(spec_llm):
     from flax import nnx
     runner = spec_llm("draft-layers1-k3").engine.runner
-    draft = dict(nnx.to_flat_state(runner.draft_state))
-    target = dict(nnx.to_flat_state(runner.state))
-    assert runner.draft_config.num_layers == 1 and ("layers", 1, "wq") not in draft
+    target_state, draft_state = runner.verify.state
+    draft = dict(nnx.to_flat_state(draft_state))
+    target = dict(nnx.to_flat_state(target_state))
+    assert ("layers", 0, "wq") in draft and ("layers", 1, "wq") not in draft
     for path in [("embed",), ("lm_head",), ("final_norm",), ("layers", 0, "wq")]:
         assert draft[path].get_value() is target[path].get_value(), f"{path} was copied"
 

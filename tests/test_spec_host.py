@@ -88,7 +88,7 @@ def make_scheduler(page_size=2, num_pages=40, k=4):
 def run_prefill(sched, prompt, first_token, **params):
     sched.add(Request("r", list(prompt), SamplingParams(temperature=0, **params), seed=0))
     plan = sched.schedule()
-    assert plan.chunks[0].num_draft_tokens == 0, "a prefill chunk never carries drafts"
+    assert not plan.drafts, "a prefill chunk never carries drafts"
     sched.update(plan, np.array([first_token]), np.array([0.0], np.float32))
     return sched.requests["r"]
 
@@ -97,17 +97,18 @@ def verify(sched, emitted):
     """One speculative step whose verification returned `emitted` (then -1 padding)."""
     plan = sched.schedule()
     chunk = plan.chunks[0]
-    row = np.full((1, chunk.num_draft_tokens + 1), -1, np.int32)
+    draft = plan.drafts[chunk.request_id]
+    row = np.full((1, draft.num_tokens + 1), -1, np.int32)
     row[0, :len(emitted)] = emitted
     events = sched.update(plan, row, np.zeros(row.shape, np.float32))
-    return chunk, events[0]
+    return chunk, draft, events[0]
 
 
 def test_rejected_drafts_give_back_their_slots_and_stay_out_of_the_prefix_cache():
     sched, pages, policy = make_scheduler()
     request = run_prefill(sched, [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], first_token=3, max_tokens=20)
-    chunk, event = verify(sched, [4, 1, 9])  # drafts 4 1 2 3: two accepted, then 9
-    assert chunk.token_ids == (3,) and chunk.draft_token_ids == (4, 1, 2, 3)
+    chunk, draft, event = verify(sched, [4, 1, 9])  # drafts 4 1 2 3: two accepted, then 9
+    assert chunk.token_ids == (3,) and draft.token_ids == (4, 1, 2, 3)
     assert pages.num_slots("r") == 15 - 2, "slots of the 2 rejected drafts were not given back"
     assert len(pages.page_table("r")) == 7, "the page holding only rejected drafts was kept"
     assert request.num_computed_tokens == 13 and request.output_token_ids == [3, 4, 1, 9]
@@ -127,11 +128,11 @@ def test_a_stop_inside_an_accepted_run_ends_the_output_there(stop, emitted, want
     params = dict(max_tokens=20, ignore_eos=True)
     params.update(stop)
     request = run_prefill(sched, [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], first_token=3, **params)
-    chunk, event = verify(sched, emitted)
+    _, draft, event = verify(sched, emitted)
     assert event.new_token_ids == want and event.finish_reason == reason
     assert request.output_token_ids == [3, *want] and request.is_finished
     if "max_tokens" in stop:
-        assert chunk.num_draft_tokens == 1, "drafts beyond max_tokens were proposed"
+        assert draft.num_tokens == 1, "drafts beyond max_tokens were proposed"
     assert pages.stats().num_free == pages.stats().num_pages
     pages.check_invariants()
 
@@ -148,8 +149,9 @@ def test_drafts_leave_every_other_running_request_its_decode_row():
     sched.update(plan, np.arange(4), np.zeros(4, np.float32))
     plan = sched.schedule()
     assert len(plan.chunks) == 4, "a decode row was crowded out by drafts"
-    assert plan.num_tokens + sum(c.num_draft_tokens for c in plan.chunks) <= 12
-    assert plan.chunks[0].num_draft_tokens == 12 - 4, "the first request got the spare rows"
+    assert plan.num_tokens + plan.num_draft_tokens <= 12
+    assert plan.num_drafts_of(plan.chunks[0].request_id) == 12 - 4, (
+        "the first request got the spare rows")
 
 
 @pytest.mark.parametrize("module", ["jaxserve.spec.policy", "jaxserve.spec.ngram",

@@ -10,9 +10,7 @@ This module knows nothing of requests or scheduling, and never runs the sampler.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -20,26 +18,14 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.model import layers
+from jaxserve.model import pytrees  # noqa: F401  (registers the step inputs as pytrees)
+from jaxserve.model.attention import PagedAttention
 from jaxserve.model.config import ModelConfig
+from jaxserve.step_inputs import AttentionMetadata, ModelInputs
 
 # Names of the stacked per-layer weights, in ModelConfig.param_shapes() order.
 LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 BIAS_KEYS = ("bq", "bk", "bv")
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class StepInputs:
-    """The device-side inputs of one step (fixed shapes from the bucket)."""
-
-    token_ids: jax.Array       # [T] i32
-    positions: jax.Array       # [T] i32 (padding rows: 0)
-    slot_mapping: jax.Array    # [T] i32 flat page * page_size + offset (padding -> page 0)
-    cu_q_lens: jax.Array       # [S+1] i32
-    kv_lens: jax.Array         # [S] i32, this step's tokens included
-    page_table: jax.Array      # [S, P] i32
-    num_seqs: jax.Array        # [] i32
-    logits_indices: jax.Array  # [R] i32 rows whose logits are needed
 
 
 class LayerStack(nnx.Module):
@@ -82,10 +68,14 @@ class Llama(nnx.Module):
             self.lm_head = nnx.Param(cast(params["lm_head"]))
         self.inv_freq = nnx.Variable(jnp.asarray(layers.rope_inv_freq(config)))
 
-    def __call__(self, inputs: StepInputs, kv: tuple[jax.Array, jax.Array],
-                 attention_fn: Callable):
-        """Returns (logits [R, V] float32, updated kv). K/V pages: [L, N, page_size, Hkv, Dh]."""
+    def __call__(self, inputs: ModelInputs, metadata: AttentionMetadata,
+                 kv: tuple[jax.Array, jax.Array], attention: PagedAttention):
+        """Returns (logits [R, V] float32, updated kv). K/V pages: [L, N, page_size, Hkv, Dh].
+
+        The attention backend prepares its per-step metadata once here, before the layer loop;
+        every layer then reads the same prepared object."""
         cfg = self.config
+        prepared = attention.prepare(metadata, inputs.token_ids.shape[0])
         x = self.embed[...][inputs.token_ids]  # [T, D]
         cos, sin = layers.rope_cos_sin(inputs.positions, self.inv_freq[...])
         page_size = kv[0].shape[2]
@@ -102,9 +92,8 @@ class Llama(nnx.Module):
             v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
             k_pages = k_pages.at[idx, write_page, write_offset].set(k.astype(k_pages.dtype))
             v_pages = v_pages.at[idx, write_page, write_offset].set(v.astype(v_pages.dtype))
-            attn = attention_fn(q, k_pages, v_pages, idx, inputs.kv_lens, inputs.page_table,
-                                inputs.cu_q_lens, inputs.num_seqs,
-                                sm_scale=1.0 / math.sqrt(cfg.head_dim))  # [T, Hq, Dh]
+            attn = attention(q, k_pages, v_pages, idx, prepared,
+                             sm_scale=1.0 / math.sqrt(cfg.head_dim))  # [T, Hq, Dh]
             x = x + attn.reshape(x.shape[0], cfg.q_size).astype(x.dtype) @ w["wo"]
             h = layers.rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
             x = x + layers.swiglu(h, w["w_gate"], w["w_up"], w["w_down"])

@@ -1,9 +1,10 @@
-"""ModelRunner: owns every device array (weights, KV pages, host swap copies, executables).
+"""ModelRunner: owns every device array of a plain step (weights, KV pages, host swap copies).
 
-It turns a StepPlan into one call of a compiled step (forward -> sample, KV donated) and
-returns plain numpy results. Every (tokens, requests) bucket is compiled ahead of time; a
-shape outside the table raises instead of compiling. It never decides what runs: that is the
-scheduler's job.
+It turns a StepPlan into StepInputs (runner/batch.py) and one call of its CompiledStep
+(forward -> sample, KV donated), and returns plain numpy results. Every (tokens, requests)
+bucket is compiled ahead of time; a shape outside the table raises instead of compiling. It
+never decides what runs: that is the scheduler's job. runner/protocol.py declares what every
+runner (plain, speculative, multi-host leader / follower) offers the engine.
 """
 
 from __future__ import annotations
@@ -11,33 +12,24 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm.auto import tqdm
 
-from jaxserve.model.attention import get_attention_fn
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.llama import StepInputs
 from jaxserve.plan import StepPlan
-from jaxserve.runner.batch import HostBatch, build_host_batch, empty_host_batch
-from jaxserve.runner.buckets import BucketTable, powers_of_two
-from jaxserve.runner.compile_count import num_compilations
+from jaxserve.runner.batch import build_step_inputs
+from jaxserve.runner.buckets import BucketTable
+from jaxserve.runner.compiled_step import CompiledStep
+from jaxserve.runner.kv_cache import DeviceKV
+from jaxserve.runner.protocol import StepResult
 from jaxserve.runner.sampler import sample
-from jaxserve.runner.swap import KVSwapper
 from jaxserve.runner.tensor_parallel import Placement
+from jaxserve.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class StepResult:
-    token_ids: np.ndarray  # [num_chunks] i32 (entries of non-sampling chunks are meaningless)
-    logprobs: np.ndarray   # [num_chunks] f32
 
 
 def resolve_dtype(dtype: str, backend: str):
@@ -64,18 +56,22 @@ def enable_compile_cache(cache_dir: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def _step(graphdef, attention_fn, state, kv, token_ids, positions, slot_mapping,
-          cu_q_lens, kv_lens, page_table, num_seqs, logits_indices, temperature, top_k, top_p,
-          min_p, seeds, output_index, any_sampling):
+def pack(tokens, logprobs):
+    """One packed i32 array -> one device-to-host copy per step. [2, ...]"""
+    return jnp.stack([tokens, jax.lax.bitcast_convert_type(logprobs, jnp.int32)])
+
+
+def unpack(packed: np.ndarray, num_chunks: int) -> StepResult:
+    return StepResult(packed[0, :num_chunks].copy(),
+                      packed[1, :num_chunks].view(np.float32).copy())
+
+
+def plain_step(graphdef, attention, state, kv, inputs: StepInputs):
+    """forward -> sample. Returns (packed [2, S] i32, kv)."""
     model = nnx.merge(graphdef, state)
-    inputs = StepInputs(token_ids, positions, slot_mapping, cu_q_lens, kv_lens, page_table,
-                        num_seqs, logits_indices)
-    logits, kv = model(inputs, kv, attention_fn)
-    tokens, logprobs = sample(logits, temperature, top_k, top_p, min_p, seeds, output_index,
-                              any_sampling)
-    # One packed array -> one device-to-host copy per step.
-    packed = jnp.stack([tokens, jax.lax.bitcast_convert_type(logprobs, jnp.int32)])  # [2, S]
-    return packed, kv
+    logits, kv = model(inputs.model, inputs.attention, kv, attention)
+    tokens, logprobs = sample(logits, inputs.sampling)
+    return pack(tokens, logprobs), kv
 
 
 class ModelRunner:
@@ -92,74 +88,46 @@ class ModelRunner:
         self.model_config = model_config
         self.dtype = resolve_dtype(dtype, backend)
         self.layer_loop = resolve_layer_loop(layer_loop, backend)
+        self.attention_impl = attention_impl
         self.page_size = page_size
         self.num_pages = num_pages
+        self.mesh = mesh
         self.buckets = BucketTable.build(max_num_batched_tokens, max_num_seqs, max_model_len,
                                          page_size, token_buckets, seq_buckets)
-        placement = Placement(mesh, model_config)
-        self.mesh = mesh
-        self.graphdef, self.state = placement.model(params, self.dtype, self.layer_loop)
-        self.kv = placement.kv_cache(num_pages, page_size, self.dtype)
-        self.swapper = KVSwapper(powers_of_two(1, self.buckets.max_pages_per_request))
-        self._host_pages = {}
-        step = functools.partial(_step, self.graphdef,
-                                 placement.attention(get_attention_fn(attention_impl)))
-        self._jitted = jax.jit(step, donate_argnums=(1,), **placement.jit_shardings())
-        self._executables = {}
-        self.compilations_after_warmup: int | None = None
+        self.placement = Placement(mesh, model_config)
+        self.graphdef, state = self.placement.model(params, self.dtype, self.layer_loop)
+        self.cache = self.new_cache(self.placement)
+        self.attention = self.placement.attention(attention_impl, page_size)
+        step = functools.partial(plain_step, self.graphdef, self.attention)
+        p = self.buckets.max_pages_per_request
+        self.step = CompiledStep("step", step, state, (self.cache,), self.buckets,
+                                 lambda shape: StepInputs.empty(*shape, p),
+                                 **self.placement.jit_shardings())
 
-    # ---- compilation -----------------------------------------------------------------
-    def warmup(self, progress: bool = True) -> None:
-        """Compile every bucket (and the swap copies) ahead of time, then run each once.
+    def new_cache(self, placement: Placement) -> DeviceKV:
+        """A zeroed KV cache for placement's model over this runner's page pool."""
+        arrays = placement.kv_cache(self.num_pages, self.page_size, self.dtype)
+        return DeviceKV(arrays, self.buckets.max_pages_per_request)
 
-        Tracing is serial (Python); XLA compiles run on a small thread pool, since the
-        compiler releases the GIL and start-up time is mostly compile time.
-        """
-        shapes = self.buckets.shapes()
-        batches = {shape: empty_host_batch(*shape, self.buckets.max_pages_per_request)
-                   for shape in shapes}
-        lowered = {shape: self._jitted.lower(self.state, self.kv, *b.model_inputs(),
-                                             *b.sampling_inputs())
-                   for shape, b in batches.items()}
-        workers = max(1, min(len(shapes), os.cpu_count() or 1, 4))
-        with ThreadPoolExecutor(workers) as pool, tqdm(
-                total=len(shapes), desc="compiling step buckets", disable=not progress) as bar:
-            futures = {pool.submit(low.compile): shape for shape, low in lowered.items()}
-            for future in as_completed(futures):
-                self._executables[futures[future]] = future.result()
-                bar.set_postfix_str("T={} S={}".format(*futures[future]))
-                bar.update(1)
-        for batch in batches.values():
-            self._run(batch)  # first run of an executable can allocate; do it now
-        self.swapper.warmup(self.kv)
-        self.compilations_after_warmup = num_compilations()
+    @property
+    def state(self):
+        return self.step.state
 
-    def _run(self, batch: HostBatch) -> np.ndarray:
-        exe = self._executables.get(batch.shape)
-        if exe is None:
-            raise RuntimeError(f"no compiled step for bucket (T, S)={batch.shape}; compiled: "
-                               f"{sorted(self._executables)} (warmup() compiles them all)")
-        packed, self.kv = exe(self.state, self.kv, *batch.model_inputs(),
-                              *batch.sampling_inputs())
-        packed.copy_to_host_async()
-        return packed
-
-    # ---- one step --------------------------------------------------------------------
-    def execute(self, plan: StepPlan) -> StepResult:
-        for request_id in plan.dropped_swaps:
-            self._host_pages.pop(request_id, None)
-        for op in plan.swap_out:
-            self._host_pages[op.request_id] = self.swapper.swap_out(self.kv, op.page_ids)
-        for op in plan.swap_in:
-            self.kv = self.swapper.swap_in(self.kv, self._host_pages.pop(op.request_id),
-                                           op.page_ids)
-        if not plan.chunks:
-            return StepResult(np.zeros(0, np.int32), np.zeros(0, np.float32))
-        batch = build_host_batch(plan, self.buckets, self.page_size)
-        packed = np.asarray(self._run(batch))
-        n = len(plan.chunks)
-        return StepResult(packed[0, :n].copy(), packed[1, :n].view(np.float32).copy())
+    @property
+    def kv(self):
+        return self.cache.arrays
 
     @property
     def num_host_swapped(self) -> int:
-        return len(self._host_pages)
+        return self.cache.num_host_swapped
+
+    def warmup(self, progress: bool = True) -> None:
+        self.step.warmup(progress)
+        self.cache.warmup()
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.cache.apply_swaps(plan)
+        if not plan.chunks:
+            return StepResult(np.zeros(0, np.int32), np.zeros(0, np.float32))
+        inputs = build_step_inputs(plan, self.buckets, self.page_size)
+        return unpack(np.asarray(self.step.run(inputs)), len(plan.chunks))

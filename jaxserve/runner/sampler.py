@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxserve.step_inputs import SamplingInputs
+
 _BASE_KEY = 0x6A61  # arbitrary fixed root; keys differ per (seed, output index)
 
 
@@ -36,11 +38,14 @@ def filter_logits(logits, temperature, top_k, top_p, min_p):
     return jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)
 
 
-def sample(logits, temperature, top_k, top_p, min_p, seeds, output_index, any_sampling):
+def sample(logits, sampling: SamplingInputs):
     """logits [S, V] f32 -> (token ids [S] i32, their log-probabilities [S] f32).
 
     Log-probabilities are the model's own (before temperature and filters), as vLLM reports.
     """
+    sp = sampling
+    temperature, top_k, top_p, min_p = sp.temperature, sp.top_k, sp.top_p, sp.min_p
+    seeds, output_index, any_sampling = sp.seeds, sp.output_index, sp.any_sampling
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def sampled(_):

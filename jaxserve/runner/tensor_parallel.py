@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,6 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jaxserve.model import sharding
+from jaxserve.model.attention import AttentionShape, PagedAttention, get_attention
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.llama import Llama, init_kv_cache
 
@@ -116,30 +115,42 @@ class Placement:
     def kv_sharding(self) -> NamedSharding | None:
         return None if self.mesh is None else sharding.kv_sharding(self.mesh)
 
-    def attention(self, attention_fn: Callable) -> Callable:
-        """attention_fn run per device on its own heads (q, K/V pages split on heads)."""
+    def attention(self, impl: str, page_size: int) -> PagedAttention:
+        """The attention backend for this placement's model; with a mesh, each device attends
+        with its own heads (q and K/V pages split on heads, the prepared metadata replicated)."""
+        c, tp = self.config, self.tensor_parallel_size
+        shape = AttentionShape(group=c.num_heads // c.num_kv_heads,
+                               num_kv_heads=c.num_kv_heads // tp, page_size=page_size,
+                               sliding_windows=getattr(c, "sliding_windows", (None,)))
+        backend = get_attention(impl, shape)
+        return backend if self.mesh is None else _ShardedAttention(backend, self.mesh)
+
+    def jit_shardings(self, num_caches: int = 1, with_out: bool = True) -> dict:
+        """jax.jit keywords for a step -> (out, kv): out (packed tokens) replicated, kv one
+        (K, V) pair or a tuple of num_caches pairs, each in the KV sharding; with_out False:
+        the step returns (None, kv)."""
         if self.mesh is None:
-            return attention_fn
+            return {}
+        pair = (self.kv_sharding, self.kv_sharding)
+        kv = pair if num_caches == 1 else (pair,) * num_caches
+        return {"out_shardings": (sharding.replicated(self.mesh) if with_out else None, kv)}
+
+
+class _ShardedAttention:
+    """A backend run per device under shard_map; prepare() runs once, replicated, outside."""
+
+    def __init__(self, backend: PagedAttention, mesh: Mesh):
+        self.backend, self.mesh = backend, mesh
+
+    def prepare(self, metadata, num_tokens: int):
+        return self.backend.prepare(metadata, num_tokens)
+
+    def __call__(self, q, k_pages, v_pages, layer, prepared, **static):
         q_spec = sharding.activation_spec("q")
         out_spec = sharding.activation_spec("attention_out")
         kv_spec = sharding.spec(sharding.KV_PAGE_AXES, sharding.LOGICAL_RULES)
         rep = sharding.activation_spec("step_input")
-        mesh = self.mesh
-
-        def sharded(q, k_pages, v_pages, layer, kv_lens, page_table, cu_q_lens, num_seqs,
-                    **static):
-            per_device = jax.shard_map(
-                functools.partial(attention_fn, **static), mesh=mesh,
-                in_specs=(q_spec, kv_spec, kv_spec, rep, rep, rep, rep, rep),
-                out_specs=out_spec, check_vma=False)
-            return per_device(q, k_pages, v_pages, layer, kv_lens, page_table, cu_q_lens,
-                              num_seqs)
-
-        return sharded
-
-    def jit_shardings(self) -> dict:
-        """jax.jit keywords for the step (forward + sample) -> (packed [2, S], (K, V))."""
-        if self.mesh is None:
-            return {}
-        return {"out_shardings": (sharding.replicated(self.mesh),
-                                  (self.kv_sharding, self.kv_sharding))}
+        per_device = jax.shard_map(
+            functools.partial(self.backend, **static), mesh=self.mesh,
+            in_specs=(q_spec, kv_spec, kv_spec, rep, rep), out_specs=out_spec, check_vma=False)
+        return per_device(q, k_pages, v_pages, layer, prepared)

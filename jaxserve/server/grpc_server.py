@@ -49,8 +49,8 @@ def _host_port(host: str, port: int) -> str:
 
 def _never_fits(engine, out, params) -> bool:
     """The scheduler's admission rule: prompt + max_tokens pages beyond the whole pool."""
-    total = min(len(out.prompt_token_ids) + params.max_tokens, engine.max_model_len)
-    return not out.token_ids and engine.pages.num_pages_for(total) > engine.pages.num_pages - 1
+    return not out.token_ids and engine.info.never_fits(
+        len(out.prompt_token_ids) + params.max_tokens)
 
 
 def _status_for_exception(exc: Exception, validating: bool) -> _StatusError:
@@ -137,13 +137,12 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         return pb.TokenizeResponse(token_ids=[int(t) for t in token_ids], prompt_text=text)
 
     async def ModelInfo(self, request: pb.ModelInfoRequest, context) -> pb.ModelInfoResponse:
-        engine = (await self._engine(context)).engine
+        info = (await self._engine(context)).engine.info
         return pb.ModelInfoResponse(
-            model_name=engine.model_name, max_model_len=engine.max_model_len,
-            vocab_size=engine.model_config.vocab_size, page_size=engine.config.page_size,
-            dtype=engine.dtype_name, num_pages=engine.pages.num_pages,
-            max_num_seqs=engine.config.max_num_seqs,
-            eos_token_ids=[int(t) for t in engine.tokenizer.eos_token_ids])
+            model_name=info.model_name, max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size, page_size=info.page_size, dtype=info.dtype,
+            num_pages=info.num_pages, max_num_seqs=info.max_num_seqs,
+            eos_token_ids=list(info.eos_token_ids))
 
 
 class GrpcServer:
@@ -290,8 +289,8 @@ async def serve(engine_config: EngineConfig, host: str, port: int, shutdown_time
     for front in fronts[1:]:
         front.attach(async_engine)
     log.info("serving %s on %s: max_model_len %d, %d KV pages of %d tokens (health SERVING)",
-             engine.model_name, handle.address, engine.max_model_len, engine.pages.num_pages,
-             engine.config.page_size)
+             engine.info.model_name, handle.address, engine.info.max_model_len,
+             engine.info.num_pages, engine.info.page_size)
     dead = asyncio.ensure_future(handle.engine_dead.wait())
     await asyncio.wait({stopping, dead}, return_when=asyncio.FIRST_COMPLETED)
     if not stopping.done():  # nothing left to drain: every open stream has failed

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.llama import StepInputs
 from jaxserve.spec.rejection import draft_sample
+from jaxserve.step_inputs import AttentionMetadata, DraftInputs, ModelInputs, SamplingInputs
 
 log = logging.getLogger(__name__)
 
@@ -76,37 +76,39 @@ def share_weights(draft_state: nnx.State, target_state: nnx.State) -> nnx.State:
     return nnx.from_flat_state(flat)
 
 
-def propose(model, attention_fn, kv, sync: StepInputs, num_drafts, num_speculative_tokens: int,
-            temperature, top_k, top_p, min_p, seeds, output_index, any_sampling):
+def propose(model, attention, kv, d: DraftInputs, sampling: SamplingInputs,
+            num_speculative_tokens: int):
     """Run the draft over the step's real tokens, then k single-token passes per request.
 
-    sync: the step's chunks without their draft rows; sync.logits_indices [S] is each chunk's
-    last row. num_drafts [S]: draft rows per request (0: it does not speculate). Returns
-    (drafts [S, k] i32, q [S, k, V] f32, kv): drafts[i, j] is proposed for output index
-    output_index[i] + j, and pass j (1..k) writes the K/V of drafts[i, j-1] at position
-    kv_lens[i] - 1 + j for requests with num_drafts[i] >= j.
+    d.model / d.attention: the step's chunks without their draft rows; d.model.logits_indices
+    [S] is each chunk's last row. d.num_drafts [S]: draft rows per request (0: it does not
+    speculate). Returns (drafts [S, k] i32, q [S, k, V] f32, kv): drafts[i, j] is proposed for
+    output index output_index[i] + j, and pass j (1..k) writes the K/V of drafts[i, j-1] at
+    position kv_lens[i] - 1 + j for requests with num_drafts[i] >= j.
     """
     k = num_speculative_tokens
-    num_seqs = sync.kv_lens.shape[0]
+    sp = sampling
+    settings = (sp.temperature, sp.top_k, sp.top_p, sp.min_p, sp.seeds)
+    page_table, kv_lens = d.attention.page_table, d.attention.kv_lens
+    num_seqs = kv_lens.shape[0]
     page_size = kv[0].shape[2]
     rows = jnp.arange(num_seqs, dtype=jnp.int32)
-    logits, kv = model(sync, kv, attention_fn)  # [S, V]
-    first, q_first = draft_sample(logits, temperature, top_k, top_p, min_p, seeds, output_index,
-                                  any_sampling)
-    last_position = sync.kv_lens - 1  # [S] position of each request's last real token
+    logits, kv = model(d.model, d.attention, kv, attention)  # [S, V]
+    first, q_first = draft_sample(logits, *settings, sp.output_index, sp.any_sampling)
+    last_position = kv_lens - 1  # [S] position of each request's last real token
 
     def one_pass(carry, j):
         kv, tokens = carry
-        active = j <= num_drafts
+        active = j <= d.num_drafts
         pos = jnp.where(active, last_position + j, 0)
-        page = sync.page_table[rows, jnp.clip(pos // page_size, 0, sync.page_table.shape[1] - 1)]
-        inputs = StepInputs(tokens, pos, jnp.where(active, page * page_size + pos % page_size, 0),
-                            jnp.arange(num_seqs + 1, dtype=jnp.int32),
-                            jnp.where(active, pos + 1, 0), sync.page_table,
-                            jnp.int32(num_seqs), rows)
-        logits, kv = model(inputs, kv, attention_fn)
-        nxt, q = draft_sample(logits, temperature, top_k, top_p, min_p, seeds, output_index + j,
-                              any_sampling)
+        page = page_table[rows, jnp.clip(pos // page_size, 0, page_table.shape[1] - 1)]
+        inputs = ModelInputs(tokens, pos, jnp.where(active, page * page_size + pos % page_size, 0),
+                             rows)
+        metadata = AttentionMetadata(jnp.arange(num_seqs + 1, dtype=jnp.int32),
+                                     jnp.where(active, pos + 1, 0), page_table,
+                                     jnp.int32(num_seqs), jnp.int32(num_seqs))  # all decodes
+        logits, kv = model(inputs, metadata, kv, attention)
+        nxt, q = draft_sample(logits, *settings, sp.output_index + j, sp.any_sampling)
         return (kv, nxt), (nxt, q)
 
     # Pass k only writes the K/V of the last draft; its proposal is thrown away.

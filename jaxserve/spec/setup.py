@@ -25,9 +25,6 @@ class Speculation:
         """loaded: the target's LoadedModel (the draft `layers:N` is cut from it)."""
         if config.speculative_method is None:
             return cls(config)
-        if config.tensor_parallel_size > 1:
-            raise ValueError("speculative decoding does not support tensor_parallel_size > 1 "
-                             "yet; unset speculative_method or use one device")
         policy = SpeculationPolicy(
             config.speculative_method, config.num_speculative_tokens,
             ngram=NgramProposer(config.speculative_ngram_min, config.speculative_ngram_max),
@@ -49,5 +46,4 @@ class Speculation:
         if self.policy is None:
             return runner
         from jaxserve.spec.runner import SpeculativeRunner
-        return SpeculativeRunner(runner, self.policy, attention_impl=self.config.attention_impl,
-                                 draft=self.draft)
+        return SpeculativeRunner(runner, self.policy, draft=self.draft)

@@ -1,0 +1,50 @@
+"""EngineInfo and EngineStats: what front ends and metrics may know about a running engine.
+
+EngineInfo is frozen at start-up (model, limits, pool size); EngineStats is an immutable
+snapshot the engine thread publishes after every change (queue sizes, page usage, counters).
+Other threads (gRPC and HTTP handlers, the Prometheus collector) read these two and never the
+live scheduler or page manager. Plain data: no jax, no engine import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model_name: str
+    architecture: str
+    max_model_len: int
+    vocab_size: int
+    dtype: str
+    page_size: int
+    num_pages: int                  # the KV pool, reserved page 0 included
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_queued_requests: int | None
+    eos_token_ids: tuple[int, ...]
+    tensor_parallel_size: int = 1
+    speculative_method: str | None = None
+
+    def num_pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def never_fits(self, num_tokens: int) -> bool:
+        """The scheduler's admission rule: a request whose prompt + max_tokens needs more pages
+        than the whole pool (page 0 excluded) can never run."""
+        return self.num_pages_for(min(num_tokens, self.max_model_len)) > self.num_pages - 1
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_swapped: int = 0
+    num_preemptions: int = 0
+    num_swaps: int = 0
+    num_steps: int = 0
+    kv_usage: float = 0.0           # fraction of allocatable pages held by requests
+    num_free_pages: int = 0         # allocatable now, evictable cached pages included
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0

@@ -1,0 +1,21 @@
+"""Registers the step-input dataclasses of jaxserve/step_inputs.py as jax pytrees.
+
+step_inputs.py stays jax-free (the scheduler side and runner/batch.py build it with numpy); the
+jax side imports this module (the model does) before any of them crosses a jit boundary, and
+Python runs the registration once, at first import. It registers and does nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from jaxserve import step_inputs
+
+_CLASSES = (step_inputs.ModelInputs, step_inputs.AttentionMetadata, step_inputs.SamplingInputs,
+            step_inputs.StepInputs, step_inputs.VerifyInputs, step_inputs.DraftInputs,
+            step_inputs.SpecStepInputs)
+for _cls in _CLASSES:
+    jax.tree_util.register_dataclass(
+        _cls, data_fields=[f.name for f in dataclasses.fields(_cls)], meta_fields=[])

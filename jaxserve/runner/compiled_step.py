@@ -1,0 +1,80 @@
+"""CompiledStep: one step function, compiled ahead of time for every bucket, and run.
+
+A step function has the signature `fn(state, kv, inputs) -> (out, kv)`: weights (an NNX state,
+or a tuple of them), the KV arrays (donated, so XLA updates them in place) and one inputs
+dataclass (step_inputs.py). CompiledStep owns its jit, the bucket table, one executable per
+bucket, ahead-of-time warm-up (trace serially, compile on a small thread pool, run each once),
+the "no compiled step for this bucket" error (serving never compiles) and the run with its
+asynchronous device-to-host copy of `out`. Its KV caches (DeviceKV, which apply swaps) may be
+shared with other CompiledSteps over the same cache; the runner that owns the caches applies
+each plan's swaps once per cache. The model runner and the speculative runner are built from
+CompiledSteps; neither decides what runs.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from typing import Callable
+
+import jax
+from tqdm.auto import tqdm
+
+from jaxserve.runner.buckets import BucketTable
+from jaxserve.runner.kv_cache import DeviceKV
+
+
+class CompiledStep:
+    def __init__(self, name: str, fn: Callable, state, caches: tuple[DeviceKV, ...],
+                 buckets: BucketTable, empty_inputs: Callable[[tuple[int, int]], object],
+                 **jit_kwargs):
+        """caches: the KV caches the step reads and writes, passed as `kv` (one: its arrays;
+        several: a tuple of them); empty_inputs(shape): all-padding inputs of a bucket."""
+        self.name = name
+        self.state = state
+        self.caches = caches
+        self.buckets = buckets
+        self.empty_inputs = empty_inputs
+        self._jitted = jax.jit(fn, donate_argnums=(1,), **jit_kwargs)
+        self._executables: dict[tuple[int, int], jax.stages.Compiled] = {}
+
+    @property
+    def kv(self):
+        arrays = tuple(c.arrays for c in self.caches)
+        return arrays[0] if len(arrays) == 1 else arrays
+
+    def _set_kv(self, kv) -> None:
+        for cache, arrays in zip(self.caches, (kv,) if len(self.caches) == 1 else kv):
+            cache.arrays = arrays
+
+    def warmup(self, progress: bool = True) -> None:
+        """Compile every bucket ahead of time, then run each once (a first run can allocate).
+
+        Tracing is serial (Python); XLA compiles run on a small thread pool, since the
+        compiler releases the GIL and start-up time is mostly compile time."""
+        shapes = self.buckets.shapes()
+        inputs = {shape: self.empty_inputs(shape) for shape in shapes}
+        lowered = {shape: self._jitted.lower(self.state, self.kv, x) for shape, x in inputs.items()}
+        workers = max(1, min(len(shapes), os.cpu_count() or 1, 4))
+        with ThreadPoolExecutor(workers) as pool, tqdm(
+                total=len(shapes), desc=f"compiling {self.name} buckets",
+                disable=not progress) as bar:
+            futures = {pool.submit(low.compile): shape for shape, low in lowered.items()}
+            for future in as_completed(futures):
+                self._executables[futures[future]] = future.result()
+                bar.set_postfix_str("T={} S={}".format(*futures[future]))
+                bar.update(1)
+        for x in inputs.values():
+            self.run(x)
+
+    def run(self, inputs):
+        """Run the bucket's executable; `out` comes back with its host copy already started."""
+        exe = self._executables.get(inputs.shape)
+        if exe is None:
+            raise RuntimeError(f"no compiled {self.name} step for bucket (T, S)={inputs.shape}; "
+                               f"compiled: {sorted(self._executables)} (warmup() compiles them)")
+        out, kv = exe(self.state, self.kv, inputs)
+        self._set_kv(kv)
+        if out is not None:
+            out.copy_to_host_async()
+        return out

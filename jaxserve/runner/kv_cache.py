@@ -1,0 +1,37 @@
+"""DeviceKV: one paged KV cache on device, and the pages of swapped-out requests in host memory.
+
+It applies a plan's swaps (runner/swap.py does the copies) and holds the current arrays: a
+compiled step donates them and puts its result back here, so every step that reads the same
+cache (a plain step, a speculative verify step) shares one DeviceKV. No page accounting here
+(that is the scheduler's PageManager and HostSwapSpace).
+"""
+
+from __future__ import annotations
+
+from jaxserve.plan import StepPlan
+from jaxserve.runner.buckets import powers_of_two
+from jaxserve.runner.swap import HostPages, KVCache, KVSwapper
+
+
+class DeviceKV:
+    def __init__(self, arrays: KVCache, max_pages_per_request: int):
+        self.arrays = arrays  # (K, V), each [layers, num_pages, page_size, kv_heads, head_dim]
+        self.swapper = KVSwapper(powers_of_two(1, max_pages_per_request))
+        self._host_pages: dict[str, HostPages] = {}
+
+    @property
+    def num_host_swapped(self) -> int:
+        return len(self._host_pages)
+
+    def warmup(self) -> None:
+        self.swapper.warmup(self.arrays)
+
+    def apply_swaps(self, plan: StepPlan) -> None:
+        """Before the plan's step runs: drop, copy out and copy back pages as it says."""
+        for request_id in plan.dropped_swaps:
+            self._host_pages.pop(request_id, None)
+        for op in plan.swap_out:
+            self._host_pages[op.request_id] = self.swapper.swap_out(self.arrays, op.page_ids)
+        for op in plan.swap_in:
+            self.arrays = self.swapper.swap_in(self.arrays, self._host_pages.pop(op.request_id),
+                                               op.page_ids)

@@ -1,0 +1,38 @@
+"""Runner: what the engine needs from whatever runs its steps, and StepResult, what comes back.
+
+Implemented by runner.model_runner.ModelRunner, spec.runner.SpeculativeRunner and the
+multi-host LeaderRunner / FollowerRunner (runner/multihost.py). The engine calls warmup() once,
+then execute(plan) every step; nothing else. Declarations only: no jax here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from jaxserve.plan import StepPlan
+from jaxserve.runner.buckets import BucketTable
+
+
+@dataclass
+class StepResult:
+    # [num_chunks] i32, or [num_chunks, k+1] for speculative steps (-1 after the accepted run);
+    # entries of chunks that do not sample are meaningless.
+    token_ids: np.ndarray
+    logprobs: np.ndarray   # f32, the shape of token_ids
+
+
+class Runner(Protocol):
+    buckets: BucketTable
+
+    def warmup(self, progress: bool = True) -> None:
+        """Compile and run every executable once; serving never compiles after this."""
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Apply the plan's swaps, run its step, return its sampled tokens."""
+
+    @property
+    def num_host_swapped(self) -> int:
+        """Requests whose KV pages are in host memory now."""

@@ -1,0 +1,136 @@
+"""The inputs of one compiled step, as dataclasses of fixed-shape arrays (a pytree per step).
+
+runner/batch.py fills them with numpy arrays padded to a bucket; the compiled step receives the
+same dataclasses with device arrays inside, so the step is `step(state, kv, inputs)` and a new
+per-step input (a grammar mask, penalty counts) is one new field here and nowhere else in the
+call chain. Plain data: this module must not import jax (model/pytrees.py registers the classes
+as pytrees on the jax side) and holds no logic beyond empty-batch constructors.
+
+Row layout of a ragged batch: requests in order, decode requests first (one row each), then
+prefill chunks; rows past cu_q_lens[num_seqs] are padding that writes to scratch page 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class ModelInputs:
+    """What the decoder reads per token row."""
+
+    token_ids: np.ndarray       # [T] i32
+    positions: np.ndarray       # [T] i32 (padding rows: 0)
+    slot_mapping: np.ndarray    # [T] i32 flat page * page_size + offset (padding -> page 0)
+    logits_indices: np.ndarray  # [R] i32 rows whose logits are needed
+
+    @classmethod
+    def empty(cls, t: int, r: int) -> "ModelInputs":
+        return cls(np.zeros(t, np.int32), np.zeros(t, np.int32), np.zeros(t, np.int32),
+                   np.zeros(r, np.int32))
+
+
+@dataclass
+class AttentionMetadata:
+    """What paged attention reads per request; one object for every layer of the step."""
+
+    cu_q_lens: np.ndarray       # [S+1] i32 row offsets of each request's query rows
+    kv_lens: np.ndarray         # [S] i32 context per request, this step's tokens included
+    page_table: np.ndarray      # [S, P] i32
+    num_seqs: np.ndarray        # [] i32 requests in use
+    # [] i32 requests 0..num_decode_seqs-1 are one-row decodes at rows 0..num_decode_seqs-1:
+    # a backend with a decode kernel takes them there, the rest through the ragged kernel.
+    num_decode_seqs: np.ndarray
+
+    @classmethod
+    def empty(cls, s: int, p: int) -> "AttentionMetadata":
+        return cls(np.zeros(s + 1, np.int32), np.zeros(s, np.int32), np.zeros((s, p), np.int32),
+                   np.zeros((), np.int32), np.zeros((), np.int32))
+
+
+@dataclass
+class SamplingInputs:
+    """Per-request sampling settings for the token each request samples this step."""
+
+    temperature: np.ndarray     # [S] f32 (0 = greedy)
+    top_k: np.ndarray           # [S] i32 (0 = off)
+    top_p: np.ndarray           # [S] f32
+    min_p: np.ndarray           # [S] f32
+    seeds: np.ndarray           # [S] u32
+    output_index: np.ndarray    # [S] i32 keys derive from (seed, output_index)
+    any_sampling: np.ndarray    # [] bool: False lets the step skip the sort for top-k/top-p
+
+    @classmethod
+    def empty(cls, s: int) -> "SamplingInputs":
+        return cls(np.zeros(s, np.float32), np.zeros(s, np.int32), np.ones(s, np.float32),
+                   np.zeros(s, np.float32), np.zeros(s, np.uint32), np.zeros(s, np.int32),
+                   np.zeros((), np.bool_))
+
+
+@dataclass
+class StepInputs:
+    """Everything one plain step reads: the model's rows, attention metadata, sampling."""
+
+    model: ModelInputs
+    attention: AttentionMetadata
+    sampling: SamplingInputs
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The (tokens, requests) bucket."""
+        return self.model.token_ids.shape[0], self.attention.kv_lens.shape[0]
+
+    @classmethod
+    def empty(cls, t: int, s: int, p: int) -> "StepInputs":
+        """All-padding inputs of bucket (t, s): also what warm-up compiles and runs."""
+        return cls(ModelInputs.empty(t, s), AttentionMetadata.empty(s, p), SamplingInputs.empty(s))
+
+
+@dataclass
+class VerifyInputs:
+    """Speculative verification: R = min(T, S*(k+1)) logit rows (model.logits_indices)."""
+
+    row_seq: np.ndarray           # [R] i32 request of each row (padding: S, dropped)
+    row_j: np.ndarray             # [R] i32 index of the row within its request's rows
+    row_draft: np.ndarray         # [R] i32 draft verified at the row (-1: none or on-device)
+    row_device_draft: np.ndarray  # [R] bool: the draft model proposes this row's draft
+
+    @classmethod
+    def empty(cls, r: int, s: int) -> "VerifyInputs":
+        return cls(np.full(r, s, np.int32), np.zeros(r, np.int32), np.full(r, -1, np.int32),
+                   np.zeros(r, np.bool_))
+
+
+@dataclass
+class DraftInputs:
+    """The draft model's view of a speculative step: the plan without draft rows."""
+
+    model: ModelInputs            # rows as scheduled (logits_indices: [S] last row per request)
+    attention: AttentionMetadata  # the same requests without their draft rows
+    draft_rows: np.ndarray        # [S, k] i32 verify rows that hold draft tokens (padding: T)
+    num_drafts: np.ndarray        # [S] i32 draft rows per request
+
+    @classmethod
+    def empty(cls, t: int, s: int, p: int, k: int) -> "DraftInputs":
+        return cls(ModelInputs.empty(t, s), AttentionMetadata.empty(s, p),
+                   np.full((s, k), t, np.int32), np.zeros(s, np.int32))
+
+
+@dataclass
+class SpecStepInputs:
+    """A speculative step: the target's rows with draft rows appended (`step`), the rows to
+    verify, and (draft-model method) the draft's own view."""
+
+    step: StepInputs
+    verify: VerifyInputs
+    draft: DraftInputs | None  # None: drafts come from the host (n-gram)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.step.shape
+
+
+def num_logit_rows(t: int, s: int, num_speculative_tokens: int) -> int:
+    return min(t, s * (num_speculative_tokens + 1))
