@@ -253,3 +253,33 @@ def test_kernels_refuse_cpu_without_interpret(monkeypatch):
                                             [1] * MAX_SEQS, 1, 8, 32, jnp.float32, MAX_SEQS)
     with pytest.raises(ValueError, match="interpret=True"):
         paged_attention(q, k, v, layer, kv, table, sm_scale=0.1)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 13])
+def test_engine_backend_splits_decode_rows_to_the_decode_kernel_and_matches_reference(
+        sliding_window):
+    """The engine's Pallas backend (model/attention.py): metadata prepared once for the step,
+    the leading one-row requests (num_decode_seqs) through the decode kernel, the rest through
+    the ragged kernel, joined by row; a mixed batch must equal the reference."""
+    from jaxserve.model.attention import AttentionShape, PallasAttention
+    from jaxserve.step_inputs import AttentionMetadata
+
+    group, page_size, head_dim = 4, 16, 32
+    rng = np.random.default_rng(11)
+    max_len = PAGES_PER_SEQ * page_size
+    chunk = int(rng.integers(4, 12))
+    q_lens = [1, 1, 3, chunk, page_size]  # two decode requests first, as the scheduler orders
+    kv_lens = [int(rng.integers(2, max_len + 1)), 1, int(rng.integers(3, max_len + 1)),
+               int(rng.integers(chunk, max_len + 1)), page_size, int(rng.integers(2, max_len))]
+    cu_q_lens = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens + [2])]).astype(np.int32))
+    q, k, v, layer, kv, table = make_inputs(rng, q_lens, kv_lens, group, page_size, head_dim,
+                                            jnp.float32, NUM_TOKENS)
+    backend = PallasAttention(AttentionShape(group, NUM_KV_HEADS, page_size,
+                                             (None, sliding_window)), interpret=True)
+    metadata = AttentionMetadata(cu_q_lens, kv, table, jnp.int32(5), jnp.int32(2))
+    kw = dict(sm_scale=head_dim ** -0.5, sliding_window=sliding_window)
+    out = backend(q, k, v, layer, backend.prepare(metadata, NUM_TOKENS), **kw)
+    ref = reference.ragged_paged_attention(q, k, v, layer, kv, table, cu_q_lens, jnp.int32(5),
+                                           **kw)
+    live = np.arange(NUM_TOKENS) < sum(q_lens)
+    assert_close(out, ref, jnp.float32, live, f"split backend q_lens={q_lens} kv={kv_lens}")
