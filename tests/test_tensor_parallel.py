@@ -30,8 +30,10 @@ def report(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("tp", ["2", "4"])
+@pytest.mark.parametrize("tp", ["2", "4", "ngram", "draft"])
 def test_tensor_parallel_gives_the_same_greedy_tokens_as_one_device(report, tp):
+    """ngram / draft: speculative decoding (n-gram, a layers:1 draft) at tensor_parallel_size
+    2 must give the greedy tokens of one device without speculation."""
     assert report["device_count"] == 4
     want, got = report["runs"]["1"]["tokens"], report["runs"][tp]["tokens"]
     assert len(got) == 32
@@ -70,6 +72,7 @@ def test_kv_pages_are_split_on_kv_heads_and_inputs_replicated(report, tp):
     for kv in run["kv"]:  # [L, N, page_size, Hkv, Dh]
         assert kv["spec"] == "P(None, None, None, 'tp', None)", kv
         assert kv["shard_shape"][3] == 4 // tp and kv["shard_shape"][:3] == kv["shape"][:3]
+    # 16 StepInputs leaves; jit drops the one the reference path never reads (num_decode_seqs).
     assert run["inputs_replicated"] and run["num_step_inputs"] == 15
 
 

@@ -53,13 +53,21 @@ def state_shardings(state) -> dict:
     return found
 
 
-def serve(checkpoint: Path, tp: int, layer_loop: str, preemption_mode: str) -> dict:
+SPEC_RUNS = {  # name -> speculative settings, served with tensor_parallel_size 2
+    "ngram": dict(speculative_method="ngram", num_speculative_tokens=3),
+    "draft": dict(speculative_method="draft", num_speculative_tokens=2,
+                  speculative_draft="layers:1")}
+
+
+def serve(checkpoint: Path, tp: int, layer_loop: str, preemption_mode: str, **spec) -> dict:
     llm = LLM(str(checkpoint), progress=False, tensor_parallel_size=tp, layer_loop=layer_loop,
-              preemption_mode=preemption_mode, **LEAN_ENGINE)
+              preemption_mode=preemption_mode, **LEAN_ENGINE, **spec)
     prompts, params = mixed_requests()
     outs = llm.generate(prompts, params, use_tqdm=False)
     runner, sched = llm.engine.runner, llm.engine.scheduler
-    exe = next(iter(runner._executables.values()))
+    if spec:
+        return {"tokens": [o.token_ids for o in outs]}
+    exe = next(iter(runner.step._executables.values()))
     step_inputs = jax.tree.leaves(exe.input_shardings[0][2:])
     return {"tokens": [o.token_ids for o in outs],
             "preemptions": sched.num_preemptions, "swaps": sched.num_swaps,
@@ -84,6 +92,8 @@ def main() -> int:
         checkpoint = save_tiny_checkpoint(Path(tmp) / "tiny")
         for tp, layer_loop, mode in RUNS:
             result["runs"][str(tp)] = serve(checkpoint, tp, layer_loop, mode)
+        for name, spec in SPEC_RUNS.items():
+            result["runs"][name] = serve(checkpoint, 2, "unroll", "recompute", **spec)
         restored = tensor_parallel.load_model(str(checkpoint), make_mesh(2), progress=False)
         result["restored"] = {name: describe(restored.params[name])
                               for name in ("layers.wq", "layers.wk", "layers.w_up", "embed")}
