@@ -3,7 +3,7 @@
 Reports output tokens/s, requests/s, TTFT and TPOT (mean/p50/p99), preemptions, prefix-cache
 hit rate and compilations after warm-up. `--compare-batching` runs static and continuous
 batching side by side on the same requests and prints the ratio; `--compare-speculative` does
-the same with and without speculative decoding (jaxserve/spec/bench.py), and a speculative run
+the same with and without speculative decoding (jaxserve/bench/spec_metrics.py), and a speculative run
 reports its acceptance rate and accepted tokens per verification. `--workload repeat` sends the
 bundled copy-and-edit prompts through the chat template. Timing excludes start-up (loading,
 compiling); it measures generation only.
@@ -38,7 +38,7 @@ def add_offline_flags(parser) -> None:
 
 def run_workload(engine, requests, ignore_eos: bool = True) -> dict:
     from jaxserve.runner.compile_count import num_compilations
-    from jaxserve.spec import bench as spec_bench
+    from jaxserve.bench import spec_metrics as spec_bench
 
     sched, pages = engine.scheduler, engine.pages
     preempt0, swaps0, steps0 = sched.num_preemptions, sched.num_swaps, engine.num_steps
@@ -83,7 +83,7 @@ def _print(label: str, r: dict) -> None:
     print(f"  preemptions     {r['preemptions']} (swaps {r['swaps']}), prefix-cache hit rate "
           f"{r['prefix_cache_hit_rate']:.1%}, compilations after warm-up "
           f"{r['compilations_after_warmup']}")
-    from jaxserve.spec.bench import print_metrics
+    from jaxserve.bench.spec_metrics import print_metrics
     print_metrics(r)
 
 
@@ -93,14 +93,14 @@ def run_offline_bench(args, config) -> int:
 
     loaded = load_model(config.model, progress=not args.quiet)
     if args.workload == "repeat":  # natural answers: they end at EOS
-        from jaxserve.spec.workload import repeat_workload
+        from jaxserve.bench.spec_workload import repeat_workload
         requests = repeat_workload(loaded.tokenizer, args.num_requests, args.output_len)
     else:
         requests = build_workload(args.workload, args.num_requests, loaded.config.vocab_size,
                                   config.seed, args.input_len, args.output_len)
     ignore_eos = args.workload != "repeat"
     if args.compare_speculative:
-        from jaxserve.spec.bench import compare_speculative
+        from jaxserve.bench.spec_metrics import compare_speculative
         results = compare_speculative(config, loaded, requests, run_workload, _print,
                                       rounds=args.rounds, ignore_eos=ignore_eos,
                                       progress=not args.quiet)

@@ -16,7 +16,7 @@ SPEC = dict(speculative_method="ngram", num_speculative_tokens=4)
 
 
 def spec_requests(tokenizer, num_requests: int, output_len: int) -> list[ServeRequest]:
-    from jaxserve.spec.workload import repeat_workload
+    from jaxserve.bench.spec_workload import repeat_workload
     return [ServeRequest(r.max_tokens, prompt_token_ids=tuple(r.prompt_token_ids))
             for r in repeat_workload(tokenizer, num_requests, output_len)]
 
@@ -32,7 +32,7 @@ def unavailable(loaded) -> str | None:
 
 
 def serve_spec(served, requests, max_concurrency: int) -> dict:
-    from jaxserve.spec import bench as spec_bench
+    from jaxserve.bench import spec_metrics as spec_bench
 
     before = spec_bench.snapshot(served.engine)
     result = served.serve(requests, ignore_eos=False, max_concurrency=max_concurrency)

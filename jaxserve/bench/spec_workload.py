@@ -13,7 +13,7 @@ from jaxserve.bench.workloads import BenchRequest
 
 
 def repeat_prompts() -> list[str]:
-    text = resources.files("jaxserve.spec").joinpath("data/repeat_prompts.json").read_text()
+    text = resources.files("jaxserve.bench").joinpath("data/repeat_prompts.json").read_text()
     return list(json.loads(text)["prompts"])
 
 
