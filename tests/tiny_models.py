@@ -50,7 +50,7 @@ def hf_model(config: ModelConfig, params: dict[str, np.ndarray]):
     kwargs = {k: v for k, v in config.to_hf_dict().items()
               if k not in ("architectures", "model_type")}
     if config.architecture == "qwen2":  # q/k/v biases only (Llama's flag would add o_proj's)
-        kwargs.pop("attention_bias")
+        kwargs.pop("attention_bias", None)
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kwargs))
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs))
