@@ -245,7 +245,11 @@ def test_cancelling_10_of_20_streams_finishes_the_rest_and_frees_every_page(serv
         f"the engine aborted {aborted_live}, not every cancelled request")
 
 
-def test_a_passed_deadline_aborts_the_request_in_the_engine(served, aborted_live):
+def test_a_passed_deadline_aborts_the_request_in_the_engine(served, aborted_live, monkeypatch):
+    # The tiny model can decode 400 tokens within the deadline on a warm cache: slow each step
+    # so that the request is still running when the deadline passes.
+    step = served.engine.step
+    monkeypatch.setattr(served.engine, "step", lambda: (time.sleep(0.005), step())[1])
     call = served.client.generate("slow", SamplingParams(max_tokens=400, **GREEDY),
                                   timeout=0.3, request_id="deadline")
     with pytest.raises(grpc.RpcError) as info:
