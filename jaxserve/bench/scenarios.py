@@ -149,9 +149,9 @@ def release(engine) -> None:
 
 
 def _counters(engine) -> dict:
-    stats = engine.pages.stats()
-    return {"preemptions": engine.scheduler.num_preemptions, "swaps": engine.scheduler.num_swaps,
-            "steps": engine.num_steps, "prefix_hit_tokens": stats.prefix_hit_tokens,
+    stats = engine.stats  # the snapshot: a served engine's scheduler runs on another thread
+    return {"preemptions": stats.num_preemptions, "swaps": stats.num_swaps,
+            "steps": stats.num_steps, "prefix_hit_tokens": stats.prefix_hit_tokens,
             "prefix_query_tokens": stats.prefix_query_tokens}
 
 
