@@ -39,7 +39,9 @@ def _parse_size(text: str) -> int:
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default",
                         help="'default' (SmolLM2-135M-Instruct), a .gguf file, a Hugging Face "
-                             "directory or a jaxserve (Orbax) checkpoint directory")
+                             "directory, a jaxserve (Orbax) checkpoint directory, or a Hugging "
+                             "Face hub id org/name[@revision] already in the local hub cache "
+                             "(HF_HOME; never downloaded)")
     distributed.add_distributed_flags(parser)
     hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):

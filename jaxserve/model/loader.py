@@ -1,9 +1,10 @@
 """load_model: one entry point for every weight source; convert: any source -> Orbax checkpoint.
 
 A spec is "default" (the embedded SmolLM2-135M-Instruct GGUF), a .gguf file, a Hugging Face
-directory (config.json + *.safetensors + tokenizer.json) or a jaxserve checkpoint directory
-(written by `convert`). Every path returns the same LoadedModel layout, so the model never knows
-where its weights came from. This module only dispatches: format details live in gguf_loader,
+directory (config.json + *.safetensors + tokenizer.json), a jaxserve checkpoint directory
+(written by `convert`), or a Hugging Face hub id `org/name[@revision]` found in the local hub
+cache (hub_cache; a local path of the same name wins). Every path returns the same LoadedModel
+layout, so the model never knows where its weights came from. This module only dispatches: format details live in gguf_loader,
 safetensors_loader and checkpoint, and it must not import jax.
 """
 
@@ -13,7 +14,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from jaxserve.model import checkpoint, default_model, gguf_loader, safetensors_loader
+from jaxserve.model import checkpoint, default_model, gguf_loader, hub_cache, safetensors_loader
 from jaxserve.model.safetensors_loader import save_hf_directory
 from jaxserve.model.weights import LoadedModel
 
@@ -31,9 +32,20 @@ def load_model(spec: str = "default", *, progress: bool = True) -> LoadedModel:
         model.source = f"default ({path})"
         return model
     path = Path(spec).expanduser()
+    if not path.exists() and hub_cache.looks_like_hub_id(spec):
+        model = _load_path(hub_cache.resolve_hub_id(spec), progress)
+        # a snapshot directory is named by its commit hash: the hub id is the model's name
+        model.config = dataclasses.replace(model.config, name=spec.split("@")[0])
+        model.source = f"{spec} ({model.source})"
+        return model
+    return _load_path(path, progress)
+
+
+def _load_path(path: Path, progress: bool) -> LoadedModel:
     if not path.exists():
         raise FileNotFoundError(f"model not found: {path} (give a .gguf file, a Hugging Face "
-                                f"directory, a jaxserve checkpoint, or 'default')")
+                                f"directory, a jaxserve checkpoint, a Hugging Face hub id "
+                                f"org/name in the local cache, or 'default')")
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ValueError(f"{path} is a file but not a .gguf; a Hugging Face model is loaded "
