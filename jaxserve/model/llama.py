@@ -1,43 +1,65 @@
-"""The Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2) in Flax NNX.
+"""The decoder every supported family runs (Llama 2/3, SmolLM2, Mistral, Qwen2/3, Gemma 3, Phi-3).
 
 One forward pass over the ragged token batch of a step, reading and writing the paged KV
-cache. With `layer_loop="scan"` the layer weights stay stacked [L, ...] and `jax.lax.scan`
-walks them (compile time flat in depth). With "unroll" each layer gets its own arrays: on the
-CPU, slicing a layer out of a stacked array copies it every step, which measured 2.5-5x slower
-than separate per-layer arrays (see the issue note), so the unrolled loop never slices.
+cache. What differs between families is read from data, never from the family's name: the
+`Family` record (norm kind, q/k norm, sandwich norms, embedding scale) and the checkpoint's
+`ModelConfig` (biases, activation, partial rotary, RoPE and sliding window per layer, attention
+scale, logit soft-caps).
+
+With `layer_loop="scan"` the layer weights stay stacked [L, ...] and `jax.lax.scan` walks them
+(compile time flat in depth). A scan body is one static layer, so when layers differ in their
+sliding window or RoPE (Gemma 3's local/global alternation, Qwen's max_window_layers) the loop
+is unrolled whatever layer_loop says. With "unroll" each layer gets its own arrays: on the CPU,
+slicing a layer out of a stacked array copies it every step, which measured 2.5-5x slower than
+separate per-layer arrays (see the issue note), so the unrolled loop never slices.
 This module knows nothing of requests or scheduling, and never runs the sampler.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.model import layers
+from jaxserve.model import layers, rope
 from jaxserve.model import pytrees  # noqa: F401  (registers the step inputs as pytrees)
 from jaxserve.model.attention import PagedAttention
 from jaxserve.model.config import ModelConfig
 from jaxserve.step_inputs import AttentionMetadata, ModelInputs
 
-# Names of the stacked per-layer weights, in ModelConfig.param_shapes() order.
-LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
-BIAS_KEYS = ("bq", "bk", "bv")
+# Every per-layer weight name a config can have (ModelConfig.param_shapes() says which it has).
+LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm",
+              "post_attn_norm", "mlp_norm", "w_gate", "w_up", "w_down", "post_mlp_norm")
+
+
+class LayerKind(NamedTuple):
+    """What may differ between layers, statically: the attention window and which RoPE."""
+
+    sliding_window: int | None
+    rope: int  # index into the model's distinct RoPEs
+
+
+def layer_plan(config: ModelConfig):
+    """(distinct (theta, scaling) RoPEs, each layer's LayerKind)."""
+    ropes = list(dict.fromkeys(config.layer_rope(i) for i in range(config.num_layers)))
+    kinds = tuple(LayerKind(config.layer_windows[i], ropes.index(config.layer_rope(i)))
+                  for i in range(config.num_layers))
+    return ropes, kinds
 
 
 class LayerStack(nnx.Module):
-    """All decoder layers' weights, stacked on axis 0."""
+    """One or all decoder layers' weights (stacked on axis 0 for the scan)."""
 
     def __init__(self, arrays: dict[str, jax.Array]):
         for key, value in arrays.items():
             setattr(self, key, nnx.Param(value))
 
     def as_dict(self) -> dict[str, jax.Array]:
-        keys = LAYER_KEYS + tuple(k for k in BIAS_KEYS if hasattr(self, k))
-        return {k: getattr(self, k)[...] for k in keys}
+        return {k: getattr(self, k)[...] for k in LAYER_KEYS if hasattr(self, k)}
 
 
 class Llama(nnx.Module):
@@ -51,22 +73,29 @@ class Llama(nnx.Module):
             if tuple(params[name].shape) != shape:
                 raise ValueError(f"parameter {name} has shape {tuple(params[name].shape)}, "
                                  f"expected {shape} from the model config")
-        cast = lambda a: jnp.asarray(np.asarray(a), dtype=dtype)
-        self.config = config
-        self.embed = nnx.Param(cast(params["embed"]))
         if layer_loop not in ("scan", "unroll"):
             raise ValueError(f"layer_loop must be 'scan' or 'unroll', got {layer_loop!r}")
-        stacked = {k[len("layers."):]: v for k, v in params.items() if k.startswith("layers.")}
+        cast = lambda a: jnp.asarray(np.asarray(a), dtype=dtype)
+        self.config = config
+        ropes, self.kinds = layer_plan(config)
+        if len(set(self.kinds)) > 1:
+            layer_loop = "unroll"  # a scan body cannot change its window or RoPE per layer
         self.layer_loop = layer_loop
+        self.embed = nnx.Param(cast(params["embed"]))
+        stacked = {k[len("layers."):]: v for k, v in expected.items() if k.startswith("layers.")}
         if layer_loop == "scan":
-            self.layers = LayerStack({k: cast(v) for k, v in stacked.items()})
+            self.layers = LayerStack({k: cast(params[f"layers.{k}"]) for k in stacked})
         else:
-            self.layers = nnx.List([LayerStack({k: cast(v[i]) for k, v in stacked.items()})
+            self.layers = nnx.List([LayerStack({k: cast(params[f"layers.{k}"][i])
+                                                for k in stacked})
                                     for i in range(config.num_layers)])
         self.final_norm = nnx.Param(cast(params["final_norm"]))
         if not config.tie_word_embeddings:
             self.lm_head = nnx.Param(cast(params["lm_head"]))
-        self.inv_freq = nnx.Variable(jnp.asarray(layers.rope_inv_freq(config)))
+        # [num_ropes, rotary_dim // 2]; cos and sin are scaled by each RoPE's attention factor.
+        self.inv_freq = nnx.Variable(jnp.asarray(np.stack(
+            [rope.inv_freq(theta, config.rotary_dim, scaling) for theta, scaling in ropes])))
+        self.rope_factors = tuple(rope.attention_factor(scaling) for _, scaling in ropes)
 
     def __call__(self, inputs: ModelInputs, metadata: AttentionMetadata,
                  kv: tuple[jax.Array, jax.Array], attention: PagedAttention):
@@ -74,37 +103,55 @@ class Llama(nnx.Module):
 
         The attention backend prepares its per-step metadata once here, before the layer loop;
         every layer then reads the same prepared object."""
-        cfg = self.config
+        cfg, family = self.config, self.config.family
         prepared = attention.prepare(metadata, inputs.token_ids.shape[0])
         x = self.embed[...][inputs.token_ids]  # [T, D]
-        cos, sin = layers.rope_cos_sin(inputs.positions, self.inv_freq[...])
+        if family.embed_scale:  # transformers rounds the scale to the model dtype first
+            x = x * jnp.asarray(np.float32(math.sqrt(cfg.hidden_size))).astype(x.dtype)
+        ropes = [layers.rope_cos_sin(inputs.positions, self.inv_freq[...][r], factor)
+                 for r, factor in enumerate(self.rope_factors)]  # each [T, 1, rotary_dim // 2]
         page_size = kv[0].shape[2]
         write_page = inputs.slot_mapping // page_size
         write_offset = inputs.slot_mapping % page_size
 
-        def layer(x, k_pages, v_pages, idx, w):
-            h = layers.rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
+        def norm(h, weight):
+            return layers.rms_norm(h, weight, cfg.rms_norm_eps, family.norm_plus_one)
+
+        def layer(x, k_pages, v_pages, idx, w, kind: LayerKind):
+            h = norm(x, w["attn_norm"])
             q, k, v = h @ w["wq"], h @ w["wk"], h @ w["wv"]
             if cfg.attention_bias:
                 q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
-            q = layers.apply_rope(q.reshape(-1, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = layers.apply_rope(k.reshape(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            q = q.reshape(-1, cfg.num_heads, cfg.head_dim)     # [T, Hq, Dh]
+            k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, Dh]
             v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+            if family.qk_norm:
+                q, k = norm(q, w["q_norm"]), norm(k, w["k_norm"])
+            cos, sin = ropes[kind.rope]
+            q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
             k_pages = k_pages.at[idx, write_page, write_offset].set(k.astype(k_pages.dtype))
             v_pages = v_pages.at[idx, write_page, write_offset].set(v.astype(v_pages.dtype))
-            attn = attention(q, k_pages, v_pages, idx, prepared,
-                             sm_scale=1.0 / math.sqrt(cfg.head_dim))  # [T, Hq, Dh]
-            x = x + attn.reshape(x.shape[0], cfg.q_size).astype(x.dtype) @ w["wo"]
-            h = layers.rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
-            x = x + layers.swiglu(h, w["w_gate"], w["w_up"], w["w_down"])
-            return x, k_pages, v_pages
+            attn = attention(q, k_pages, v_pages, idx, prepared, sm_scale=cfg.attention_scale,
+                             sliding_window=kind.sliding_window,
+                             soft_cap=cfg.attn_logit_softcap)  # [T, Hq, Dh]
+            out = attn.reshape(x.shape[0], cfg.q_size).astype(x.dtype) @ w["wo"]
+            if cfg.output_bias:
+                out = out + w["bo"]
+            if family.sandwich_norms:
+                out = norm(out, w["post_attn_norm"])
+            x = x + out
+            out = layers.gated_mlp(norm(x, w["mlp_norm"]), w["w_gate"], w["w_up"], w["w_down"],
+                                   cfg.hidden_act)
+            if family.sandwich_norms:
+                out = norm(out, w["post_mlp_norm"])
+            return x + out, k_pages, v_pages
 
         k_pages, v_pages = kv
         if self.layer_loop == "scan":
             def body(carry, xs):
                 x, k_pages, v_pages = carry
                 idx, w = xs
-                return layer(x, k_pages, v_pages, idx, w), None
+                return layer(x, k_pages, v_pages, idx, w, self.kinds[0]), None
 
             idxs = jnp.arange(cfg.num_layers, dtype=jnp.int32)
             (x, k_pages, v_pages), _ = jax.lax.scan(body, (x, k_pages, v_pages),
@@ -112,12 +159,12 @@ class Llama(nnx.Module):
         else:
             for i, weights in enumerate(self.layers):
                 x, k_pages, v_pages = layer(x, k_pages, v_pages, jnp.int32(i),
-                                            weights.as_dict())
+                                            weights.as_dict(), self.kinds[i])
 
-        h = layers.rms_norm(x[inputs.logits_indices], self.final_norm[...], cfg.rms_norm_eps)
+        h = norm(x[inputs.logits_indices], self.final_norm[...])
         head = self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]
         logits = jnp.dot(h, head, preferred_element_type=jnp.float32)
-        return logits, (k_pages, v_pages)
+        return layers.soft_cap(logits, cfg.final_logit_softcap), (k_pages, v_pages)
 
 
 def init_kv_cache(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32,
@@ -132,10 +179,11 @@ def init_kv_cache(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp
 def random_params(config: ModelConfig, seed: int = 0, scale: float = 0.05) -> dict[str, np.ndarray]:
     """Random float32 weights in the parameter layout (tests and benchmarks of tiny models)."""
     rng = np.random.default_rng(seed)
+    unit = 0.0 if config.family.norm_plus_one else 1.0  # norm weights that scale by about 1
     params = {}
     for name, shape in config.param_shapes().items():
         if name.endswith("norm"):
-            params[name] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+            params[name] = (unit + 0.1 * rng.standard_normal(shape)).astype(np.float32)
         else:
             params[name] = (scale * rng.standard_normal(shape)).astype(np.float32)
     return params
