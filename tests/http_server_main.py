@@ -7,13 +7,19 @@ of model_fixtures (so chat templates, special tokens and --chat-template behave 
 model); engine shapes are conftest.SMALL_ENGINE's. Both ports are free ones, logged on stderr as
 "gRPC server listening on HOST:PORT" and "HTTP (OpenAI API) server listening on http://...".
 Exits with run_server's return code. It serves nothing but the tiny random model.
+`server_process(*args)` runs it for a test module: started, serving, its stderr kept read.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import re
+import subprocess
 import sys
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -32,6 +38,47 @@ def tiny_bpe_loaded(seed: int = 0) -> TinyLoaded:
     """The tiny Llama over the tiny BPE vocabulary (the offline oracle builds the same one)."""
     tokenizer = tiny_tokenizer()
     return TinyLoaded(*tiny_model(seed, vocab_size=tokenizer.vocab_size), tokenizer=tokenizer)
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    url: str                      # http://127.0.0.1:PORT
+    grpc_address: str             # 127.0.0.1:PORT
+    lines: list[str] = field(default_factory=list)  # its stderr so far
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+
+@contextlib.contextmanager
+def server_process(*args: str):
+    """This script as a subprocess, once its health is SERVING; killed on exit if still up.
+    Its stderr is read all along on a thread (a full pipe would block the server)."""
+    proc = subprocess.Popen([sys.executable, __file__, *args], stderr=subprocess.PIPE,
+                            text=True, cwd=Path(__file__).resolve().parent.parent)
+    lines, url, address = [], None, None
+    for line in proc.stderr:
+        lines.append(line)
+        if m := re.search(r"HTTP \(OpenAI API\) server listening on (http://\S+)", line):
+            url = m.group(1)
+        if m := re.search(r"gRPC server listening on (\S+:\d+)", line):
+            address = m.group(1)
+        if "health SERVING" in line:
+            break
+    else:
+        proc.wait()
+        raise RuntimeError(f"the server exited before serving:\n{''.join(lines)}")
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    try:
+        yield ServerProcess(proc, url, address, lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        reader.join(timeout=5)
 
 
 def main() -> int:

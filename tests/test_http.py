@@ -26,19 +26,13 @@ GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True, "return_token_ids
 
 @pytest.fixture(scope="module")
 def server():
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "http_server_main.py"),
-                             "--api-key", KEY], stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    url = None
-    for line in proc.stderr:
-        if m := re.search(r"listening on (http://\S+)", line):
-            url = m.group(1)
-        if "health SERVING" in line:
-            break
-    else:
-        pytest.fail("the server exited before serving")
-    yield url
-    proc.terminate()
-    assert proc.wait(timeout=60) == 0, "SIGTERM must drain and exit 0"
+    from http_server_main import server_process
+
+    with server_process("--api-key", KEY) as process:
+        yield process.url
+        process.proc.terminate()
+        assert process.proc.wait(timeout=60) == 0, "SIGTERM must drain and exit 0"
+        assert "Traceback" not in process.log, process.log[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +54,16 @@ def offline_ids(offline, prompt_ids, max_tokens):
     out = offline.generate([prompt_ids], SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                          ignore_eos=True))[0]
     return out.token_ids
+
+
+ALL_PAGES = 47  # SMALL_ENGINE's 48, less the reserved page 0
+
+
+def wait_for(condition, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
 
 
 def free_pages(server) -> float:
@@ -111,76 +115,111 @@ def test_n_and_logprobs_are_refused_until_the_engine_supports_them(client):
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
 M = [{"role": "user", "content": "hi"}]
-BAD = [  # (path, json body or raw bytes, headers override, status, field named)
+C = {"model": MODEL, "prompt": "x"}
+H = {"model": MODEL, "messages": M}
+NO_TYPE = {"Content-Type": None}
+BAD = [  # (path, json body / raw bytes / chunks, header overrides, status, field named)
     (COMP, {"model": MODEL, "prompt": 5}, None, 400, "prompt"),
     (COMP, {"model": MODEL}, None, 400, "prompt"),
     (COMP, {"model": MODEL, "prompt": ""}, None, 400, "prompt"),
     (COMP, {"model": MODEL, "prompt": []}, None, 400, "prompt"),
+    (COMP, {"model": MODEL, "prompt": [[1, 2], []]}, None, 400, "prompt"),
     (COMP, {"model": MODEL, "prompt": [10**9]}, None, 400, "prompt"),
     (COMP, {"model": MODEL, "prompt": [-1]}, None, 400, "prompt"),
-    (COMP, {"model": MODEL, "prompt": "x" * 3000}, None, 400, "prompt"),
-    (COMP, {"model": MODEL, "prompt": "x", "max_tokens": 0}, None, 400, "max_tokens"),
-    (COMP, {"model": MODEL, "prompt": "x", "max_tokens": 600}, None, 400, "max_tokens"),
-    (COMP, {"model": MODEL, "prompt": "x", "max_tokens": "ten"}, None, 400, "max_tokens"),
-    (COMP, {"model": MODEL, "prompt": "x", "temperature": -1}, None, 400, "temperature"),
-    (COMP, {"model": MODEL, "prompt": "x", "top_p": 0}, None, 400, "top_p"),
-    (COMP, {"model": MODEL, "prompt": "x", "top_p": 1.5}, None, 400, "top_p"),
-    (COMP, {"model": MODEL, "prompt": "x", "top_k": -5}, None, 400, "top_k"),
-    (COMP, {"model": MODEL, "prompt": "x", "min_p": 2}, None, 400, "min_p"),
-    (COMP, {"model": MODEL, "prompt": "x", "seed": -1}, None, 400, "seed"),
-    (COMP, {"model": MODEL, "prompt": "x", "stop": [""]}, None, 400, "stop"),
-    (COMP, {"model": MODEL, "prompt": "x", "stop_token_ids": [-3]}, None, 400, "stop_token_ids"),
-    (COMP, {"model": MODEL, "prompt": "x", "suffix": "y"}, None, 400, "suffix"),
-    (COMP, {"model": MODEL, "prompt": "x", "best_of": 2}, None, 400, "best_of"),
-    (COMP, {"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, None, 400,
-     "presence_penalty"),
-    (COMP, {"model": MODEL, "prompt": "x", "frequency_penalty": 1}, None, 400,
-     "frequency_penalty"),
-    (COMP, {"model": MODEL, "prompt": "x", "repetition_penalty": 1.2}, None, 400,
-     "repetition_penalty"),
-    (COMP, {"model": MODEL, "prompt": "x", "logit_bias": {"5": 3}}, None, 400, "logit_bias"),
-    (COMP, {"model": MODEL, "prompt": "x", "bogus": 1}, None, 400, "bogus"),
+    (COMP, {"model": MODEL, "prompt": "x" * 3000}, None, 400, "prompt"),  # > max_model_len
+    (COMP, {"model": MODEL, "prompt": [5] * 600}, None, 400, "prompt"),
+    (COMP, {**C, "max_tokens": 0}, None, 400, "max_tokens"),
+    (COMP, {**C, "max_tokens": 600}, None, 400, "max_tokens"),
+    (COMP, {**C, "max_tokens": "ten"}, None, 400, "max_tokens"),
+    (COMP, {**C, "max_tokens": 1.5}, None, 400, "max_tokens"),
+    (COMP, {**C, "temperature": -1}, None, 400, "temperature"),
+    (COMP, {**C, "temperature": "hot"}, None, 400, "temperature"),
+    (COMP, {**C, "top_p": 0}, None, 400, "top_p"),
+    (COMP, {**C, "top_p": 1.5}, None, 400, "top_p"),
+    (COMP, {**C, "top_k": -5}, None, 400, "top_k"),
+    (COMP, {**C, "min_p": 2}, None, 400, "min_p"),
+    (COMP, {**C, "seed": -1}, None, 400, "seed"),
+    (COMP, {**C, "seed": 2**40}, None, 400, "seed"),
+    (COMP, {**C, "stop": [""]}, None, 400, "stop"),
+    (COMP, {**C, "stop": [1, 2]}, None, 400, "stop"),
+    (COMP, {**C, "stop_token_ids": [-3]}, None, 400, "stop_token_ids"),
+    (COMP, {**C, "stream": "maybe"}, None, 400, "stream"),
+    (COMP, {**C, "stream": True, "stream_options": {"include_usage": 3}}, None, 400,
+     "stream_options.include_usage"),
+    (COMP, {**C, "n": 0}, None, 400, "n"),
+    (COMP, {**C, "suffix": "y"}, None, 400, "suffix"),
+    (COMP, {**C, "best_of": 2}, None, 400, "best_of"),
+    (COMP, {**C, "logprobs": 21}, None, 400, "logprobs"),
+    (COMP, {**C, "logprobs": 2}, None, 400, "logprobs"),  # top-k alternatives: not yet
+    (COMP, {**C, "logprobs": 0, "echo": True}, None, 400, "logprobs"),  # prompt logprobs
+    (COMP, {**C, "presence_penalty": 0.5}, None, 400, "presence_penalty"),
+    (COMP, {**C, "frequency_penalty": 1}, None, 400, "frequency_penalty"),
+    (COMP, {**C, "repetition_penalty": 1.2}, None, 400, "repetition_penalty"),
+    (COMP, {**C, "logit_bias": {"5": 3}}, None, 400, "logit_bias"),
+    (COMP, {**C, "bogus": 1}, None, 400, "bogus"),
     (COMP, {"model": "gpt-4", "prompt": "x"}, None, 404, "model"),
+    (COMP, {"model": 5, "prompt": "x"}, None, 400, "model"),
     (CHAT, {"model": MODEL, "messages": []}, None, 400, "messages"),
+    (CHAT, {"model": MODEL, "messages": "hi"}, None, 400, "messages"),
     (CHAT, {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, None, 400,
      "messages[0].role"),
     (CHAT, {"model": MODEL, "messages": [{"role": "user"}]}, None, 400, "messages[0].content"),
-    (CHAT, {"model": MODEL, "messages": M, "logprobs": True}, None, 400, "logprobs"),
-    (CHAT, {"model": MODEL, "messages": M, "top_logprobs": 3}, None, 400, "top_logprobs"),
-    (CHAT, {"model": MODEL, "messages": M, "response_format": {"type": "json_object"}}, None,
-     400, "response_format"),
-    (CHAT, {"model": MODEL, "messages": M, "max_completion_tokens": 9999}, None, 400,
-     "max_completion_tokens"),
-    (CHAT, {"model": MODEL, "messages": M, "continue_final_message": True}, None, 400,
-     "continue_final_message"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": None}]}, None, 400,
+     "messages[0].content"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, None, 400, "messages[0].content"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x" * 3000}]}, None, 400,
+     "messages"),  # over max_model_len
+    (CHAT, {**H, "logprobs": True, "top_logprobs": 3}, None, 400, "top_logprobs"),
+    (CHAT, {**H, "top_logprobs": 0, "logprobs": "sure"}, None, 400, "logprobs"),
+    (CHAT, {**H, "n": 2}, None, 400, "n"),
+    (CHAT, {**H, "response_format": {"type": "json_object"}}, None, 400, "response_format"),
+    (CHAT, {**H, "max_completion_tokens": 9999}, None, 400, "max_completion_tokens"),
+    (CHAT, {**H, "continue_final_message": True}, None, 400, "continue_final_message"),
+    (CHAT, {"model": "gpt-4", "messages": M}, None, 404, "model"),
     (CHAT, b"{not json", None, 400, "body"),
+    (CHAT, b"[1, 2]", None, 400, "body"),
     (CHAT, b"x" * (2 << 20), None, 413, "body"),
-    (CHAT, {"model": MODEL, "messages": M}, {"Authorization": "Bearer wrong"}, 401,
-     "authorization"),
-    (CHAT, {"model": MODEL, "messages": M}, {"Authorization": ""}, 401, "authorization"),
+    (CHAT, [b"{" + b" " * (1 << 16)] * 20, None, 413, "body"),  # chunked: no Content-Length
+    (CHAT, json.dumps(H).encode(), NO_TYPE, 415, "content-type"),
+    (CHAT, json.dumps(H).encode(), {"Content-Type": "text/plain"}, 415, "content-type"),
+    (CHAT, H, {"Authorization": "Bearer wrong"}, 401, "authorization"),
+    (CHAT, H, {"Authorization": ""}, 401, "authorization"),
+    (CHAT, H, {"Authorization": None}, 401, "authorization"),
+    ("/tokenize", {"prompt": 5}, None, 400, "prompt"),
+    ("/detokenize", {"tokens": [10**9]}, None, 400, "tokens"),
+    ("/no/such/path", {}, None, 404, None),
+    ("GET " + COMP, None, None, 405, None),
 ]
 
 
 def test_bad_input_table_is_4xx_naming_the_field_and_the_server_keeps_serving(server, client):
     assert len(BAD) >= 30
-    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    base = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     with httpx.Client(base_url=server, timeout=60) as http:
         for path, body, extra, status, field in BAD:
-            kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
-            r = http.post(path, headers={**headers, **(extra or {})}, **kwargs)
-            assert r.status_code == status, (path, body if len(str(body)) < 200 else "...",
-                                             r.text)
+            headers = {k: v for k, v in {**base, **(extra or {})}.items() if v is not None}
+            method, _, path = path.rpartition(" ")
+            if isinstance(body, (bytes, list)) and not isinstance(body, list) or \
+                    isinstance(body, list) and isinstance(body[0], bytes):
+                kwargs = {"content": body if isinstance(body, bytes) else iter(body)}
+            else:
+                kwargs = {"json": body} if body is not None else {}
+            r = http.request(method or "POST", path, headers=headers, **kwargs)
+            shown = str(body)[:200]
+            assert r.status_code == status, (path, shown, r.text)
             error = r.json()["error"]
-            # the field, or an element of it ("stop_token_ids[0]")
-            assert re.fullmatch(re.escape(field) + r"(\[\d+\].*)?", error["param"]), error
-            assert error["message"], (body, error)
-        assert http.get("/no/such/path", headers=headers).status_code == 404
+            assert error["code"] == status and error["message"] and error["type"], error
+            if field is None:
+                assert error["param"] is None, (shown, error)
+            else:  # the field, or an element of it ("stop_token_ids[0]")
+                assert re.fullmatch(re.escape(field) + r"(\[\d+\].*)?", error["param"] or ""), \
+                    (shown, error)
+            assert "internal" not in error["type"], (shown, error)
     r = client.completions.create(model=MODEL, prompt="still here", max_tokens=3, **GREEDY)
     assert r.usage.completion_tokens == 3
-    deadline = time.monotonic() + 30
-    while free_pages(server) != 47 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert free_pages(server) == 47, "every KV page (48 minus reserved page 0) is free"
+    assert wait_for(lambda: free_pages(server) == ALL_PAGES), \
+        "every KV page (48 minus reserved page 0) is free"
 
 
 def _metric(server, name: str) -> float:

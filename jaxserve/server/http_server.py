@@ -36,13 +36,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxserve import __version__
 from jaxserve.server import openai_protocol as api
-from jaxserve.server.openai_serving import OpenAIError, OpenAIServing, bad_request
+from jaxserve.server.openai_errors import OpenAIError, bad_request
+from jaxserve.server.openai_serving import OpenAIServing
 
 log = logging.getLogger(__name__)
 # Paths served whatever the state and without the API key (probes, scrapers, the schema).
 _OPEN_PATHS = {"/health", "/metrics", "/version", "/openapi.json", "/docs", "/redoc",
                "/docs/oauth2-redirect"}
-_ERRORS = {code: {"model": api.ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
+_JSON_PATHS = {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
+_ERRORS = {code: {"model": api.ErrorResponse} for code in (400, 401, 404, 413, 415, 429, 503)}
 
 
 @dataclass(frozen=True)
@@ -99,24 +101,40 @@ class _Gate:
             return await _send_error(OpenAIError(
                 413, f"the request body ({length.decode('latin-1')} bytes) exceeds the limit of "
                      f"{limit} bytes", "body", "request_too_large"), scope, receive, send)
+        if scope["path"] in _JSON_PATHS and scope["method"] == "POST":
+            given = headers.get(b"content-type", b"").decode("latin-1")
+            if given.partition(";")[0].strip().lower() != "application/json":
+                return await _send_error(OpenAIError(
+                    415, f"the request body must be JSON, sent with the header 'Content-Type: "
+                         f"application/json' (got {given or 'none'!r})", "content-type",
+                    "unsupported_media_type"), scope, receive, send)
         reason = self.state.unavailable()
         if reason is not None:
             return await _send_error(OpenAIError(503, reason, None, "service_unavailable"),
                                      scope, receive, send)
-        received = 0
+        if b"content-length" not in headers and scope["method"] == "POST":
+            # A chunked body has no length to check first: read it here, up to the limit.
+            messages, received, more = [], 0, True
+            while more:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return
+                received += len(message.get("body", b""))
+                if received > limit:
+                    return await _send_error(OpenAIError(
+                        413, f"the request body exceeds the limit of {limit} bytes", "body",
+                        "request_too_large"), scope, receive, send)
+                messages.append(message)
+                more = message.get("more_body", False)
 
-        async def limited_receive():  # a chunked body has no Content-Length to check first
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > limit:
-                raise OpenAIError(413, f"the request body exceeds the limit of {limit} bytes",
-                                  "body", "request_too_large")
-            return message
+            async def replayed():
+                return messages.pop(0) if messages else await receive()
+        else:
+            replayed = receive
 
         self.state.num_in_flight += 1
         try:
-            await self.app(scope, limited_receive, send)
+            await self.app(scope, replayed, send)
         finally:
             self.state.num_in_flight -= 1
 
@@ -133,6 +151,30 @@ class _EventStream(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()
+
+
+async def _until_disconnected(raw: Request) -> None:
+    """Returns once the client has gone (the body is already read, so the next ASGI message
+    is the disconnect, or the end of the response)."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(raw: Request, work):
+    """Await the coroutine `work`, unless the client disconnects first: then cancel it (which
+    closes its engine streams, so its requests are aborted) and answer nobody."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_until_disconnected(raw))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for pending in (watch, task):
+            pending.cancel()  # a no-op when done; also when this route itself is cancelled
+        await asyncio.gather(watch, return_exceptions=True)
+    if not task.done() or task.cancelled():
+        await asyncio.gather(task, return_exceptions=True)
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+    return task.result()
 
 
 def _param(loc) -> str:
@@ -176,18 +218,18 @@ def build_app(settings: HttpSettings, state: _State) -> FastAPI:
         return state.serving
 
     def respond(result):
-        if isinstance(result, api.BaseModel):
+        if isinstance(result, (api.BaseModel, Response)):
             return result
         return _EventStream(result, headers={"Cache-Control": "no-cache",
                                              "X-Accel-Buffering": "no"})
 
     @app.post("/v1/completions", response_model=api.Completion, responses=_ERRORS)
-    async def completions(request: api.CompletionRequest):
-        return respond(await serving().completions(request))
+    async def completions(request: api.CompletionRequest, raw: Request):
+        return respond(await _unless_disconnected(raw, serving().completions(request)))
 
     @app.post("/v1/chat/completions", response_model=api.ChatCompletion, responses=_ERRORS)
-    async def chat_completions(request: api.ChatCompletionRequest):
-        return respond(await serving().chat(request))
+    async def chat_completions(request: api.ChatCompletionRequest, raw: Request):
+        return respond(await _unless_disconnected(raw, serving().chat(request)))
 
     @app.get("/v1/models", response_model=api.ModelList, responses=_ERRORS)
     async def models():

@@ -13,152 +13,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import re
 import time
 import uuid
-from typing import AsyncIterator, Callable
 
 from jaxserve import __version__
-from jaxserve.async_engine import AsyncEngine, EngineDeadError
-from jaxserve.engine import QueueFullError
-from jaxserve.outputs import RequestOutput
+from jaxserve.async_engine import AsyncEngine
 from jaxserve.request import SamplingParams
 from jaxserve.server import openai_protocol as api
 from jaxserve.server.chat_prompt import render_chat, with_chat_template
+from jaxserve.server.openai_errors import (OpenAIError, bad_request, check_supported,
+                                           error_for_exception)
+from jaxserve.server.openai_stream import (SSE_DONE, chat_logprobs, completion_logprobs,
+                                           final, finish_reason, merged, sse, usage)
 
-# Parameters the engine cannot honour yet, each with a test for the value it does honour (the
-# default). Refused with a 400 naming the parameter, never accepted and ignored. The sampling
-# issue (n, logprobs, penalties, logit_bias) and structured output (response_format) remove
-# their entries here when the engine learns them.
-UNSUPPORTED: dict[str, Callable[[object], bool]] = {
-    "n": lambda v: v == 1,
-    "best_of": lambda v: v in (None, 1),
-    "logprobs": lambda v: v in (None, False),
-    "top_logprobs": lambda v: v in (None, 0),
-    "presence_penalty": lambda v: v == 0,
-    "frequency_penalty": lambda v: v == 0,
-    "repetition_penalty": lambda v: v == 1,
-    "logit_bias": lambda v: not v,
-    "response_format": lambda v: v is None or v.type == "text",
-    "suffix": lambda v: v is None,
-}
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-RETRY_AFTER_S = 1
-_FIELD_IN_MESSAGE = re.compile(r"^(\w+)[=\s]")
-_ENGINE_FIELD_NAMES = {"prompt_token_ids": "prompt"}
-
-
-class OpenAIError(Exception):
-    """A refusal with OpenAI's error shape: status, message, the offending field."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error", headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.kind, self.headers = kind, headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": self.status}}
-
-
-def bad_request(message: str, param: str | None) -> OpenAIError:
-    return OpenAIError(400, message, param)
-
-
-def error_for_exception(exc: BaseException, prompt_field: str = "prompt") -> OpenAIError:
-    """Map what AsyncEngine.generate / make_request / SamplingParams raise to an HTTP error."""
-    if isinstance(exc, OpenAIError):
-        return exc
-    if isinstance(exc, QueueFullError):
-        return OpenAIError(429, str(exc), None, "rate_limit_error",
-                           {"Retry-After": str(RETRY_AFTER_S)})
-    if isinstance(exc, EngineDeadError):
-        return OpenAIError(503, str(exc), None, "service_unavailable")
-    if isinstance(exc, ValueError):
-        match = _FIELD_IN_MESSAGE.match(str(exc))
-        param = match.group(1) if match else None
-        param = prompt_field if param in ("prompt", "prompt_token_ids") else param
-        return bad_request(str(exc), _ENGINE_FIELD_NAMES.get(param, param))
-    raise exc
-
-
-def check_supported(request) -> None:
-    for name, honoured in UNSUPPORTED.items():
-        if name in type(request).model_fields and not honoured(getattr(request, name)):
-            value = getattr(request, name)
-            shown = value.model_dump() if hasattr(value, "model_dump") else value
-            raise bad_request(f"{name}={shown!r} is not supported by this server yet "
-                              f"(only the default is)", name)
-
-
-def sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
-
-
-def _usage(outs: list[RequestOutput]) -> dict:
-    prompt = sum(len(o.prompt_token_ids) for o in outs)
-    completion = sum(len(o.token_ids) for o in outs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}}
-
-
-async def _rest(first: RequestOutput, stream) -> AsyncIterator[RequestOutput]:
-    """The first (already received) output, then the rest; closing this closes the stream."""
-    async with contextlib.aclosing(stream):
-        yield first
-        if not first.finished:
-            async for out in stream:
-                yield out
-
-
-async def _merged(started) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(choice index, output) from several streams in arrival order."""
-    if len(started) == 1:
-        async with contextlib.aclosing(_rest(*started[0])) as outs:
-            async for out in outs:
-                yield 0, out
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i, first, stream):
-        try:
-            async for out in _rest(first, stream):
-                queue.put_nowait((i, out))
-        except Exception as exc:
-            queue.put_nowait((i, exc))
-
-    tasks = [asyncio.ensure_future(pump(i, f, s)) for i, (f, s) in enumerate(started)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            yield i, item
-            remaining -= item.finished
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for _, stream in started:  # a pump cancelled before it started never closed its own
-            await stream.aclose()
-
-
-def _finish_reason(out: RequestOutput) -> str | None:
-    """stop / length; an aborted or failed request is an error, not a reason."""
-    if not out.finished or out.finish_reason in ("stop", "length"):
-        return out.finish_reason
-    if out.finish_reason == "abort":
-        raise OpenAIError(503, f"request {out.request_id} was aborted by the server",
-                          None, "service_unavailable")
-    raise OpenAIError(500, out.error or "the request failed in the engine", None,
-                      "internal_error")
 
 
 class OpenAIServing:
@@ -213,7 +81,7 @@ class OpenAIServing:
             return SamplingParams(
                 max_tokens=max_tokens, top_k=top_k, stop=request.stop or (),
                 stop_token_ids=tuple(request.stop_token_ids or ()), ignore_eos=request.ignore_eos,
-                **{k: v for k, v in kwargs.items() if v is not None})
+                logprobs=request.logprobs not in (None, False), **{k: v for k, v in kwargs.items() if v is not None})
         except ValueError as exc:
             raise error_for_exception(exc) from None
 
@@ -259,14 +127,6 @@ class OpenAIServing:
             raise error_for_exception(failed, prompt_field)
         return list(zip(firsts, streams))
 
-    @staticmethod
-    async def _final(first: RequestOutput, stream) -> RequestOutput:
-        out = first
-        async with contextlib.aclosing(_rest(first, stream)) as outs:
-            async for out in outs:
-                pass
-        return out
-
     def _header(self, request_id: str, kind: str, created: int) -> dict:
         return {"id": request_id, "object": kind, "created": created, "model": self.model_name,
                 "system_fingerprint": self.fingerprint}
@@ -287,27 +147,33 @@ class OpenAIServing:
                       for t, ids in zip(texts, prompts)]
         if request.stream:
             return self._completion_stream(request, request_id, created, started, echoes)
-        outs = await asyncio.gather(*(self._final(f, s) for f, s in started))
+        outs = await asyncio.gather(*(final(f, s) for f, s in started))
         choices = [api.CompletionChoice(
-            index=i, text=echoes[i] + out.text, finish_reason=_finish_reason(out),
+            index=i, text=echoes[i] + out.text, finish_reason=finish_reason(out),
+            logprobs=None if request.logprobs is None else completion_logprobs(
+                self.tokenizer, out.token_ids, out.logprobs, 0),
             token_ids=out.token_ids if request.return_token_ids else None,
             prompt_token_ids=out.prompt_token_ids if request.return_token_ids else None)
             for i, out in enumerate(outs)]
         return api.Completion(**self._header(request_id, "text_completion", created),
-                              choices=choices, usage=_usage(outs))
+                              choices=choices, usage=usage(outs))
 
     async def _completion_stream(self, request, request_id, created, started, echoes):
         header = self._header(request_id, "text_completion", created)
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        finals: list[RequestOutput] = []
+        finals, offsets = [], [len(e) for e in echoes]
         try:
-            async with contextlib.aclosing(_merged(started)) as outs:
+            async with contextlib.aclosing(merged(started)) as outs:
                 async for i, out in outs:
                     text, echoes[i] = echoes[i] + out.new_text, ""
                     if not (text or out.new_token_ids or out.finished):
                         continue
                     choice = {"index": i, "text": text, "logprobs": None,
-                              "finish_reason": _finish_reason(out)}
+                              "finish_reason": finish_reason(out)}
+                    if request.logprobs is not None:
+                        choice["logprobs"] = completion_logprobs(
+                            self.tokenizer, out.new_token_ids, out.new_logprobs, offsets[i])
+                        offsets[i] += len(out.new_text)
                     if request.return_token_ids:
                         choice["token_ids"] = out.new_token_ids
                     chunk = dict(header, choices=[choice])
@@ -320,7 +186,7 @@ class OpenAIServing:
             yield sse(error_for_exception(exc).body())
         else:
             if include_usage:
-                yield sse(dict(header, choices=[], usage=_usage(finals)))
+                yield sse(dict(header, choices=[], usage=usage(finals)))
         yield SSE_DONE
 
     # ---- /v1/chat/completions ------------------------------------------------------------------
@@ -335,45 +201,48 @@ class OpenAIServing:
         started = await self._start(request_id, [ids], [params], "messages")
         if request.stream:
             return self._chat_stream(request, request_id, created, started)
-        out = await self._final(*started[0])
+        out = await final(*started[0])
         choice = api.ChatChoice(
             index=0, message=api.AssistantMessage(content=out.text),
-            finish_reason=_finish_reason(out),
+            finish_reason=finish_reason(out), logprobs=chat_logprobs(
+                self.tokenizer, out.token_ids, out.logprobs) if request.logprobs else None,
             token_ids=out.token_ids if request.return_token_ids else None)
         return api.ChatCompletion(
             **self._header(request_id, "chat.completion", created), choices=[choice],
-            usage=_usage([out]), prompt_token_ids=ids if request.return_token_ids else None)
+            usage=usage([out]), prompt_token_ids=ids if request.return_token_ids else None)
 
     async def _chat_stream(self, request, request_id, created, started):
         header = self._header(request_id, "chat.completion.chunk", created)
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
 
-        def chunk(delta: dict, finish_reason=None, token_ids=None) -> str:
-            choice = {"index": 0, "delta": delta, "logprobs": None,
-                      "finish_reason": finish_reason}
+        def chunk(delta: dict, reason=None, out=None) -> str:
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            if request.logprobs and out is not None:
+                choice["logprobs"] = chat_logprobs(self.tokenizer, out.new_token_ids,
+                                                   out.new_logprobs)
             if request.return_token_ids:
-                choice["token_ids"] = token_ids or []
+                choice["token_ids"] = out.new_token_ids if out is not None else []
             body = dict(header, choices=[choice])
             if include_usage:
                 body["usage"] = None
             return sse(body)
 
         yield chunk({"role": "assistant", "content": ""})
-        final = None
+        last = None
         try:
-            async with contextlib.aclosing(_merged(started)) as outs:
+            async with contextlib.aclosing(merged(started)) as outs:
                 async for _, out in outs:
-                    reason = _finish_reason(out)
+                    reason = finish_reason(out)
                     if out.new_text or out.new_token_ids:
-                        yield chunk({"content": out.new_text}, token_ids=out.new_token_ids)
+                        yield chunk({"content": out.new_text}, out=out)
                     if out.finished:
-                        final = out
+                        last = out
                         yield chunk({}, reason)
         except Exception as exc:
             yield sse(error_for_exception(exc).body())
         else:
             if include_usage:
-                yield sse(dict(header, choices=[], usage=_usage([final])))
+                yield sse(dict(header, choices=[], usage=usage([last])))
         yield SSE_DONE
 
     # ---- /tokenize, /detokenize --------------------------------------------------------------

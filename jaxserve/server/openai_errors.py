@@ -1,0 +1,84 @@
+"""OpenAI's error shape, the refusals of the HTTP front end, and what the engine raises mapped to them.
+
+An OpenAIError carries the HTTP status, a message naming the field and its limit, the field
+itself and OpenAI's error type; `body()` is {"error": {message, type, param, code}}. UNSUPPORTED
+lists the parameters the engine cannot honour yet: each is refused with a 400 naming it, never
+accepted and ignored. Plain data and pure functions: no engine calls, no routing.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+from jaxserve.async_engine import EngineDeadError
+from jaxserve.engine import QueueFullError
+
+# Parameters the engine cannot honour yet, each with a test for the values it does honour. The
+# sampling issue (n, top-k logprobs, penalties, logit_bias) and structured output
+# (response_format) remove their entries here when the engine learns them. The sampled token's
+# own logprob is supported: completions logprobs=0, chat logprobs=true without top_logprobs.
+UNSUPPORTED: dict[str, Callable[[object], bool]] = {
+    "n": lambda v: v == 1,
+    "best_of": lambda v: v in (None, 1),
+    "logprobs": lambda v: v is None or isinstance(v, bool) or v == 0,
+    "top_logprobs": lambda v: v in (None, 0),
+    "presence_penalty": lambda v: v == 0,
+    "frequency_penalty": lambda v: v == 0,
+    "repetition_penalty": lambda v: v == 1,
+    "logit_bias": lambda v: not v,
+    "response_format": lambda v: v is None or v.type == "text",
+    "suffix": lambda v: v is None,
+}
+RETRY_AFTER_S = 1
+_FIELD_IN_MESSAGE = re.compile(r"^(\w+)[=\s]")
+_ENGINE_FIELD_NAMES = {"prompt_token_ids": "prompt"}
+
+
+class OpenAIError(Exception):
+    """A refusal with OpenAI's error shape: status, message, the offending field."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.kind, self.headers = kind, headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.status}}
+
+
+def bad_request(message: str, param: str | None) -> OpenAIError:
+    return OpenAIError(400, message, param)
+
+
+def error_for_exception(exc: BaseException, prompt_field: str = "prompt") -> OpenAIError:
+    """Map what AsyncEngine.generate / make_request / SamplingParams raise to an HTTP error."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, QueueFullError):
+        return OpenAIError(429, str(exc), None, "rate_limit_error",
+                           {"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, EngineDeadError):
+        return OpenAIError(503, str(exc), None, "service_unavailable")
+    if isinstance(exc, ValueError):
+        match = _FIELD_IN_MESSAGE.match(str(exc))
+        param = match.group(1) if match else None
+        param = prompt_field if param in ("prompt", "prompt_token_ids") else param
+        return bad_request(str(exc), _ENGINE_FIELD_NAMES.get(param, param))
+    raise exc
+
+
+def check_supported(request) -> None:
+    for name, honoured in UNSUPPORTED.items():
+        if name in type(request).model_fields and not honoured(getattr(request, name)):
+            value = getattr(request, name)
+            shown = value.model_dump() if hasattr(value, "model_dump") else value
+            raise bad_request(f"{name}={shown!r} is not supported by this server yet "
+                              f"(only the default is)", name)
+    if getattr(request, "top_logprobs", None) and not request.logprobs:
+        raise bad_request("top_logprobs is set, so logprobs must be true", "top_logprobs")
+    if getattr(request, "echo", False) and request.logprobs is not None:
+        raise bad_request("echo with logprobs asks for prompt logprobs, which this server "
+                          "does not compute yet: drop echo or logprobs", "logprobs")
