@@ -78,33 +78,20 @@ class ModelConfig:
             raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} gives an odd "
                              f"or empty rotary dimension for head_dim={self.head_dim}")
 
-    def check_runnable(self) -> None:
-        """Raise ValueError naming the first setting the decoder in llama.py does not compute yet.
+    def check_runnable(self, max_model_len: int | None = None) -> None:
+        """Raise ValueError naming the setting the decoder in llama.py cannot compute exactly.
 
-        Config reading covers more than the model implements (issue 14 is in progress): until
-        llama.py reads the family data and per-layer windows, such a checkpoint is refused here
-        rather than run with the setting dropped."""
-        unsupported = [
-            ("architecture", self.architecture, self.architecture not in RUNNABLE_ARCHITECTURES),
-            ("sliding_window", self.sliding_window, any(w is not None for w in self.layer_windows)),
-            ("partial_rotary_factor", self.partial_rotary_factor, self.partial_rotary_factor != 1),
-            ("rope_scaling", self.rope_scaling, self.rope_scaling is not None
-             and self.rope_scaling.rope_type not in ("linear", "dynamic", "llama3")),
-            ("sliding_rope_theta", self.sliding_rope_theta, self.sliding_rope_theta is not None),
-            ("query_pre_attn_scalar", self.query_pre_attn_scalar,
-             self.query_pre_attn_scalar is not None),
-            ("attn_logit_softcapping", self.attn_logit_softcap, self.attn_logit_softcap is not None),
-            ("final_logit_softcapping", self.final_logit_softcap,
-             self.final_logit_softcap is not None),
-            ("attention_bias (o_proj bias)", self.output_bias, self.output_bias),
-            ("hidden_act", self.hidden_act, self.hidden_act != "silu"),
-        ]
-        for key, value, bad in unsupported:
-            if bad:
-                raise ValueError(f"{self.name}: {key}={value!r} is read but not yet computed by "
-                                 f"jaxserve's decoder; refusing to load rather than run it "
-                                 f"without (runnable: {', '.join(RUNNABLE_ARCHITECTURES)} with "
-                                 f"full attention and linear/dynamic/llama3 rope)")
+        Every setting config reading accepts is computed; what remains is length: dynamic and
+        longrope RoPE match transformers only up to `max_exact_len`, so an engine that serves
+        longer sequences (max_model_len) is refused rather than drift silently."""
+        limit = self.max_exact_len
+        if max_model_len is not None and limit is not None and max_model_len > limit:
+            kinds = sorted({s.rope_type for s in (self.rope_scaling, self.sliding_rope_scaling)
+                            if s is not None and s.rope_type in ("dynamic", "longrope")})
+            raise ValueError(f"{self.name}: rope_type={kinds[0]!r} is computed exactly only up "
+                             f"to {limit} tokens (transformers rescales past it by the "
+                             f"sequence length); max_model_len={max_model_len} exceeds it, "
+                             f"set max_model_len <= {limit}")
 
     @property
     def family(self) -> Family:
@@ -219,7 +206,7 @@ class ModelConfig:
         return cls.from_hf_dict(json.loads(path.read_text()), name=name or Path(directory).name)
 
 
-# Families whose math llama.py computes today (the others are read, then refused).
+# Families gguf_loader maps tensors for (it imports this; every family runs from HF checkpoints).
 RUNNABLE_ARCHITECTURES = ("llama", "mistral", "qwen2")
 # MLP activations by their transformers names.
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu_new", "gelu")

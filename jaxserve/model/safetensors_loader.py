@@ -18,10 +18,10 @@ from tqdm.auto import tqdm
 
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.tokenizer import Tokenizer
-from jaxserve.model.weights import (HF_GLOBAL_NAMES, HF_LAYER_NAMES, TRANSPOSED, LoadedModel,
-                                    ParamBuilder, to_hf_state_dict)
+from jaxserve.model.weights import (HF_GLOBAL_NAMES, TRANSPOSED, LoadedModel, ParamBuilder,
+                                    hf_fused_parts, hf_layer_names, shape_error,
+                                    to_hf_state_dict)
 
-_FROM_HF_LAYER = {hf: ours for ours, hf in HF_LAYER_NAMES.items()}
 _FROM_HF_GLOBAL = {hf: ours for ours, hf in HF_GLOBAL_NAMES.items()}
 # Buffers some checkpoints carry that are recomputed from the config.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -31,19 +31,36 @@ def is_hf_directory(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
-def _our_name(hf_name: str) -> tuple[str, int | None, bool] | None:
-    """(our name, layer, transpose), or None for a tensor we deliberately skip."""
+def _our_names(hf_name: str, config: ModelConfig, from_hf_layer: dict
+               ) -> tuple[list[tuple[str, int | None]], int | None] | None:
+    """([(our name, rows or None for the whole tensor)], layer), or None for a tensor we
+    deliberately skip. A fused HF tensor (Phi-3's qkv_proj) names several of ours."""
     if hf_name.endswith(_IGNORED_SUFFIXES):
         return None
     if hf_name in _FROM_HF_GLOBAL:
-        ours = _FROM_HF_GLOBAL[hf_name]
-        return ours, None, ours in TRANSPOSED
+        return [(_FROM_HF_GLOBAL[hf_name], None)], None
     parts = hf_name.split(".", 3)  # model.layers.{i}.<rest>
-    if (len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
-            and parts[3] in _FROM_HF_LAYER):
-        short = _FROM_HF_LAYER[parts[3]]
-        return f"layers.{short}", int(parts[2]), short in TRANSPOSED
-    raise ValueError(f"unexpected tensor {hf_name!r} in safetensors checkpoint")
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+        if parts[3] in from_hf_layer:
+            return [(f"layers.{from_hf_layer[parts[3]]}", None)], int(parts[2])
+        if parts[3] in config.family.hf_fused:
+            return ([(f"layers.{name}", rows) for name, rows in hf_fused_parts(config, parts[3])],
+                    int(parts[2]))
+    raise ValueError(f"unexpected tensor {hf_name!r} in safetensors checkpoint of "
+                     f"{config.family.hf_architecture}")
+
+
+def _set(builder: ParamBuilder, hf_name: str, value: np.ndarray, targets, layer) -> None:
+    """One HF tensor into the builder, split on its rows when it is fused."""
+    if sum(rows or 0 for _, rows in targets) not in (0, value.shape[0]):
+        raise shape_error(hf_name, value.shape,
+                          (sum(rows for _, rows in targets), *value.shape[1:]))
+    start = 0
+    for ours, rows in targets:
+        part = value if rows is None else value[start:start + rows]
+        start += rows or 0
+        builder.set(ours, part, layer=layer, transpose=ours.split(".")[-1] in TRANSPOSED,
+                    source_name=hf_name)
 
 
 def _merged_eos(config: ModelConfig, tokenizer: Tokenizer) -> tuple[int, ...]:
@@ -73,18 +90,18 @@ def load_hf_directory(directory: str | Path, *, progress: bool = True) -> Loaded
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {directory}")
     builder = ParamBuilder(config)
+    from_hf_layer = {hf: ours for ours, hf in hf_layer_names(config).items()}
     handles = [safe_open(str(f), framework="numpy") for f in files]
     names = [(h, n) for h in handles for n in h.keys()]
     for handle, hf_name in tqdm(names, desc=f"loading {directory.name}", unit="tensor",
                                 disable=not progress):
-        target = _our_name(hf_name)
-        if target is None:
+        found = _our_names(hf_name, config, from_hf_layer)
+        if found is None:
             continue
-        ours, layer, transpose = target
-        if ours == "lm_head" and config.tie_word_embeddings:
+        targets, layer = found
+        if targets[0][0] == "lm_head" and config.tie_word_embeddings:
             continue  # tied checkpoints sometimes save the shared matrix twice
-        builder.set(ours, handle.get_tensor(hf_name), layer=layer, transpose=transpose,
-                    source_name=hf_name)
+        _set(builder, hf_name, handle.get_tensor(hf_name), targets, layer)
     return LoadedModel(config=config, params=builder.finish(), tokenizer=tokenizer,
                        source=str(directory))
 

@@ -30,6 +30,11 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "layers.bq": ("layers", "q_heads"),
     "layers.bk": ("layers", "kv_heads"),
     "layers.bv": ("layers", "kv_heads"),
+    "layers.bo": ("layers", "embed"),           # added after wo's all-reduce
+    "layers.q_norm": ("layers", "head_dim"),    # one head's scale, shared by every head
+    "layers.k_norm": ("layers", "head_dim"),
+    "layers.post_attn_norm": ("layers", "embed"),
+    "layers.post_mlp_norm": ("layers", "embed"),
     "layers.mlp_norm": ("layers", "embed"),
     "layers.w_gate": ("layers", "embed", "ffn"),
     "layers.w_up": ("layers", "embed", "ffn"),

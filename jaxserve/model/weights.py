@@ -33,11 +33,28 @@ HF_LAYER_NAMES = {
     "mlp_norm": "post_attention_layernorm.weight",
     "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight",
     "w_down": "mlp.down_proj.weight",
+    "bo": "self_attn.o_proj.bias",
+    "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
 }
 HF_GLOBAL_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
                    "lm_head": "lm_head.weight"}
 # Matrices HF stores as nn.Linear [out, in]; we keep their transpose.
 TRANSPOSED = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head"}
+
+
+def hf_layer_names(config: ModelConfig) -> dict[str, str]:
+    """Our per-layer name -> its own HF tensor under `model.layers.{i}.`, for this config's family
+    (names that live inside a fused HF tensor are left out: see hf_fused_parts)."""
+    family = config.family
+    fused = {name for parts in family.hf_fused.values() for name in parts}
+    names = {**HF_LAYER_NAMES, **family.hf_layer_names}
+    return {ours: hf for ours, hf in names.items() if ours not in fused}
+
+
+def hf_fused_parts(config: ModelConfig, hf_suffix: str) -> list[tuple[str, int]]:
+    """(our per-layer name, its rows) of each part of a fused HF [out, in] tensor, in order."""
+    shapes = config.param_shapes()
+    return [(name, shapes[f"layers.{name}"][-1]) for name in config.family.hf_fused[hf_suffix]]
 
 
 def shape_error(name: str, shape, expected) -> ValueError:
@@ -106,15 +123,23 @@ def validate_params(config: ModelConfig, params: dict[str, np.ndarray]) -> None:
 
 
 def to_hf_state_dict(config: ModelConfig, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Our stacked [in, out] layout -> HF Llama tensor names, one [out, in] tensor per layer."""
+    """Our stacked [in, out] layout -> the family's HF tensor names, one [out, in] tensor per
+    layer (fused tensors joined on their rows)."""
     validate_params(config, params)
+    names = hf_layer_names(config)
     state = {}
+    for i in range(config.num_layers):
+        for hf_suffix in config.family.hf_fused:
+            parts = [params[f"layers.{name}"][i].T for name, _ in hf_fused_parts(config, hf_suffix)]
+            state[f"model.layers.{i}.{hf_suffix}"] = np.ascontiguousarray(np.concatenate(parts))
     for name, value in params.items():
         if name.startswith("layers."):
             short = name[len("layers."):]
+            if short not in names:
+                continue  # part of a fused tensor
             for i in range(config.num_layers):
                 w = value[i].T if short in TRANSPOSED else value[i]
-                state[f"model.layers.{i}.{HF_LAYER_NAMES[short]}"] = np.ascontiguousarray(w)
+                state[f"model.layers.{i}.{names[short]}"] = np.ascontiguousarray(w)
         else:
             w = value.T if name in TRANSPOSED else value
             state[HF_GLOBAL_NAMES[name]] = np.ascontiguousarray(w)
