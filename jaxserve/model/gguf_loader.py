@@ -1,9 +1,12 @@
 """Read a GGUF file (llama.cpp's format): ModelConfig from its metadata, float32 params, tokenizer.
 
 Every tensor is dequantized on load with `gguf.quants` and checked against the config's layout.
-llama.cpp permutes the rows of Llama's Q and K projections for its interleaved RoPE; we undo that
-exactly as transformers' GGUF loader does, so params are in HF's rotate-half convention. This module
-must not import jax or keep quantized blocks around, and reads nothing but the file it is given.
+What llama.cpp's converter changed per family is undone as the family declares it
+(families/*.py: gguf_layer_names, gguf_fused, gguf_permute_qk, gguf_norm_plus_one): Llama's Q/K
+rows are un-permuted exactly as transformers' GGUF loader does, so params are in HF's
+rotate-half convention; Gemma's (1 + w) norms lose their 1; Phi-3's fused attn_qkv and ffn_up
+are split. The metadata is read by gguf_config. This module must not import jax or keep
+quantized blocks around, and reads nothing but the file it is given.
 """
 
 from __future__ import annotations
@@ -18,28 +21,26 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from tqdm.auto import tqdm
 
-from jaxserve.model.config import RUNNABLE_ARCHITECTURES, ModelConfig, RopeScaling
-from jaxserve.model.gguf_tokenizer import wants_bos
+from jaxserve.model.config import ModelConfig, RopeScaling
+from jaxserve.model.gguf_config import ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT, config_from_metadata
 from jaxserve.model.tokenizer import Tokenizer
-from jaxserve.model.weights import LoadedModel, ParamBuilder, shape_error
+from jaxserve.model.weights import TRANSPOSED, LoadedModel, ParamBuilder, shape_error
 
 SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
                              Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
-# Architectures whose converter permutes Q/K rows (llama.cpp's LlamaModel); Qwen2's does not.
-_PERMUTED_ARCHITECTURES = {"llama", "mistral"}
-
-# GGUF tensor name (after "blk.{i}.") -> (our name, stored [out, in] so transpose on load)
-_LAYER_TENSORS = {
-    "attn_norm.weight": ("attn_norm", False), "ffn_norm.weight": ("mlp_norm", False),
-    "attn_q.weight": ("wq", True), "attn_k.weight": ("wk", True), "attn_v.weight": ("wv", True),
-    "attn_output.weight": ("wo", True), "attn_q.bias": ("bq", False),
-    "attn_k.bias": ("bk", False), "attn_v.bias": ("bv", False),
-    "ffn_gate.weight": ("w_gate", True), "ffn_up.weight": ("w_up", True),
-    "ffn_down.weight": ("w_down", True),
+# Our per-layer name -> llama.cpp's Llama tensor name (after "blk.{i}."); a family's
+# gguf_layer_names adds or overrides entries.
+_LAYER_NAMES = {
+    "attn_norm": "attn_norm.weight", "mlp_norm": "ffn_norm.weight",
+    "wq": "attn_q.weight", "wk": "attn_k.weight", "wv": "attn_v.weight",
+    "wo": "attn_output.weight", "bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias",
+    "bo": "attn_output.bias", "w_gate": "ffn_gate.weight", "w_up": "ffn_up.weight",
+    "w_down": "ffn_down.weight",
 }
-_GLOBAL_TENSORS = {"token_embd.weight": ("embed", False),
-                   "output_norm.weight": ("final_norm", False), "output.weight": ("lm_head", True)}
+_GLOBAL_TENSORS = {"token_embd.weight": "embed", "output_norm.weight": "final_norm",
+                   "output.weight": "lm_head"}
 _ROPE_FREQS = "rope_freqs.weight"
+_CONFIG_TENSORS = (_ROPE_FREQS, ROPE_FACTORS_SHORT, ROPE_FACTORS_LONG)
 
 
 class _PlainViewReader(gguf.GGUFReader):
@@ -71,47 +72,6 @@ def reverse_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's `permute` of Q/K rows ([out, ...]; interleaved pairs -> rotate-half)."""
     half = w.shape[0] // num_heads // 2
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def config_from_metadata(metadata: dict, tensor_names, *, name: str) -> ModelConfig:
-    arch = metadata.get("general.architecture")
-    if arch not in RUNNABLE_ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {arch!r} in GGUF; supported: "
-                         f"{', '.join(RUNNABLE_ARCHITECTURES)}")
-
-    def key(suffix, default=KeyError):
-        if f"{arch}.{suffix}" in metadata:
-            return metadata[f"{arch}.{suffix}"]
-        if default is KeyError:
-            raise ValueError(f"GGUF metadata lacks {arch}.{suffix}")
-        return default
-
-    scaling = key("rope.scaling.type", "none")
-    if scaling not in ("none", None):
-        raise ValueError(f"unsupported GGUF rope scaling {scaling!r}")
-    num_heads = key("attention.head_count")
-    num_kv_heads = key("attention.head_count_kv", num_heads)
-    if isinstance(num_kv_heads, list):
-        if len(set(num_kv_heads)) != 1:
-            raise ValueError(f"per-layer KV head counts are not supported: {num_kv_heads}")
-        num_kv_heads = num_kv_heads[0]
-    hidden = key("embedding_length")
-    tokens = metadata.get("tokenizer.ggml.tokens") or ()
-    eos = [metadata[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                                 "tokenizer.ggml.eom_token_id") if k in metadata]
-    return ModelConfig(
-        vocab_size=key("vocab_size", len(tokens)), hidden_size=hidden,
-        intermediate_size=key("feed_forward_length"), num_layers=key("block_count"),
-        num_heads=num_heads, num_kv_heads=num_kv_heads,
-        head_dim=key("attention.key_length", hidden // num_heads),
-        rms_norm_eps=key("attention.layer_norm_rms_epsilon", 1e-5),
-        rope_theta=key("rope.freq_base", 10000.0),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
-        max_position_embeddings=key("context_length", 2048),
-        bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=tuple(dict.fromkeys(eos)), add_bos_token=wants_bos(metadata),
-        architecture=arch, name=metadata.get("general.name") or name)
 
 
 def llama3_rope_factors(scaling: RopeScaling, head_dim: int, theta: float) -> np.ndarray:
@@ -152,15 +112,76 @@ def _dequantize(tensor, shape: tuple[int, ...]) -> np.ndarray:
     return np.array(values, dtype=np.float32).reshape(shape)
 
 
-def _our_name(gguf_name: str) -> tuple[str, int | None, bool]:
+def layer_tensor_names(config: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """GGUF name after "blk.{i}." -> our per-layer names it holds (several: a fused tensor, split
+    on its rows in this order)."""
+    family = config.family
+    names = {**_LAYER_NAMES, **family.gguf_layer_names}
+    table = {gguf_name: (ours,) for ours, gguf_name in names.items()}
+    table.update({gguf_name: tuple(parts) for gguf_name, parts in family.gguf_fused.items()})
+    return table
+
+
+def _targets(gguf_name: str, table: dict) -> tuple[tuple[str, ...], int | None]:
+    """(our full names, layer or None) of a GGUF tensor; an unknown tensor is an error."""
     if gguf_name in _GLOBAL_TENSORS:
-        name, transpose = _GLOBAL_TENSORS[gguf_name]
-        return name, None, transpose
+        return (_GLOBAL_TENSORS[gguf_name],), None
     parts = gguf_name.split(".", 2)
-    if parts[0] == "blk" and len(parts) == 3 and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
-        name, transpose = _LAYER_TENSORS[parts[2]]
-        return f"layers.{name}", int(parts[1]), transpose
+    if parts[0] == "blk" and len(parts) == 3 and parts[1].isdigit() and parts[2] in table:
+        return tuple(f"layers.{n}" for n in table[parts[2]]), int(parts[1])
     raise ValueError(f"unexpected tensor {gguf_name!r} in GGUF")
+
+
+def _is_norm(ours: str) -> bool:
+    return ours.endswith("norm")
+
+
+def read_config(reader: gguf.GGUFReader, metadata: dict, *, name: str) -> ModelConfig:
+    """The file's ModelConfig, rope settings recovered from its rope tensors (not yet checked
+    against what the decoder runs: load_gguf does that)."""
+    tensors = {t.name: t for t in reader.tensors}
+    factors = None
+    if ROPE_FACTORS_SHORT in tensors or ROPE_FACTORS_LONG in tensors:
+        factors = tuple(np.array(gguf.quants.dequantize(tensors[n].data, tensors[n].tensor_type),
+                                 dtype=np.float32).reshape(-1)
+                        for n in (ROPE_FACTORS_SHORT, ROPE_FACTORS_LONG))
+    config = config_from_metadata(metadata, tensors, name=name, rope_factors=factors)
+    if _ROPE_FREQS in tensors:
+        factors = _dequantize(tensors[_ROPE_FREQS], (config.rotary_dim // 2,))
+        config = dataclasses.replace(
+            config, rope_scaling=_scaling_from_rope_freqs(factors, config, metadata))
+    return config
+
+
+def read_params(reader: gguf.GGUFReader, config: ModelConfig, *,
+                progress: bool = False, desc: str = "loading") -> dict[str, np.ndarray]:
+    """Every weight of the file in our layout (float32, HF conventions), checked against config."""
+    family = config.family
+    table = layer_tensor_names(config)
+    builder = ParamBuilder(config)
+    for tensor in tqdm(reader.tensors, desc=desc, unit="tensor", disable=not progress):
+        if tensor.name in _CONFIG_TENSORS:
+            continue
+        targets, layer = _targets(tensor.name, table)
+        transpose = targets[0].split(".")[-1] in TRANSPOSED
+        # one [out, in] slice per target, stacked on rows in the file
+        expected = [builder.expected_shape(t, transposed=transpose) for t in targets]
+        shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
+        want = (sum(e[0] for e in expected), *expected[0][1:])
+        if shape != want:
+            raise shape_error(tensor.name, shape, want)
+        values = _dequantize(tensor, shape)
+        offsets = np.cumsum([0] + [e[0] for e in expected])
+        for ours, lo, hi in zip(targets, offsets[:-1], offsets[1:]):
+            part = values[lo:hi]
+            if family.gguf_permute_qk and ours in ("layers.wq", "layers.bq"):
+                part = reverse_permute(part, config.num_heads)
+            elif family.gguf_permute_qk and ours in ("layers.wk", "layers.bk"):
+                part = reverse_permute(part, config.num_kv_heads)
+            if family.gguf_norm_plus_one and _is_norm(ours):
+                part = part - np.float32(1.0)
+            builder.set(ours, part, layer=layer, transpose=transpose, source_name=tensor.name)
+    return builder.finish()
 
 
 def load_gguf(path: str | Path, *, progress: bool = True, name: str | None = None) -> LoadedModel:
@@ -170,30 +191,10 @@ def load_gguf(path: str | Path, *, progress: bool = True, name: str | None = Non
         raise FileNotFoundError(f"GGUF file not found: {path}")
     reader = _READER(path)
     metadata = read_metadata(reader)
-    tensors = {t.name: t for t in reader.tensors}
-    config = config_from_metadata(metadata, tensors, name=path.stem)
+    config = read_config(reader, metadata, name=path.stem)
     if name is not None:
         config = dataclasses.replace(config, name=name)
-    if _ROPE_FREQS in tensors:
-        factors = _dequantize(tensors[_ROPE_FREQS], (config.head_dim // 2,))
-        config = dataclasses.replace(
-            config, rope_scaling=_scaling_from_rope_freqs(factors, config, metadata))
-    builder = ParamBuilder(config)
-    permute = config.architecture in _PERMUTED_ARCHITECTURES
-    for tensor in tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor",
-                       disable=not progress):
-        if tensor.name == _ROPE_FREQS:
-            continue
-        ours, layer, transpose = _our_name(tensor.name)
-        expected = builder.expected_shape(ours, transposed=transpose)
-        shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
-        if shape != expected:
-            raise shape_error(tensor.name, shape, expected)
-        values = _dequantize(tensor, shape)
-        if permute and ours in ("layers.wq", "layers.bq"):
-            values = reverse_permute(values, config.num_heads)
-        elif permute and ours in ("layers.wk", "layers.bk"):
-            values = reverse_permute(values, config.num_kv_heads)
-        builder.set(ours, values, layer=layer, transpose=transpose, source_name=tensor.name)
-    return LoadedModel(config=config, params=builder.finish(),
-                       tokenizer=Tokenizer.from_gguf(metadata), source=str(path))
+    config.check_runnable()
+    params = read_params(reader, config, progress=progress, desc=f"loading {path.name}")
+    return LoadedModel(config=config, params=params, tokenizer=Tokenizer.from_gguf(metadata),
+                       source=str(path))
