@@ -1,6 +1,7 @@
 """Run `run_server` (gRPC + OpenAI HTTP) with a tiny model that has a real tokenizer, for tests.
 
-    python tests/http_server_main.py [--api-key KEY] [--max-queued-requests N] [engine overrides]
+    python tests/http_server_main.py [--api-key KEY] [--max-queued-requests N]
+        [--step-delay-ms MS] [engine overrides]
 
 The model is the tiny random Llama with the tiny byte-level BPE vocabulary and ChatML template
 of model_fixtures (so chat templates, special tokens and --chat-template behave as with a real
@@ -19,6 +20,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,7 +92,14 @@ def main() -> int:
     parser.add_argument("--max-queued-requests", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--seq-buckets", type=int, nargs="+", default=None)
+    parser.add_argument("--step-delay-ms", type=float, default=0.0,
+                        help="sleep before every engine step (keeps requests in flight long "
+                             "enough for drain and disconnect tests)")
     args = parser.parse_args()
+    if args.step_delay_ms:
+        from jaxserve.engine import Engine
+        step = Engine.step
+        Engine.step = lambda self: (time.sleep(args.step_delay_ms / 1e3), step(self))[1]
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     overrides = {k: v for k, v in (("max_queued_requests", args.max_queued_requests),
