@@ -8,17 +8,13 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 openai = pytest.importorskip("openai")
 
-ROOT = Path(__file__).resolve().parent.parent
 KEY = "sk-test"
 MODEL = "tiny-llama"
 GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True, "return_token_ids": True})
@@ -105,11 +101,55 @@ def test_chat_streamed_and_not_equal_the_template_prompt_offline(server, client,
     assert chunks[-1].usage.completion_tokens == 8
 
 
-def test_n_and_logprobs_are_refused_until_the_engine_supports_them(client):
+def test_n_and_top_k_logprobs_are_refused_until_the_engine_supports_them(client):
     for kwargs, param in ((dict(n=2), "n"), (dict(logprobs=1), "logprobs")):
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model=MODEL, prompt="x", max_tokens=2, **kwargs)
         assert info.value.body["param"] == param, info.value.body
+
+
+def offline_logprobs(offline, prompt_ids, max_tokens):
+    from jaxserve import SamplingParams
+    out = offline.generate([prompt_ids], SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=True))[0]
+    return out.token_ids, out.logprobs
+
+
+def test_completion_logprobs_0_are_the_sampled_tokens_logprobs_streamed_or_not(client, offline):
+    r = client.completions.create(model=MODEL, prompt="log me", max_tokens=6, logprobs=0,
+                                  **GREEDY)
+    choice = r.choices[0]
+    ids, want = offline_logprobs(offline, choice.model_extra["prompt_token_ids"], 6)
+    assert choice.model_extra["token_ids"] == ids
+    assert choice.logprobs.token_logprobs == pytest.approx(want, abs=1e-4)
+    assert "".join(choice.logprobs.tokens) == choice.text
+    assert choice.logprobs.text_offset == \
+        [sum(map(len, choice.logprobs.tokens[:i])) for i in range(6)]
+    chunks = list(client.completions.create(model=MODEL, prompt="log me", max_tokens=6,
+                                            logprobs=0, stream=True, **GREEDY))
+    streamed = [lp for c in chunks if c.choices[0].logprobs
+                for lp in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(want, abs=1e-4)
+    offsets = [o for c in chunks if c.choices[0].logprobs
+               for o in c.choices[0].logprobs.text_offset]
+    assert offsets == choice.logprobs.text_offset
+
+
+def test_chat_logprobs_true_gives_each_sampled_token_with_its_bytes(server, client, offline):
+    messages = [{"role": "user", "content": "log me"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5,
+                                       logprobs=True, **GREEDY)
+    ids = httpx.post(server + "/tokenize", json={"messages": messages},
+                     headers={"Authorization": f"Bearer {KEY}"}).json()["tokens"]
+    _, want = offline_logprobs(offline, ids, 5)
+    content = r.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx(want, abs=1e-4)
+    assert all(bytes(c.bytes) == c.token.encode() and c.top_logprobs == [] for c in content)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5,
+                                                 logprobs=True, stream=True, **GREEDY))
+    streamed = [c.logprob for k in chunks if k.choices[0].logprobs
+                for c in k.choices[0].logprobs.content]
+    assert streamed == pytest.approx(want, abs=1e-4)
 
 
 CHAT = "/v1/chat/completions"

@@ -1,4 +1,4 @@
-"""OpenAI's error shape, the refusals of the HTTP front end, and what the engine raises mapped to them.
+"""OpenAI's error shape, the HTTP front end's refusals, and engine exceptions mapped to them.
 
 An OpenAIError carries the HTTP status, a message naming the field and its limit, the field
 itself and OpenAI's error type; `body()` is {"error": {message, type, param, code}}. UNSUPPORTED

@@ -81,7 +81,8 @@ class OpenAIServing:
             return SamplingParams(
                 max_tokens=max_tokens, top_k=top_k, stop=request.stop or (),
                 stop_token_ids=tuple(request.stop_token_ids or ()), ignore_eos=request.ignore_eos,
-                logprobs=request.logprobs not in (None, False), **{k: v for k, v in kwargs.items() if v is not None})
+                logprobs=request.logprobs is not None and request.logprobs is not False,
+                **{k: v for k, v in kwargs.items() if v is not None})
         except ValueError as exc:
             raise error_for_exception(exc) from None
 
