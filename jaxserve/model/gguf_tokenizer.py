@@ -3,15 +3,20 @@
 A GGUF carries no tokenizer.json: it stores llama.cpp's vocabulary (`tokenizer.ggml.*`) and we
 rebuild the pipeline the model was trained with. Byte-level BPE ("gpt2") takes its split rule from
 `tokenizer.ggml.pre`, matching llama.cpp and the model's original tokenizer.json (SmolLM2's
-"smollm" splits digits one by one, which transformers' GGUF reader does not do). SentencePiece
+"smollm" splits digits one by one, which transformers' GGUF reader does not do; Qwen 2/3 write
+"qwen2"); a name it does not implement is an error, never a silent fallback. SentencePiece
 vocabularies ("llama") become a byte-fallback BPE, as transformers' LlamaTokenizer builds them.
 This module only builds the backend; it must not read files or know about chat templates.
 """
 
 from __future__ import annotations
 
+import logging
+
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
+
+log = logging.getLogger(__name__)
 
 TOKEN_TYPE_UNKNOWN, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 2, 3, 4
 
@@ -24,6 +29,8 @@ _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
 _DIGITS_THEN_GPT2 = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
 _LLAMA3 = {"llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx", "smaug-bpe"}
 _QWEN2 = {"qwen2", "deepseek-r1-qwen", "megrez"}
+_GPT2 = {"gpt2"}
+KNOWN_PRE_TOKENIZERS = frozenset(_DIGITS_THEN_GPT2 | _LLAMA3 | _QWEN2 | _GPT2)
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -74,7 +81,7 @@ def _byte_level(metadata: dict) -> Backend:
         if not set(token) <= alphabet:
             token = "".join(spelling[b] for b in token.encode("utf-8"))
         vocab.setdefault(token, index)
-    pre = metadata.get("tokenizer.ggml.pre", "default")
+    pre = _pre_tokenizer(metadata)
     backend = Backend(models.BPE(vocab, _merges(metadata), fuse_unk=False, byte_fallback=False,
                                  ignore_merges=pre in _LLAMA3))
     if pre in _DIGITS_THEN_GPT2:
@@ -92,6 +99,24 @@ def _byte_level(metadata: dict) -> Backend:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     backend.decoder = decoders.ByteLevel()
     return backend
+
+
+def _pre_tokenizer(metadata: dict) -> str:
+    """The byte-level split rule's name: one we implement, or an error naming it. A file that
+    names none ("default", or no key: llama.cpp's converter found no match for the tokenizer)
+    gets GPT-2's rule, with a warning, since nothing says what the model was trained with."""
+    pre = metadata.get("tokenizer.ggml.pre", "default")
+    if pre == "default":
+        log.warning("GGUF tokenizer.ggml.pre is %r: splitting text with GPT-2's rule, which may "
+                    "not be the rule this model was trained with (its tokens can differ from "
+                    "the original tokenizer's)", metadata.get("tokenizer.ggml.pre"))
+        return "gpt2"
+    if pre not in KNOWN_PRE_TOKENIZERS:
+        raise ValueError(f"unsupported GGUF pre-tokenizer tokenizer.ggml.pre={pre!r}: jaxserve "
+                         f"cannot split text the way this model was trained (supported: "
+                         f"{', '.join(sorted(KNOWN_PRE_TOKENIZERS))}); load the Hugging Face "
+                         f"directory, whose tokenizer.json carries the rule")
+    return pre
 
 
 def _sentencepiece(metadata: dict) -> Backend:
