@@ -37,8 +37,8 @@ def prompts(seed: int = 0, vocab: int = 256) -> list[list[int]]:
 def hf_checkpoint(directory: Path, model_type: str, seed: int = 0, **config_kw):
     """Write a random transformers model of `model_type` to `directory`; return it (eval).
 
-    Every weight is redrawn around its initial value (norms around 1, or 0 for (1 + w) norms)
-    with enough spread that logits are far from ties."""
+    Every weight is redrawn (norms around their initial 1, or 0 for (1 + w) norms) with enough
+    spread that logits are far from ties and greedy decoding does not settle on one token."""
     import torch
     import transformers
 
@@ -53,7 +53,7 @@ def hf_checkpoint(directory: Path, model_type: str, seed: int = 0, **config_kw):
             if "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
             else:
-                p.copy_(0.08 * torch.randn_like(p))
+                p.copy_(0.15 * torch.randn_like(p))
     model.eval()
     model.save_pretrained(directory)
     tiny_tokenizer().save(directory)
@@ -75,6 +75,9 @@ def as_transformers4_layout(directory: Path, target: Path) -> Path:
     if "partial_rotary_factor" in rope:
         d["partial_rotary_factor"] = rope.pop("partial_rotary_factor")
     d["rope_scaling"] = None if rope.get("rope_type") == "default" else rope
+    if "sliding_window_pattern" in d:  # Gemma 3 before layer_types: the pattern alone
+        d.pop("layer_types", None)
+        d.pop("_sliding_window_pattern", None)
     (target / "config.json").write_text(json.dumps(d, indent=2))
     return target
 
@@ -200,6 +203,8 @@ class ArchSuite:
     """The checks every architecture passes; a test file subclasses it (as Test<Name>) with a
     module-scoped `case` fixture returning make_case(...)."""
 
+    engine_settings: dict = {}  # EngineConfig overrides of ENGINE
+
     def test_both_config_layouts_read_the_same_config(self, case):
         configs = [dataclasses.replace(case.load(layout).config, name="m")
                    for layout in case.directories]
@@ -217,5 +222,6 @@ class ArchSuite:
     def test_greedy_tokens_through_the_engine_match_transformers(self, case, layout):
         if layout not in case.directories:
             pytest.skip(f"{layout} layout does not exist for this architecture")
-        got, num_preemptions = engine_greedy(case.load(layout), case.batch)
+        got, num_preemptions = engine_greedy(case.load(layout), case.batch,
+                                             **self.engine_settings)
         assert_greedy_equal(got, case.want_greedy, num_preemptions)

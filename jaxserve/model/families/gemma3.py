@@ -10,7 +10,8 @@ FAMILY = Family(
     default_activation="gelu_pytorch_tanh", qk_norm=True, sandwich_norms=True, embed_scale=True,
     window_rule="pattern", default_rope_theta=1_000_000.0, default_sliding_rope_theta=10_000.0,
     extra_keys={"query_pre_attn_scalar": None, "final_logit_softcapping": None,
-                "attn_logit_softcapping": None, "use_bidirectional_attention": (False, None),
+                # transformers' Gemma3Attention never applies it: only null is unambiguous
+                "attn_logit_softcapping": (None,), "use_bidirectional_attention": (False, None),
                 "sliding_window_pattern": None, "_sliding_window_pattern": None,
                 "rope_local_base_freq": None, "cache_implementation": None},
     hf_layer_names={"mlp_norm": "pre_feedforward_layernorm.weight",
