@@ -145,3 +145,5 @@ class AsyncEngine:
                 open_ids = list(self._streams)
             for rid in open_ids:
                 self._deliver(rid, EngineDeadError(f"engine failed: {exc!r}"))
+        finally:  # the loop owns the engine: it closes it (multi-host: stops the followers)
+            self.engine.close()

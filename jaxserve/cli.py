@@ -106,19 +106,19 @@ def cmd_generate(args) -> int:
     # One prompt: one small bucket compiles fastest, unless the user asked for more.
     if args.max_num_seqs is None and args.max_num_batched_tokens is None:
         args.max_num_seqs, args.max_num_batched_tokens = 1, 16
-    engine = Engine(engine_config_from_args(args), progress=not args.quiet)
-    prompt = args.prompt
-    if args.chat:
-        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-        prompt = engine.tokenizer.encode(text, add_special_tokens=False)
-    engine.add_request(prompt, params)
-    while engine.has_unfinished():
-        for out in engine.step():
-            sys.stdout.write(out.new_text)
-            sys.stdout.flush()
-            if out.error:
-                print(f"\nerror: {out.error}", file=sys.stderr)
-                return 1
+    with Engine(engine_config_from_args(args), progress=not args.quiet) as engine:
+        prompt = args.prompt
+        if args.chat:
+            text = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            prompt = engine.tokenizer.encode(text, add_special_tokens=False)
+        engine.add_request(prompt, params)
+        while engine.has_unfinished():
+            for out in engine.step():
+                sys.stdout.write(out.new_text)
+                sys.stdout.flush()
+                if out.error:
+                    print(f"\nerror: {out.error}", file=sys.stderr)
+                    return 1
     sys.stdout.write("\n")
     return 0
 
@@ -212,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:
         pass
     else:
-        serve_bench = bench_sub.add_parser("serve", help="load a running server over gRPC")
+        serve_bench = bench_sub.add_parser(
+            "serve", help="load a running server over gRPC or the OpenAI HTTP API")
         add_serve_flags(serve_bench)
     return parser
 
@@ -220,10 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    joined = False
     try:
-        # Multi-host: every process joins the JAX cluster first; process 0 runs the command,
-        # the others run its plans (jaxserve/distributed.py).
+        # Multi-host: every process joins the JAX cluster first; process 0 runs the command
+        # (its engine stops the followers when it closes), the others run its plans
+        # (jaxserve/distributed.py).
         joined = distributed.join_cluster(distributed.settings_from_args(args))
         if joined and not distributed.is_leader():
             return distributed.follow(engine_config_from_args(args))
@@ -231,9 +232,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"jaxserve: error: {exc}", file=sys.stderr)
         return 2
-    finally:
-        if joined:
-            distributed.stop_followers()
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ main loop of the processes that follow process 0.
 TPU_WORKER_HOSTNAMES on GKE, SLURM, Open MPI). Joining must happen before anything touches a
 JAX backend, so the CLI does it first. Process 0 then runs the command itself (scheduler, gRPC
 server, benchmark); every other process runs `follow`: the same Engine, executing process 0's
-plans (runner/multihost.py) until process 0 calls `stop_followers`. This module holds no
+plans (runner/multihost.py) until process 0's engine closes. This module holds no
 serving logic and never decides shardings.
 """
 
@@ -94,8 +94,3 @@ def follow(engine_config, loaded=None) -> int:
     log.info("process %d: process 0 stopped after %d plans", jax.process_index(), num_plans)
     return 0
 
-
-def stop_followers() -> None:
-    """Release the followers (call on process 0 when its command ends); no-op elsewhere."""
-    from jaxserve.runner.multihost import stop_followers as stop
-    stop()

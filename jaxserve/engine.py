@@ -1,8 +1,9 @@
 """Engine: the synchronous serving loop. step() = schedule -> execute -> update.
 
-It validates and tokenizes requests, sizes the KV page pool, and turns the scheduler's token
-events into RequestOutputs with text (stop strings applied). It is single-threaded: callers on
-other threads go through AsyncEngine. It never touches device arrays itself (the runner does).
+It validates and tokenizes requests and turns the scheduler's token events into RequestOutputs
+with text (stop strings applied), keeping one record per request in flight. Its parts (model,
+page pool, scheduler, runner) are wired by engine_builder.build_engine. It is single-threaded:
+callers on other threads go through AsyncEngine. It never touches device arrays itself.
 """
 
 from __future__ import annotations
@@ -13,106 +14,67 @@ import logging
 import random
 import time
 import uuid
+from dataclasses import dataclass
 
 from jaxserve.config import EngineConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
-from jaxserve.engine_info import EngineInfo
+from jaxserve.engine_builder import EngineParts, build_engine
 from jaxserve.metrics import EngineMetrics
 from jaxserve.outputs import RequestOutput
-from jaxserve.page_manager import PageManager
 from jaxserve.request import FinishReason, Request, SamplingParams, TokenEvent
-from jaxserve.scheduler import Scheduler
-from jaxserve.swap_space import HostSwapSpace
 
 log = logging.getLogger(__name__)
-DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
 
 class QueueFullError(RuntimeError):
     """The waiting queue holds max_queued_requests already."""
 
 
-def size_page_pool(config: EngineConfig, kv_bytes_per_token: int, max_model_len: int) -> int:
-    """Pages for the KV pool: given directly, or from a byte budget (page 0 included)."""
-    if config.num_pages is not None:
-        return config.num_pages
-    budget = config.kv_cache_memory
-    if budget is None:  # enough for every sequence at full length, within a default budget
-        budget = min(DEFAULT_KV_CACHE_MEMORY,
-                     config.max_num_seqs * (max_model_len + config.page_size) * kv_bytes_per_token)
-    num_pages = budget // (config.page_size * kv_bytes_per_token)
-    if num_pages < 2:
-        raise ValueError(f"kv_cache_memory={budget} bytes holds {num_pages} pages of "
-                         f"{config.page_size} tokens; at least 2 are needed")
-    return int(num_pages)
+@dataclass
+class _Tracked:
+    """One request in flight, with everything output processing keeps for it."""
+    request: Request
+    output: RequestOutput       # the running record; callers get snapshots of it
+    detok: IncrementalDetokenizer
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, loaded=None, progress: bool = True):
-        import jax
-
-        from jaxserve.runner.model_runner import ModelRunner, resolve_dtype
-
-        self.config = config.validate()
-        from jaxserve.model.sharding import make_mesh
-        from jaxserve.runner import multihost, tensor_parallel
-        self.mesh = make_mesh(config.tensor_parallel_size)  # None: one device, unsharded
-        if loaded is None:  # a checkpoint is restored straight into the mesh's shardings
-            loaded = tensor_parallel.load_model(config.model, self.mesh, progress=progress)
-        self.model_config = mc = loaded.config
-        self.tokenizer = loaded.tokenizer
-        self.model_name = mc.name
-        self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, 2048)
-        dtype = resolve_dtype(config.dtype, jax.default_backend())
-        self.dtype_name = jax.numpy.dtype(dtype).name
-        from jaxserve.spec.setup import Speculation
-        self.speculation = Speculation.build(config, loaded, progress=progress)
-        itemsize = jax.numpy.dtype(dtype).itemsize
-        kv_per_token = (mc.kv_bytes_per_token(itemsize)
-                        + self.speculation.draft_kv_bytes_per_token(itemsize))
-        num_pages = size_page_pool(config, kv_per_token, self.max_model_len)
-        log.info("KV cache: %d pages x %d tokens = %d tokens, %.1f MiB", num_pages - 1,
-                 config.page_size, (num_pages - 1) * config.page_size,
-                 num_pages * config.page_size * kv_per_token / 2**20)
-        self.pages = PageManager(num_pages, config.page_size, config.enable_prefix_caching)
-        from jaxserve.runner.buckets import powers_of_two
-        max_pages = -(-self.max_model_len // config.page_size)
-        swap = HostSwapSpace(config.swap_space, config.page_size * kv_per_token,
-                             page_buckets=powers_of_two(1, max_pages))
-        self.scheduler = Scheduler(
-            self.pages, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len, preemption_mode=config.preemption_mode,
-            enable_chunked_prefill=config.enable_chunked_prefill, batching=config.batching,
-            swap_space=swap, speculation=self.speculation.policy)
-        self.runner = self.speculation.wrap(ModelRunner(
-            mc, loaded.params, num_pages=num_pages, page_size=config.page_size,
-            max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens, dtype=config.dtype,
-            attention_impl=config.attention_impl, layer_loop=config.layer_loop,
-            token_buckets=config.token_buckets, seq_buckets=config.seq_buckets,
-            compile_cache_dir=config.compile_cache_dir, mesh=self.mesh))
-        self.runner.warmup(progress=progress)
-        # Several JAX processes: process 0 broadcasts each plan, the others follow it.
-        self.runner = multihost.for_this_process(self.runner)
-        self._outputs: dict[str, RequestOutput] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._live: dict[str, Request] = {}
+    def __init__(self, config: EngineConfig, loaded=None, progress: bool = True, *,
+                 parts: EngineParts | None = None):
+        """parts: prebuilt by engine_builder.build_engine (None: built here from config)."""
+        parts = parts or build_engine(config, loaded, progress)
+        self.config = parts.config
+        self.model_config = parts.model_config
+        self.tokenizer = parts.tokenizer
+        self.model_name = parts.model_config.name
+        self.max_model_len = parts.max_model_len
+        self.dtype_name = parts.dtype_name
+        self.mesh = parts.mesh
+        self.speculation = parts.speculation
+        self.pages = parts.pages
+        self.scheduler = parts.scheduler
+        self.runner = parts.runner
+        self.info = parts.info
+        self._tracked: dict[str, _Tracked] = {}
         self._pending_events: list[TokenEvent] = []
         self._arrivals = itertools.count()
-        self._seed_rng = random.Random(config.seed)
+        self._seed_rng = random.Random(self.config.seed)
         self.num_steps = 0
-        self.info = EngineInfo(
-            model_name=mc.name, architecture=mc.architecture, max_model_len=self.max_model_len,
-            vocab_size=mc.vocab_size, dtype=self.dtype_name, page_size=config.page_size,
-            num_pages=num_pages, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_queued_requests=config.max_queued_requests,
-            eos_token_ids=tuple(int(t) for t in self.tokenizer.eos_token_ids),
-            tensor_parallel_size=config.tensor_parallel_size,
-            speculative_method=config.speculative_method)
+        self._closed = False
         self._publish_stats()
         self.metrics = EngineMetrics(lambda: self.stats)
+
+    def close(self) -> None:
+        """Release the runner (multi-host: stop the followers). Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self.runner.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _publish_stats(self) -> None:
         """A fresh immutable snapshot for other threads (metrics, front ends) to read."""
@@ -152,16 +114,16 @@ class Engine:
         limit = self.config.max_queued_requests
         if limit is not None and self.scheduler.num_waiting >= limit:
             raise QueueFullError(f"waiting queue is full (max_queued_requests={limit})")
-        if request.request_id in self._outputs:
+        if request.request_id in self._tracked:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         request.arrival_seq = next(self._arrivals)
         request.arrival_time = time.monotonic()
-        self._outputs[request.request_id] = RequestOutput(
-            request.request_id, request.prompt_token_ids,
-            logprobs=[] if request.sampling.logprobs else None)
-        self._detok[request.request_id] = IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids, request.sampling.stop)
-        self._live[request.request_id] = request
+        self._tracked[request.request_id] = _Tracked(
+            request,
+            RequestOutput(request.request_id, request.prompt_token_ids,
+                          logprobs=[] if request.sampling.logprobs else None),
+            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                   request.sampling.stop))
         event = self.scheduler.add(request)
         if event is not None:
             self._pending_events.append(event)
@@ -213,24 +175,21 @@ class Engine:
 
     def _fail(self, request_id: str, message: str) -> RequestOutput | None:
         self.scheduler.finish(request_id, FinishReason.ERROR)
-        out = self._outputs.pop(request_id, None)
-        self._detok.pop(request_id, None)
-        request = self._live.pop(request_id, None)
-        if out is None:
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
             return None
+        out = tracked.output
         out.finished, out.finish_reason, out.error = True, FinishReason.ERROR.value, message
-        if request is not None:
-            out.latency = time.monotonic() - request.arrival_time
+        out.latency = time.monotonic() - tracked.request.arrival_time
         out.new_token_ids, out.new_text = [], ""
         return out
 
     def _emit(self, event: TokenEvent) -> RequestOutput | None:
         rid = event.request_id
-        out = self._outputs.get(rid)
-        if out is None:
+        tracked = self._tracked.get(rid)
+        if tracked is None:
             return None
-        request = self._live[rid]
-        detok = self._detok[rid]
+        request, out, detok = tracked.request, tracked.output, tracked.detok
         # A stop string inside a multi-token (speculative) event ends the output at its token.
         num_used = detok.add_tokens(event.new_token_ids)
         if num_used < len(event.new_token_ids):
@@ -255,7 +214,7 @@ class Engine:
         if reason is not None:
             out.finished, out.finish_reason, out.error = True, reason.value, error
             out.latency = time.monotonic() - request.arrival_time
-            del self._outputs[rid], self._detok[rid], self._live[rid]
+            del self._tracked[rid]
         return dataclasses.replace(  # a snapshot: later steps must not change it
             out, token_ids=list(out.token_ids),
             logprobs=None if out.logprobs is None else list(out.logprobs))

@@ -30,6 +30,16 @@ class LLM:
         self.config = EngineConfig.from_kwargs(model=model, **settings)
         self.engine = Engine(self.config, loaded=loaded, progress=progress)
 
+    def close(self) -> None:
+        """Release the engine's runner (multi-host: stop the followers)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

@@ -162,22 +162,41 @@ def test_leader_sends_plans_that_touch_the_runner_and_pings_while_idle():
     from jaxserve.plan import StepPlan
     from jaxserve.runner.multihost import LeaderRunner
 
-    ran, channel = [], _Recorder()
+    ran, closed, channel = [], [], _Recorder()
     leader = LeaderRunner(type("R", (), {"execute": lambda self, p: ran.append(p),
-                                         "page_size": 16})(), channel, keepalive_s=0.05)
+                                         "buckets": "table", "num_host_swapped": 3,
+                                         "close": lambda self: closed.append(True)})(),
+                          channel, keepalive_s=0.05)
     empty, busy = StepPlan(), _plan(1)
     leader.execute(empty)
     leader.execute(busy)
     assert ran == [empty, busy] and channel.plans == [busy], "empty plans stay on process 0"
-    assert leader.page_size == 16, "other runner attributes pass through"
+    assert (leader.buckets, leader.num_host_swapped) == ("table", 3), "Runner members delegate"
     deadline = time.monotonic() + 5
     while channel.pings < 2 and time.monotonic() < deadline:
         time.sleep(0.02)
     assert channel.pings >= 2, "an idle leader must keep the followers' collective alive"
-    leader.stop_followers()
-    assert channel.plans[-1] is None
+    leader.close()
+    leader.close()
+    assert channel.plans[-1] is None and channel.plans.count(None) == 1, "close sends stop once"
+    assert closed, "closing the leader closes the runner it leads"
     with pytest.raises(RuntimeError, match="stopped"):
         leader.execute(busy)
+
+
+def test_every_runner_implements_the_declared_protocol():
+    from jaxserve.runner.model_runner import ModelRunner
+    from jaxserve.runner.multihost import FollowerRunner, LeaderRunner
+    from jaxserve.runner.protocol import Runner
+    from jaxserve.spec.runner import SpeculativeRunner
+
+    members = {n for n in dir(Runner) if not n.startswith("_")} | set(Runner.__annotations__)
+    assert {"warmup", "execute", "wait", "close", "num_host_swapped", "buckets"} <= members
+    for cls in (ModelRunner, SpeculativeRunner, LeaderRunner, FollowerRunner):
+        assert not hasattr(cls, "__getattr__"), f"{cls.__name__} must not forward implicitly"
+        # buckets is an instance attribute of the model and speculative runners
+        missing = [n for n in members - {"buckets"} if not hasattr(cls, n)]
+        assert not missing, f"{cls.__name__} lacks {missing}"
 
 
 def test_follower_runs_every_plan_until_stop_and_never_schedules():

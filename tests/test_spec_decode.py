@@ -16,7 +16,7 @@ import pytest
 
 from conftest import SMALL_ENGINE, make_llm
 from jaxserve import SamplingParams
-from jaxserve.runner.compile_count import num_compilations
+from jaxserve.runner.compile_count import CompileCounter
 from jaxserve.spec.rejection import rejection_sample, sample_and_compare
 from test_engine import assert_idle_and_no_leak
 
@@ -101,15 +101,16 @@ def greedy_plain(small_llm):
 def test_greedy_busy_batch_with_preemption_is_token_identical(name, spec_llm, greedy_plain):
     llm = spec_llm(name)
     stats, sched = llm.engine.speculation.policy.stats, llm.engine.scheduler
-    before = (num_compilations(), stats.num_accepted_tokens, stats.num_draft_tokens,
-              sched.num_preemptions, sched.num_swaps)
+    accepted0, drafts0 = stats.num_accepted_tokens, stats.num_draft_tokens
+    preemptions0, swaps0 = sched.num_preemptions, sched.num_swaps
     prompts, params = repetitive_requests()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    assert sched.num_preemptions > before[3], "the page pool was meant to force preemption"
+    with CompileCounter() as compiles:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    assert sched.num_preemptions > preemptions0, "the page pool was meant to force preemption"
     if name.endswith("swap"):
-        assert sched.num_swaps > before[4], "swap mode never swapped"
-    num_drafts = stats.num_draft_tokens - before[2]
-    acceptance = (stats.num_accepted_tokens - before[1]) / max(num_drafts, 1)
+        assert sched.num_swaps > swaps0, "swap mode never swapped"
+    num_drafts = stats.num_draft_tokens - drafts0
+    acceptance = (stats.num_accepted_tokens - accepted0) / max(num_drafts, 1)
     assert num_drafts > 0 and acceptance > 0, f"{num_drafts} drafts, acceptance {acceptance}"
     if name.startswith("ngram"):
         assert acceptance > 0.3, f"n-gram acceptance {acceptance:.0%} is too low"
@@ -117,7 +118,7 @@ def test_greedy_busy_batch_with_preemption_is_token_identical(name, spec_llm, gr
         assert acceptance > 0.99, f"a draft equal to the target accepted only {acceptance:.1%}"
     mismatched = [i for i, (o, ref) in enumerate(zip(outs, greedy_plain)) if o.token_ids != ref]
     assert not mismatched, f"{len(mismatched)} requests differ from the plain run: {mismatched}"
-    assert num_compilations() == before[0], "serving compiled something after warm-up"
+    assert compiles.count == 0, "serving compiled something after warm-up"
     assert_idle_and_no_leak(llm)
 
 

@@ -37,26 +37,27 @@ def add_offline_flags(parser) -> None:
 
 
 def run_workload(engine, requests, ignore_eos: bool = True) -> dict:
-    from jaxserve.runner.compile_count import num_compilations
+    from jaxserve.runner.compile_count import CompileCounter
     from jaxserve.bench import spec_metrics as spec_bench
 
     sched, pages = engine.scheduler, engine.pages
     preempt0, swaps0, steps0 = sched.num_preemptions, sched.num_swaps, engine.num_steps
     q0, h0 = pages.stats().prefix_query_tokens, pages.stats().prefix_hit_tokens
-    compiles0, spec0 = num_compilations(), spec_bench.snapshot(engine)
+    spec0 = spec_bench.snapshot(engine)
     start = time.perf_counter()
     timelines: dict[str, RequestTimeline] = {}
-    for r in requests:
-        rid = engine.add_request(r.prompt_token_ids, SamplingParams(
-            max_tokens=r.max_tokens, temperature=0.0, ignore_eos=ignore_eos))
-        timelines[rid] = RequestTimeline(start, num_prompt_tokens=len(r.prompt_token_ids))
-    while engine.has_unfinished():
-        outputs = engine.step()
-        now = time.perf_counter()
-        for out in outputs:
-            timelines[out.request_id].token_times.extend([now] * len(out.new_token_ids))
-            if out.finished and out.error:
-                timelines[out.request_id].ok = False
+    with CompileCounter() as compiles:
+        for r in requests:
+            rid = engine.add_request(r.prompt_token_ids, SamplingParams(
+                max_tokens=r.max_tokens, temperature=0.0, ignore_eos=ignore_eos))
+            timelines[rid] = RequestTimeline(start, num_prompt_tokens=len(r.prompt_token_ids))
+        while engine.has_unfinished():
+            outputs = engine.step()
+            now = time.perf_counter()
+            for out in outputs:
+                timelines[out.request_id].token_times.extend([now] * len(out.new_token_ids))
+                if out.finished and out.error:
+                    timelines[out.request_id].ok = False
     duration = time.perf_counter() - start
     stats = pages.stats()
     queried = stats.prefix_query_tokens - q0
@@ -65,7 +66,7 @@ def run_workload(engine, requests, ignore_eos: bool = True) -> dict:
         num_steps=engine.num_steps - steps0,
         preemptions=sched.num_preemptions - preempt0, swaps=sched.num_swaps - swaps0,
         prefix_cache_hit_rate=(stats.prefix_hit_tokens - h0) / queried if queried else 0.0,
-        compilations_after_warmup=num_compilations() - compiles0,
+        compilations_after_warmup=compiles.count,
         total_prompt_tokens=sum(len(r.prompt_token_ids) for r in requests))
     result.update(spec_bench.metrics(engine, spec0))
     return result
@@ -112,8 +113,9 @@ def run_offline_bench(args, config) -> int:
     results = {"workload": args.workload, "num_requests": args.num_requests,
                "config": dataclasses.asdict(config), "runs": {}}
     for mode in modes:
-        engine = Engine(config.replace(batching=mode), loaded=loaded, progress=not args.quiet)
-        results["runs"][mode] = run_workload(engine, requests, ignore_eos)
+        with Engine(config.replace(batching=mode), loaded=loaded,
+                    progress=not args.quiet) as engine:
+            results["runs"][mode] = run_workload(engine, requests, ignore_eos)
         _print(f"{mode} batching, {args.workload}, {len(requests)} requests", results["runs"][mode])
         del engine
     if args.compare_batching:

@@ -1,7 +1,12 @@
-"""Counts XLA backend compilations in this process (every jit, AOT or eager op).
+"""CompileCounter: counts XLA backend compilations (every jit, AOT or eager op) while it is open.
 
-The engine records the count after warm-up; serving must never move it. Registering the
-listener is the only side effect; it must not change how anything compiles.
+    with CompileCounter() as compiles:
+        serve()
+    assert compiles.count == 0
+
+The engine compiles everything at warm-up; a counter opened after it must stay at zero. Each
+counter owns its jax.monitoring listener and removes it on exit; it must not change how
+anything compiles.
 """
 
 from __future__ import annotations
@@ -11,25 +16,21 @@ import threading
 import jax
 
 _EVENT = "/jax/core/compile/backend_compile_duration"
-_lock = threading.Lock()
-_count = 0
-_registered = False
 
 
-def _listener(event: str, duration: float, **kwargs) -> None:
-    global _count
-    if event == _EVENT:
-        with _lock:
-            _count += 1
+class CompileCounter:
+    def __init__(self):
+        self.count = 0
+        self._lock = threading.Lock()
 
+    def _listener(self, event: str, duration: float, **kwargs) -> None:
+        if event == _EVENT:
+            with self._lock:
+                self.count += 1
 
-def num_compilations() -> int:
-    """Backend compilations since this module was first used."""
-    global _registered
-    if not _registered:
-        jax.monitoring.register_event_duration_secs_listener(_listener)
-        _registered = True
-    return _count
+    def __enter__(self) -> "CompileCounter":
+        jax.monitoring.register_event_duration_secs_listener(self._listener)
+        return self
 
-
-num_compilations()
+    def __exit__(self, *exc) -> None:
+        jax.monitoring.unregister_event_duration_listener(self._listener)

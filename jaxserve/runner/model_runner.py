@@ -125,6 +125,12 @@ class ModelRunner:
         self.step.warmup(progress)
         self.cache.warmup()
 
+    def wait(self) -> None:
+        jax.block_until_ready((self.state, self.kv))
+
+    def close(self) -> None:
+        pass
+
     def execute(self, plan: StepPlan) -> StepResult:
         self.cache.apply_swaps(plan)
         if not plan.chunks:

@@ -23,7 +23,6 @@ import logging
 import pickle
 import threading
 import time
-import weakref
 from typing import Callable
 
 import jax
@@ -35,7 +34,6 @@ log = logging.getLogger(__name__)
 _STOP, _PLAN, _PING = 0, 1, 2
 _MIN_PAYLOAD = 1024
 KEEPALIVE_S = 60.0  # well under Gloo's 30-minute collective timeout
-_leaders: "weakref.WeakSet[LeaderRunner]" = weakref.WeakSet()
 
 
 def _broadcast(array: np.ndarray) -> np.ndarray:
@@ -88,7 +86,8 @@ def _touches_runner(plan: StepPlan) -> bool:
 
 
 class LeaderRunner:
-    """Process 0's runner: sends each plan to the followers, then runs it itself.
+    """Process 0's Runner: sends each plan to the followers, then runs it itself; close()
+    (the engine's, at the end of the command) sends stop.
 
     While the engine idles, a daemon thread pings the followers every keepalive_s seconds:
     a follower waits for the next plan inside a collective, and Gloo (CPU) gives up on a
@@ -107,7 +106,24 @@ class LeaderRunner:
         self._closed = threading.Event()
         threading.Thread(target=self._keep_alive, args=(keepalive_s,), daemon=True,
                          name="jaxserve-keepalive").start()
-        _leaders.add(self)
+
+    @property
+    def buckets(self):
+        return self.runner.buckets
+
+    @property
+    def num_host_swapped(self) -> int:
+        return self.runner.num_host_swapped
+
+    def warmup(self, progress: bool = True) -> None:
+        self.runner.warmup(progress)
+
+    def wait(self) -> None:
+        self.runner.wait()
+
+    def close(self) -> None:
+        self.stop_followers()
+        self.runner.close()
 
     def execute(self, plan: StepPlan):
         with self._lock:
@@ -135,18 +151,31 @@ class LeaderRunner:
                     self.num_pings += 1
                     self._last_sent = time.monotonic()
 
-    def __getattr__(self, name):
-        if name == "runner":  # not set yet: never recurse
-            raise AttributeError(name)
-        return getattr(self.runner, name)
 
 
 class FollowerRunner:
-    """A non-zero process's runner: it runs process 0's plans, and never plans itself."""
+    """A non-zero process's Runner: it runs process 0's plans (follow), and never plans."""
 
     def __init__(self, runner, channel: PlanChannel | None = None):
         self.runner = runner
         self.channel = channel or PlanChannel()
+
+    @property
+    def buckets(self):
+        return self.runner.buckets
+
+    @property
+    def num_host_swapped(self) -> int:
+        return self.runner.num_host_swapped
+
+    def warmup(self, progress: bool = True) -> None:
+        self.runner.warmup(progress)
+
+    def wait(self) -> None:
+        self.runner.wait()
+
+    def close(self) -> None:
+        self.runner.close()
 
     def execute(self, plan: StepPlan):
         raise RuntimeError(f"process {jax.process_index()} follows process 0's plans "
@@ -160,11 +189,6 @@ class FollowerRunner:
             num_plans += 1
         return num_plans
 
-    def __getattr__(self, name):
-        if name == "runner":
-            raise AttributeError(name)
-        return getattr(self.runner, name)
-
 
 def for_this_process(runner):
     """The runner as is in a one-process job; else a LeaderRunner on process 0 and a
@@ -173,13 +197,7 @@ def for_this_process(runner):
         return runner
     # Computations run asynchronously, and two that both hold collectives may overlap; the
     # processes must issue collectives in one order, so warm-up ends before the first plan.
-    jax.block_until_ready((runner.state, runner.kv))
+    runner.wait()
     if jax.process_index() == 0:
         return LeaderRunner(runner)
     return FollowerRunner(runner)
-
-
-def stop_followers() -> None:
-    """Stop every follower loop this process leads (no-op in followers and one-process jobs)."""
-    for leader in list(_leaders):
-        leader.stop_followers()

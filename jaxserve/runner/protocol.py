@@ -2,7 +2,8 @@
 
 Implemented by runner.model_runner.ModelRunner, spec.runner.SpeculativeRunner and the
 multi-host LeaderRunner / FollowerRunner (runner/multihost.py). The engine calls warmup() once,
-then execute(plan) every step; nothing else. Declarations only: no jax here.
+execute(plan) every step and close() at the end; wait() blocks until dispatched work is done
+(multi-host start-up orders its collectives with it). Declarations only: no jax here.
 """
 
 from __future__ import annotations
@@ -36,3 +37,9 @@ class Runner(Protocol):
     @property
     def num_host_swapped(self) -> int:
         """Requests whose KV pages are in host memory now."""
+
+    def wait(self) -> None:
+        """Block until every computation dispatched so far has finished."""
+
+    def close(self) -> None:
+        """Release what outlives the engine (multi-host: stop the followers). Idempotent."""

@@ -83,6 +83,14 @@ class SpeculativeRunner:
         draft = 0 if self.draft_cache is None else self.draft_cache.num_host_swapped
         return self.base.num_host_swapped + draft
 
+    def wait(self) -> None:
+        self.base.wait()
+        if self.draft_cache is not None:
+            self.draft_cache.arrays[0].block_until_ready()
+
+    def close(self) -> None:
+        self.base.close()
+
     # ---- compilation and timing ------------------------------------------------------------
     def warmup(self, progress: bool = True) -> None:
         self.base.warmup(progress=progress)

@@ -1,0 +1,109 @@
+"""build_engine: everything an Engine runs on, wired from an EngineConfig in one place.
+
+Loading (sharded straight into the tensor-parallel mesh), the speculation settings, the KV page
+pool's size, the page manager, host swap space, scheduler and batching policy, the runner (plain
+or speculative, warmed up, then wrapped for multi-host) and the frozen EngineInfo. The Engine
+only runs the loop over these parts; tests can build parts of their own. Nothing here runs a
+step or touches a request.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine_info import EngineInfo
+from jaxserve.page_manager import PageManager
+from jaxserve.scheduler import Scheduler
+from jaxserve.swap_space import HostSwapSpace
+
+log = logging.getLogger(__name__)
+DEFAULT_KV_CACHE_MEMORY = 1 << 30
+
+
+@dataclass
+class EngineParts:
+    config: EngineConfig          # validated
+    model_config: object          # ModelConfig
+    tokenizer: object
+    max_model_len: int
+    dtype_name: str
+    mesh: object                  # a ("tp",) Mesh, or None on one device
+    speculation: object           # spec.setup.Speculation
+    pages: PageManager
+    scheduler: Scheduler
+    runner: object                # runner.protocol.Runner
+    info: EngineInfo
+
+
+def size_page_pool(config: EngineConfig, kv_bytes_per_token: int, max_model_len: int) -> int:
+    """Pages for the KV pool: given directly, or from a byte budget (page 0 included)."""
+    if config.num_pages is not None:
+        return config.num_pages
+    budget = config.kv_cache_memory
+    if budget is None:  # enough for every sequence at full length, within a default budget
+        budget = min(DEFAULT_KV_CACHE_MEMORY,
+                     config.max_num_seqs * (max_model_len + config.page_size) * kv_bytes_per_token)
+    num_pages = budget // (config.page_size * kv_bytes_per_token)
+    if num_pages < 2:
+        raise ValueError(f"kv_cache_memory={budget} bytes holds {num_pages} pages of "
+                         f"{config.page_size} tokens; at least 2 are needed")
+    return int(num_pages)
+
+
+def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> EngineParts:
+    """loaded: a LoadedModel (None: load config.model). Compiles every step before returning."""
+    import jax
+
+    from jaxserve.model.sharding import make_mesh
+    from jaxserve.runner import multihost, tensor_parallel
+    from jaxserve.runner.buckets import powers_of_two
+    from jaxserve.runner.model_runner import ModelRunner, resolve_dtype
+    from jaxserve.spec.setup import Speculation
+
+    config = config.validate()
+    mesh = make_mesh(config.tensor_parallel_size)  # None: one device, unsharded
+    if loaded is None:  # a checkpoint is restored straight into the mesh's shardings
+        loaded = tensor_parallel.load_model(config.model, mesh, progress=progress)
+    mc = loaded.config
+    max_model_len = config.max_model_len or min(mc.max_position_embeddings, 2048)
+    dtype = resolve_dtype(config.dtype, jax.default_backend())
+    speculation = Speculation.build(config, loaded, progress=progress)
+    itemsize = jax.numpy.dtype(dtype).itemsize
+    kv_per_token = mc.kv_bytes_per_token(itemsize) + speculation.draft_kv_bytes_per_token(itemsize)
+    num_pages = size_page_pool(config, kv_per_token, max_model_len)
+    log.info("KV cache: %d pages x %d tokens = %d tokens, %.1f MiB", num_pages - 1,
+             config.page_size, (num_pages - 1) * config.page_size,
+             num_pages * config.page_size * kv_per_token / 2**20)
+    pages = PageManager(num_pages, config.page_size, config.enable_prefix_caching)
+    max_pages = -(-max_model_len // config.page_size)
+    swap = HostSwapSpace(config.swap_space, config.page_size * kv_per_token,
+                         page_buckets=powers_of_two(1, max_pages))
+    scheduler = Scheduler(
+        pages, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
+        preemption_mode=config.preemption_mode, enable_chunked_prefill=config.enable_chunked_prefill,
+        batching=config.batching, swap_space=swap, speculation=speculation.policy)
+    runner = speculation.wrap(ModelRunner(
+        mc, loaded.params, num_pages=num_pages, page_size=config.page_size,
+        max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens, dtype=config.dtype,
+        attention_impl=config.attention_impl, layer_loop=config.layer_loop,
+        token_buckets=config.token_buckets, seq_buckets=config.seq_buckets,
+        compile_cache_dir=config.compile_cache_dir, mesh=mesh))
+    runner.warmup(progress=progress)
+    # Several JAX processes: process 0 broadcasts each plan, the others follow it.
+    runner = multihost.for_this_process(runner)
+    dtype_name = jax.numpy.dtype(dtype).name
+    info = EngineInfo(
+        model_name=mc.name, architecture=mc.architecture, max_model_len=max_model_len,
+        vocab_size=mc.vocab_size, dtype=dtype_name, page_size=config.page_size,
+        num_pages=num_pages, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_queued_requests=config.max_queued_requests,
+        eos_token_ids=tuple(int(t) for t in loaded.tokenizer.eos_token_ids),
+        tensor_parallel_size=config.tensor_parallel_size,
+        speculative_method=config.speculative_method)
+    return EngineParts(config, mc, loaded.tokenizer, max_model_len, dtype_name, mesh, speculation,
+                       pages, scheduler, runner, info)
