@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxserve.model import rope
-from jaxserve.model.config import ModelConfig
 
 
 def rms_norm(x, weight, eps: float, plus_one: bool = False):
@@ -20,12 +17,6 @@ def rms_norm(x, weight, eps: float, plus_one: bool = False):
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     w = weight.astype(jnp.float32)
     return (xf * (1.0 + w if plus_one else w)).astype(x.dtype)
-
-
-def rope_inv_freq(config: ModelConfig, layer: int = 0) -> np.ndarray:
-    """Inverse frequencies [rotary_dim // 2] of a layer's RoPE (scaled as its config says)."""
-    theta, scaling = config.layer_rope(layer)
-    return rope.inv_freq(theta, config.rotary_dim, scaling)
 
 
 def rope_cos_sin(positions, inv_freq, attention_factor: float = 1.0):
