@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 
 
-
 def rms_norm(x, weight, eps: float, plus_one: bool = False):
     """x: [..., D]; computed in float32, returned in x's dtype. plus_one: scale by (1 + w)."""
     xf = x.astype(jnp.float32)
