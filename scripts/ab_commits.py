@@ -1,9 +1,10 @@
 """Before/after comparison of two jaxserve commits, side by side in one run.
 
-  python scripts/ab_commits.py BASE [--rounds 2] [--json out.json]
+  python scripts/ab_commits.py BASE [--head HEAD] [--rounds 2] [--json out.json]
 
-Checks BASE out into a temporary git worktree and runs scripts/engine_probe.py (this checkout's
-copy) once per checkout for the tokens, which must be identical, and then A B B A ... for the
+Checks BASE and HEAD out into temporary git worktrees (so uncommitted edits in this checkout
+never enter either side) and runs scripts/engine_probe.py (this checkout's copy) once per
+checkout for the tokens, which must be identical, and then A B B A ... for the
 timings, so drift in the machine's load falls on both sides alike. Each run is a fresh process
 with cwd and PYTHONPATH set to its checkout (the check that the right jaxserve was imported is
 the probe's own `jaxserve_path`). Prints medians and after/before ratios. It never edits either
@@ -40,17 +41,19 @@ def probe(checkout: Path, mode: str) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("base", help="the 'before' commit")
+    parser.add_argument("--head", default="HEAD", help="the 'after' commit")
     parser.add_argument("--rounds", type=int, default=2, help="A B pairs, order alternating")
     parser.add_argument("--json", dest="json_path", default=None)
     args = parser.parse_args()
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                          capture_output=True, check=True).stdout.strip()
+    rev = lambda c: subprocess.run(["git", "rev-parse", "--short", c], cwd=ROOT, text=True,
+                                   capture_output=True, check=True).stdout.strip()
+    base, head = rev(args.base), rev(args.head)
     with tempfile.TemporaryDirectory() as tmp:
-        base_dir = Path(tmp) / "base"
-        subprocess.run(["git", "worktree", "add", "--detach", str(base_dir), args.base],
-                       cwd=ROOT, check=True, capture_output=True)
+        sides = {"before": Path(tmp) / "before", "after": Path(tmp) / "after"}
+        for side, commit in (("before", base), ("after", head)):
+            subprocess.run(["git", "worktree", "add", "--detach", str(sides[side]), commit],
+                           cwd=ROOT, check=True, capture_output=True)
         try:
-            sides = {"before": base_dir, "after": ROOT}
             tok = {name: probe(path, "tokens") for name, path in sides.items()}
             cases = list(tok["before"]["tokens"])
             differ = [c for c in cases
@@ -62,13 +65,14 @@ def main() -> int:
                     runs[name].append(probe(sides[name], "bench"))
                     print(f"round {r} {name}: {runs[name][-1]}", file=sys.stderr)
         finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(base_dir)], cwd=ROOT)
+            for path in sides.values():
+                subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=ROOT)
     metrics = [k for k, v in runs["before"][0].items() if isinstance(v, float)]
     summary = {m: {side: statistics.median(run[m] for run in runs[side]) for side in runs}
                for m in metrics}
     for m, s in summary.items():
         s["after/before"] = s["after"] / s["before"]
-    report = {"before": args.base, "after": head, "rounds": args.rounds,
+    report = {"before": base, "after": head, "rounds": args.rounds,
               "token_cases": cases, "token_cases_differing": differ,
               "preemptions": {side: t["preemptions"] for side, t in tok.items()},
               "summary": summary, "runs": runs}
