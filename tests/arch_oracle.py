@@ -154,6 +154,29 @@ def engine_greedy(loaded, batch: list[list[int]], **settings):
     return [o.token_ids for o in outs], llm.engine.scheduler.num_preemptions
 
 
+def engine_greedy_in_subprocess(directory: Path, batch, *, tensor_parallel_size: int,
+                                **settings) -> tuple[list[list[int]], int]:
+    """engine_greedy on `tensor_parallel_size` fake CPU devices (XLA_FLAGS must be set before
+    jax starts, hence a fresh interpreter)."""
+    import os
+    import subprocess
+    import sys
+
+    script = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+              "import conftest, arch_oracle\n"
+              "from jaxserve.model.loader import load_model\n"
+              f"loaded = load_model({str(directory)!r}, progress=False)\n"
+              f"print(json.dumps(arch_oracle.engine_greedy(loaded, {batch!r}, "
+              f"tensor_parallel_size={tensor_parallel_size}, **{settings!r})))\n")
+    flags = f"--xla_force_host_platform_device_count={tensor_parallel_size}"
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, timeout=600, cwd=Path(__file__).parent.parent)
+    assert proc.returncode == 0, f"tensor-parallel engine failed:\n{proc.stderr[-4000:]}"
+    tokens, num_preemptions = json.loads(proc.stdout.strip().splitlines()[-1])
+    return tokens, num_preemptions
+
+
 def assert_logits_close(got: np.ndarray, want: np.ndarray, atol: float = 1e-4) -> None:
     err = np.abs(got - want).max(axis=-1)
     assert err.max() <= atol, (f"max |logits - transformers| per prompt {np.round(err, 7)} "
@@ -216,6 +239,12 @@ class ArchSuite:
         if layout not in case.directories:
             pytest.skip(f"{layout} layout does not exist for this architecture")
         got = last_logits(case.load(layout), case.batch, layer_loop=layer_loop)
+        assert_logits_close(got, case.want_logits)
+
+    def test_last_position_logits_through_the_pallas_kernels_match_transformers(self, case):
+        """The ragged and decode kernels in interpret mode (windows and soft-caps included)."""
+        got = last_logits(case.load("transformers5"), case.batch,
+                          attention_impl="pallas-interpret")
         assert_logits_close(got, case.want_logits)
 
     @pytest.mark.parametrize("layout", LAYOUTS)

@@ -42,3 +42,9 @@ def test_attention_logit_softcapping_is_refused_since_transformers_ignores_it(ca
     d["attn_logit_softcapping"] = 50.0
     with pytest.raises(ValueError, match="attn_logit_softcapping=50.0"):
         ModelConfig.from_hf_dict(d)
+
+
+def test_greedy_tokens_at_tensor_parallel_2_match_transformers(case):
+    got, num_preemptions = arch_oracle.engine_greedy_in_subprocess(
+        case.directories["transformers5"], case.batch, tensor_parallel_size=2)
+    arch_oracle.assert_greedy_equal(got, case.want_greedy, num_preemptions)

@@ -115,3 +115,16 @@ def test_every_parameter_has_logical_axes_of_its_rank():
     specs = sharding.param_specs(config, 2, per_layer=True)
     assert specs["layers.wq"] == sharding.PartitionSpec(None, "tp")
     assert specs["layers.bk"] == sharding.PartitionSpec("tp")
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "gemma3", "llama"])
+def test_every_family_parameter_has_logical_axes_and_norms_are_replicated(architecture):
+    config = _config(architecture=architecture, attention_bias=True, output_bias=True)
+    for name, shape in config.param_shapes().items():
+        assert len(sharding.PARAM_AXES[name]) == len(shape), name
+    specs = sharding.param_specs(config, 2)
+    replicated = sharding.PartitionSpec(None, None)
+    for name in ("layers.q_norm", "layers.k_norm", "layers.post_attn_norm",
+                 "layers.post_mlp_norm", "layers.bo"):
+        if name in specs:
+            assert specs[name] == replicated, (name, specs[name])
