@@ -1,12 +1,15 @@
-"""`jaxserve bench serve`: load a running server over gRPC and report latency and throughput.
+"""`jaxserve bench serve`: load a running server over gRPC or HTTP; report latency and throughput.
 
 In the style of vLLM's benchmark_serving.py: requests from a dataset (random, anyscale,
 shared-prefix, or the bundled chat prompts sent as chat messages) arrive as a Poisson or Gamma
 process (`--request-rate`, `--burstiness`; inf sends all at once), optionally capped at
 `--max-concurrency` in flight. Reports completed / failed, request and token throughput, TTFT,
 TPOT, ITL and end-to-end latency (mean, median, p99) and goodput under `--goodput` SLOs.
+`--backend grpc` (default) drives the gRPC Generate API at `--address`; `--backend openai`
+(/v1/completions, token-id prompts) and `openai-chat` (/v1/chat/completions, messages) drive the
+OpenAI HTTP API at `--base-url`, streamed, so one load generator measures both front ends.
 `benchmark()` is the library entry point (scripts/bench_suite.py calls it); the arithmetic is
-in stats.py, the sending and timing in load.py.
+in stats.py, the sending and timing in load.py (gRPC) and load_http.py (HTTP).
 """
 
 from __future__ import annotations
@@ -15,21 +18,32 @@ import argparse
 import collections
 import json
 import math
+import os
 import sys
-import time
 
 import numpy as np
 
 from jaxserve.bench.arrivals import arrival_times
 from jaxserve.bench.datasets import DATASETS, ServeRequest, build_requests
 from jaxserve.bench.load import request_message, run_load_sync
+from jaxserve.bench.load_http import PATHS, request_body, run_load_http_sync
 from jaxserve.bench.stats import goodput, report
+from jaxserve.bench.targets import GrpcFacts, HttpFacts
 
 _GOODPUT_KEYS = ("ttft", "tpot")
+BACKENDS = ("grpc", *PATHS)
 
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--address", default="127.0.0.1:50051", help="server host:port")
+    parser.add_argument("--backend", default="grpc", choices=BACKENDS,
+                        help="grpc: the Generate API at --address; openai: /v1/completions "
+                             "(token ids); openai-chat: /v1/chat/completions (--dataset chat); "
+                             "both HTTP ones streamed, at --base-url")
+    parser.add_argument("--address", default="127.0.0.1:50051", help="gRPC server host:port")
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000",
+                        help="OpenAI HTTP API server (--backend openai, openai-chat)")
+    parser.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
+                        help="HTTP API key (default: $JAXSERVE_API_KEY)")
     parser.add_argument("--dataset", default="chat", choices=DATASETS)
     parser.add_argument("--dataset-path", default=None,
                         help="chat prompts JSONL (default: the bundled set)")
@@ -84,12 +98,21 @@ def benchmark(address: str, requests: list[ServeRequest], *, request_rate: float
               burstiness: float = 1.0, send_offsets=None, max_concurrency: int | None = None,
               seed: int = 0, temperature: float = 0.0, ignore_eos: bool = True,
               goodput_slos_ms: dict[str, float] | None = None,
-              timeout: float | None = None) -> dict:
-    """Run one load and return the report (stats.report keys, goodput, errors, raw values)."""
+              timeout: float | None = None, backend: str = "grpc", model: str | None = None,
+              prompt_ids: list[list[int]] | None = None, api_key: str | None = None) -> dict:
+    """Run one load and return the report (stats.report keys, goodput, errors, raw values).
+    address: gRPC host:port, or the HTTP base URL for the openai backends (which also need the
+    served `model` name, and for chat requests sent as completions their `prompt_ids`)."""
     if send_offsets is None:
         send_offsets = arrival_times(len(requests), request_rate, burstiness, seed)
-    messages = [request_message(r, temperature, ignore_eos) for r in requests]
-    load = run_load_sync(address, messages, send_offsets, max_concurrency, timeout)
+    if backend == "grpc":
+        messages = [request_message(r, temperature, ignore_eos) for r in requests]
+        load = run_load_sync(address, messages, send_offsets, max_concurrency, timeout)
+    else:
+        bodies = [request_body(backend, r, model, temperature, ignore_eos, ids)
+                  for r, ids in zip(requests, prompt_ids or [None] * len(requests))]
+        load = run_load_http_sync(address, PATHS[backend], bodies, send_offsets,
+                                  max_concurrency, timeout, api_key)
     result = report(load.timelines, load.duration)
     slos = goodput_slos_ms or {}
     result["goodput"] = (goodput(load.timelines, load.duration,
@@ -147,54 +170,50 @@ def print_result(result: dict, title: str = "Serving Benchmark Result") -> None:
     print("=" * 60)
 
 
-def wait_until_serving(client, seconds: float) -> None:
-    """Poll health until SERVING; after `seconds`, let the next call fail with its reason."""
-    from jaxserve.server.client import JaxServeError
-
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            if client.health() == "SERVING":
-                return
-        except JaxServeError:
-            pass  # not listening yet
-        time.sleep(1.0)
-
-
 def run_serve_bench(args) -> int:
     from jaxserve.server.client import JaxServeClient, JaxServeError
 
     slos = parse_goodput(args.goodput)
+    if args.backend != "grpc":
+        import httpx
+        try:
+            return _run(args, slos, HttpFacts(args.base_url, args.api_key))
+        except (httpx.HTTPError, ValueError) as exc:
+            print(f"jaxserve bench serve: {args.base_url}: {exc}", file=sys.stderr)
+            return 1
     try:
-        return _run(args, slos, JaxServeClient(args.address, timeout=30.0))
+        return _run(args, slos, GrpcFacts(JaxServeClient(args.address, timeout=30.0)))
     except JaxServeError as exc:
         print(f"jaxserve bench serve: {args.address}: {exc}", file=sys.stderr)
         return 1
 
 
-def _run(args, slos: dict, client) -> int:
-    with client:
-        wait_until_serving(client, args.wait_ready)
-        info = client.model_info()
+def _run(args, slos: dict, server) -> int:
+    with server:
+        server.wait_ready(args.wait_ready)
+        info = server.facts()
         requests = build_requests(args.dataset, args.num_prompts, info.vocab_size, args.seed,
                                   args.input_len, args.output_len, args.range_ratio,
                                   args.dataset_path)
-        prompt_lens = [client.tokenize(messages=list(r.messages)) if r.messages is not None
-                       else r.prompt_token_ids for r in requests]
-    requests = fit_to_model(requests, [len(p) for p in prompt_lens], info.max_model_len)
+        prompt_ids = [server.chat_ids(list(r.messages)) if r.messages is not None
+                      else list(r.prompt_token_ids) for r in requests]
+    requests = fit_to_model(requests, [len(p) for p in prompt_ids], info.max_model_len)
+    target = args.address if args.backend == "grpc" else args.base_url
     if not args.quiet:
-        print(f"{len(requests)} {args.dataset} requests to {args.address} ({info.model_name}); "
-              f"rate {args.request_rate} req/s, burstiness {args.burstiness}, "
-              f"max concurrency {args.max_concurrency}; prompt tokens mean "
-              f"{np.mean([len(p) for p in prompt_lens]):.0f}, max_tokens mean "
+        print(f"{len(requests)} {args.dataset} requests to {target} over {args.backend} "
+              f"({info.model_name}); rate {args.request_rate} req/s, burstiness "
+              f"{args.burstiness}, max concurrency {args.max_concurrency}; prompt tokens mean "
+              f"{np.mean([len(p) for p in prompt_ids]):.0f}, max_tokens mean "
               f"{np.mean([r.max_tokens for r in requests]):.0f}")
-    result = benchmark(args.address, requests, request_rate=args.request_rate,
+    result = benchmark(target, requests, request_rate=args.request_rate,
                        burstiness=args.burstiness, max_concurrency=args.max_concurrency,
                        seed=args.seed, temperature=args.temperature,
-                       ignore_eos=args.ignore_eos, goodput_slos_ms=slos, timeout=args.timeout)
-    result.update(dataset=args.dataset, num_prompts=len(requests), address=args.address,
-                  model=info.model_name)
-    print_result(result)
+                       ignore_eos=args.ignore_eos, goodput_slos_ms=slos, timeout=args.timeout,
+                       backend=args.backend, model=info.model_name, prompt_ids=prompt_ids,
+                       api_key=args.api_key)
+    result.update(dataset=args.dataset, num_prompts=len(requests), address=target,
+                  backend=args.backend, model=info.model_name)
+    print_result(result, f"Serving Benchmark Result ({args.backend})")
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(jsonable(result), f, indent=2)
