@@ -14,7 +14,9 @@ and re-registered with other tokens can return a page whose KV belongs to anothe
 Free list. One OrderedDict in eviction order, taken from the head: uncached pages are put at the
 head (reused first, nothing lost), cached pages appended at the tail (least recently used first).
 A request's pages are released deepest first, so a chain is evicted from its leaves before its
-root, whose loss would make the rest of the chain unreachable.
+root, whose loss would make the rest of the chain unreachable. `release_window` gives back pages
+wholly before a sliding window (never read again; NULL_PAGE takes their table slots, and the
+attention masks it out); they keep their prefix-cache entries: their KV is still that prefix's.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Callable, Sequence
 HashFn = Callable[[int | None, tuple[int, ...]], int]
 
 _ROOT_SERIAL = 0  # parent serial of a prefix's first page; registrations count from 1
+NULL_PAGE = 0  # scratch page: what padding writes to, and the stand-in for released pages
 
 
 def stable_page_hash(parent_key: int | None, token_ids: tuple[int, ...]) -> int:
@@ -61,6 +64,7 @@ class _RequestPages:
     parent_key: int | None = None  # key of page num_hashed_pages - 1
     parent_serial: int = _ROOT_SERIAL  # its registration serial
     can_register: bool = True  # False after a hash collision or a prefix-cache reset
+    num_released_pages: int = 0  # leading pages given back by release_window (NULL_PAGE now)
 
 
 class PageManager:
@@ -129,23 +133,30 @@ class PageManager:
 
     # ----------------------------------------------------------------- changes
 
-    def allocate(self, request_id: str, token_ids: Sequence[int], num_slots: int) -> int | None:
+    def allocate(self, request_id: str, token_ids: Sequence[int], num_slots: int, *,
+                 num_released_pages: int = 0) -> int | None:
         """Admit a new request: reuse its cached prefix pages, then fresh pages up to num_slots.
 
         Returns the number of cached tokens reused (a multiple of page_size), or None with nothing
         changed when pages run out. The request holds max(num_slots, cached tokens) slots.
-        Successful calls count toward the prefix hit statistics."""
+        Successful calls count toward the prefix hit statistics. num_released_pages (a window
+        request swapped back in) NULL_PAGE entries come first; it registers no prefix pages."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already holds pages")
+        if num_released_pages and (token_ids or num_released_pages * self.page_size > num_slots):
+            raise ValueError(f"allocate({request_id!r}): released pages with token ids or slots")
         cached = self._match(token_ids)
-        if not self._can_take(cached, num_slots):
+        if not self._can_take(cached, num_slots - num_released_pages * self.page_size):
             return None
         for page in cached:
             self._take_ref(page)
-        num_fresh = max(self.num_pages_for(num_slots) - len(cached), 0)
+        num_fresh = max(self.num_pages_for(num_slots) - len(cached) - num_released_pages, 0)
         num_cached_tokens = len(cached) * self.page_size
-        req = _RequestPages(cached + [self._pop_free() for _ in range(num_fresh)],
-                            max(num_slots, num_cached_tokens))
+        req = _RequestPages([NULL_PAGE] * num_released_pages + cached
+                            + [self._pop_free() for _ in range(num_fresh)],
+                            max(num_slots, num_cached_tokens),
+                            can_register=not num_released_pages,
+                            num_released_pages=num_released_pages)
         if cached:
             req.num_hashed_pages = len(cached)
             req.parent_key = self._key[cached[-1]]
@@ -164,6 +175,18 @@ class PageManager:
         req.pages.extend(self._pop_free() for _ in range(num_new))
         req.num_slots = max(req.num_slots, num_slots)
         return True
+
+    def release_window(self, request_id: str, first_needed_slot: int) -> int:
+        """Give back every page wholly before first_needed_slot (after commit), NULL_PAGE in
+        their place; returns how many leading entries are NULL_PAGE now."""
+        req = self._get(request_id)
+        target = min(max(first_needed_slot, 0) // self.page_size, req.num_slots // self.page_size)
+        first = req.num_released_pages
+        for i in range(target - 1, first - 1, -1):  # deepest first
+            self._release(req.pages[i])
+            req.pages[i] = NULL_PAGE
+        req.num_released_pages = max(first, target)
+        return req.num_released_pages
 
     def truncate(self, request_id: str, num_slots: int) -> None:
         """Shrink to num_slots slots, releasing trailing pages (speculative-decoding rollback).
@@ -229,21 +252,22 @@ class PageManager:
         if needs_copy and not self._free:
             return None
         pages = src.pages[:num_full]
-        for page in pages:
+        for page in pages[src.num_released_pages:]:
             self._take_ref(page)
         pairs = []
         if needs_copy:
             pairs.append((src.pages[num_full], self._pop_free()))
             pages.append(pairs[0][1])
         self._requests[dst_id] = _RequestPages(pages, src.num_slots, src.num_hashed_pages,
-                                               src.parent_key, src.parent_serial, src.can_register)
+                                               src.parent_key, src.parent_serial, src.can_register,
+                                               src.num_released_pages)
         return pairs
 
     def free(self, request_id: str) -> None:
         """Release all the request's pages, deepest first; an unknown id is a no-op."""
         req = self._requests.pop(request_id, None)
         if req is not None:
-            for page in reversed(req.pages):
+            for page in reversed(req.pages[req.num_released_pages:]):
                 self._release(page)
 
     def reset_prefix_cache(self) -> None:
@@ -342,10 +366,12 @@ class PageManager:
         for rid, req in self._requests.items():
             require(len(req.pages) == self.num_pages_for(req.num_slots),
                     f"{rid!r} holds {len(req.pages)} pages for {req.num_slots} slots")
-            require(len(set(req.pages)) == len(req.pages), f"{rid!r} holds a page twice")
+            released, held = req.pages[:req.num_released_pages], req.pages[req.num_released_pages:]
+            require(set(released) <= {NULL_PAGE}, f"{rid!r} has a live page among released ones")
+            require(len(set(held)) == len(held), f"{rid!r} holds a page twice")
             require(req.num_hashed_pages * ps <= req.num_slots,
                     f"{rid!r} has {req.num_hashed_pages} hashed pages beyond its slots")
-            for page in req.pages:
+            for page in held:
                 require(0 < page < self.num_pages, f"{rid!r} holds invalid page {page}")
                 owners[page] += 1
             for page in req.pages[req.num_slots // ps:]:
@@ -362,6 +388,7 @@ class PageManager:
             require(self._key[page] is not None or not seen_cached,
                     f"uncached free page {page} sits behind a cached one in the free list")
         for key, page in self._cached.items():
+            require(page != NULL_PAGE, "the scratch page is registered in the prefix cache")
             require(self._key[page] == key, f"key {key} points at page {page} with another key")
             require(self._tokens[page] is not None and len(self._tokens[page]) == ps,
                     f"cached page {page} does not store one full page of token ids")

@@ -7,8 +7,11 @@ latest-arrived running request is preempted (recompute, or swap with recompute a
 When to admit and what padding costs is the batching policy's (batching.py: continuous, or the
 static baseline). With a speculation policy (jaxserve/spec), a decoding request also gets draft
 rows to verify, carried as plan-level data (StepPlan.drafts); update() keeps only the accepted
-tokens, gives back the KV slots of rejected ones and caches only accepted ones. Plain Python: no
-jax, no device arrays, no text (stop strings are the engine's job, through finish()).
+tokens, gives back the KV slots of rejected ones and caches only accepted ones. With `kv_window`
+(every layer of every model sharing the page tables has a sliding window: reusable_window), a
+request's pages wholly before the window are given back after each step, and a swap moves only
+the pages still in the window. Plain Python: no jax, no device arrays, no text (stop strings are
+the engine's job, through finish()).
 """
 
 from __future__ import annotations
@@ -25,12 +28,20 @@ from jaxserve.request import FinishReason, Request, RequestStatus, TokenEvent
 from jaxserve.swap_space import HostSwapSpace
 
 
+def reusable_window(*models_layer_windows) -> int | None:
+    """The window past which a request's KV pages are dead for every model sharing the page
+    tables (a target and its draft): the largest window when every layer of every model has
+    one, else None (some layer reads the whole prefix, so no page ever dies)."""
+    windows = [w for layer_windows in models_layer_windows for w in layer_windows]
+    return None if not windows or None in windows else max(windows)
+
+
 class Scheduler:
     def __init__(self, page_manager: PageManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
                  preemption_mode: str = "recompute", enable_chunked_prefill: bool = True,
                  batching: str = "continuous", swap_space: HostSwapSpace | None = None,
-                 speculation=None):
+                 speculation=None, kv_window: int | None = None):
         self.pages = page_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -40,6 +51,7 @@ class Scheduler:
         self.batching = make_batching_policy(batching)
         self.swap_space = swap_space
         self.speculation = speculation  # jaxserve.spec.policy.SpeculationPolicy or None
+        self.kv_window = kv_window  # keys older than this are never read again (None: all are)
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []   # sorted by Request.sort_key
         self.running: list[Request] = []   # sorted by Request.sort_key
@@ -168,12 +180,13 @@ class Scheduler:
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.swapped[0]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self.pages.allocate(request.request_id, (),
-                                   request.num_computed_tokens + num_new) is None:
+            num_released = self._num_dead_pages(request.num_computed_tokens)  # as at swap-out
+            if self.pages.allocate(request.request_id, (), request.num_computed_tokens + num_new,
+                                   num_released_pages=num_released) is None:
                 break
             self.swapped.pop(0)
             num_pages = self.pages.num_pages_for(request.num_computed_tokens)
-            page_ids = tuple(self.pages.page_table(request.request_id)[:num_pages])
+            page_ids = tuple(self.pages.page_table(request.request_id)[num_released:num_pages])
             plan.swap_in.append(SwapIn(request.request_id, page_ids))
             self.swap_space.release(request.request_id)
             self._start_running(request)
@@ -223,9 +236,10 @@ class Scheduler:
         self.num_preemptions += 1
         plan.preempted.append(victim.request_id)
         num_pages = self.pages.num_pages_for(victim.num_computed_tokens)
-        if (self.preemption_mode == "swap" and self.swap_space is not None and num_pages > 0
-                and self.swap_space.reserve(victim.request_id, num_pages)):
-            page_ids = tuple(self.pages.page_table(victim.request_id)[:num_pages])
+        num_released = self._release_window(victim)  # only pages still in the window move
+        page_ids = tuple(self.pages.page_table(victim.request_id)[num_released:num_pages])
+        if (self.preemption_mode == "swap" and self.swap_space is not None and page_ids
+                and self.swap_space.reserve(victim.request_id, len(page_ids))):
             plan.swap_out.append(SwapOut(victim.request_id, page_ids))
             self.pages.free(victim.request_id)
             victim.status = RequestStatus.SWAPPED
@@ -236,6 +250,20 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.WAITING
         bisect.insort(self.waiting, victim, key=Request.sort_key)
+
+    def _num_dead_pages(self, num_computed_tokens: int) -> int:
+        """Leading pages no later query reads: all their keys are before the first one the next
+        query (at num_computed_tokens) sees, num_computed_tokens - kv_window + 1."""
+        if self.kv_window is None:
+            return 0
+        return max(num_computed_tokens - self.kv_window + 1, 0) // self.pages.page_size
+
+    def _release_window(self, request: Request) -> int:
+        """Give back the request's dead pages (after commit); the NULL_PAGE entries it has now."""
+        if self.kv_window is None:
+            return 0
+        return self.pages.release_window(request.request_id,
+                                         request.num_computed_tokens - self.kv_window + 1)
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
@@ -263,6 +291,7 @@ class Scheduler:
             if chunk.sampling is None:
                 self.pages.commit(request.request_id,
                                   request.all_token_ids[:request.num_computed_tokens])
+                self._release_window(request)
                 continue
             row, row_logprobs = np.atleast_1d(token_ids[i]), np.atleast_1d(logprobs[i])
             num_emitted = int(np.count_nonzero(row >= 0))
@@ -286,6 +315,8 @@ class Scheduler:
                               request.all_token_ids[:request.num_computed_tokens])
             if reason is not None:
                 self._finish(request, reason)
+            else:
+                self._release_window(request)
             events.append(TokenEvent(request.request_id, tuple(new_tokens), tuple(new_logprobs),
                                      reason))
         if self.speculation is not None:

@@ -1,0 +1,232 @@
+"""Sliding-window page reuse: when every layer has a window, a running request's pages wholly
+before it go back to the pool (NULL_PAGE in its page table), with no page the attention still
+needs ever released, the prefix cache still exact, swaps moving only live pages, and no leak.
+
+Host side only (scheduler and page manager, a fixed token per step); the last test runs a tiny
+Mistral with a window through the engine and checks greedy tokens are the same with reuse.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxserve.page_manager import NULL_PAGE, PageManager
+from jaxserve.request import Request, SamplingParams
+from jaxserve.scheduler import Scheduler, reusable_window
+from jaxserve.swap_space import HostSwapSpace
+
+
+def make(num_pages=64, page_size=4, window=8, caching=True, **kw):
+    settings_ = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=512)
+    settings_.update(kw)
+    pages = PageManager(num_pages, page_size, enable_prefix_caching=caching)
+    return Scheduler(pages, swap_space=HostSwapSpace(1 << 20, 1024), kv_window=window,
+                     **settings_)
+
+
+def add(sched, rid, prompt, max_tokens):
+    r = Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0), seed=0)
+    r.arrival_seq = len(sched.requests)
+    assert sched.add(r) is None
+    return r
+
+
+def check_plan(plan, window: int, page_size: int) -> None:
+    """Every page a chunk's queries can see is a live page, never the NULL_PAGE stand-in."""
+    for chunk in plan.chunks:
+        first_key = max(chunk.start_position - window + 1, 0)
+        needed = chunk.page_table[first_key // page_size:math.ceil(chunk.kv_len / page_size)]
+        assert NULL_PAGE not in needed, (
+            f"{chunk.request_id}: queries {chunk.start_position}..{chunk.kv_len - 1} see keys from "
+            f"{first_key}, but its page table {chunk.page_table} has a released page there")
+
+
+def run(sched, *, max_steps=5000, on_step=None):
+    """Drive the scheduler to the end with token 7 every step; check accounting every step."""
+    pm, window = sched.pages, sched.kv_window
+    steps = 0
+    while sched.has_unfinished():
+        plan = sched.schedule()
+        if window is not None:
+            check_plan(plan, window, pm.page_size)
+        if on_step is not None:
+            on_step(plan)
+        sched.update(plan, [7] * len(plan.chunks), [0.0] * len(plan.chunks))
+        pm.check_invariants()
+        steps += 1
+        assert steps < max_steps, "requests never finished"
+    assert pm.num_free_pages == pm.num_pages - 1, "pages leaked after every request finished"
+    return steps
+
+
+def live_pages(sched, rid) -> int:
+    return sum(p != NULL_PAGE for p in sched.pages.page_table(rid))
+
+
+@pytest.mark.parametrize("windows, want", [
+    (((8, 8, 8),), 8), (((8, None),), None), (((8, 8), (4, 4)), 8), (((8, 8), (None,)), None),
+    (((None,),), None), ((), None)])
+def test_reusable_window_needs_a_window_on_every_layer_of_every_model(windows, want):
+    assert reusable_window(*windows) == want
+
+
+def test_release_window_frees_whole_pages_before_the_window_and_keeps_indices():
+    pm = PageManager(32, 4)
+    pm.allocate("r", (), 40)
+    before = pm.page_table("r")
+    free_before = pm.num_free_pages
+    assert pm.release_window("r", 17) == 4, "slots 0..15 lie in pages 0..3; 16 is still needed"
+    assert pm.page_table("r") == [NULL_PAGE] * 4 + before[4:]
+    assert pm.num_free_pages == free_before + 4
+    assert pm.release_window("r", 17) == 4 and pm.num_free_pages == free_before + 4, \
+        "releasing again must be a no-op"
+    assert pm.release_window("r", 3) == 4, "the window never moves back"
+    pm.check_invariants()
+    pm.free("r")
+    pm.check_invariants()
+    assert pm.num_free_pages == 31
+
+
+def test_released_pages_keep_their_prefix_entry_and_serve_an_exact_hit():
+    pm = PageManager(32, 4)
+    tokens = list(range(100, 124))  # 6 full pages
+    pm.allocate("a", tokens, len(tokens))
+    pm.commit("a", tokens)
+    first_pages = pm.page_table("a")[:3]
+    pm.release_window("a", 12)
+    pm.check_invariants()
+    assert pm.lookup_prefix(tokens + [1]) == first_pages + pm.page_table("a")[3:], \
+        "released pages hold that prefix's KV still, and stay findable"
+    assert pm.lookup_prefix([999] + tokens[1:]) == [], "other tokens never hit"
+    pm.allocate("b", tokens + [1], 25)
+    assert pm.page_table("b")[:6] == first_pages + pm.page_table("a")[3:]
+    pm.check_invariants()
+    pm.free("a"), pm.free("b")
+    pm.check_invariants()
+    assert pm.num_free_pages == 31
+
+
+def test_long_generation_holds_only_the_window_pages():
+    window, page_size = 8, 4
+    # admission still checks the whole length fits (conservative), so the pool is big enough
+    sched = make(num_pages=128, window=window, page_size=page_size)
+    add(sched, "r", range(10, 40), max_tokens=300)
+    most = [0]
+
+    def on_step(plan):
+        if plan.chunks and plan.chunks[0].num_tokens == 1:  # decoding
+            most[0] = max(most[0], live_pages(sched, "r"))
+
+    run(sched, on_step=on_step)
+    assert most[0] <= math.ceil(window / page_size) + 1, \
+        f"a decoding request held {most[0]} pages for a window of {window} tokens"
+
+
+def test_without_a_window_no_page_is_released():
+    sched = make(window=None)
+    add(sched, "r", range(10, 40), max_tokens=60)
+    seen = []
+    run(sched, on_step=lambda plan: seen.extend(p for c in plan.chunks for p in c.page_table))
+    assert NULL_PAGE not in seen
+
+
+def test_requests_sharing_a_cached_prefix_still_hit_after_the_window_released_it():
+    sched = make(window=8)
+    prompt = list(range(50, 90))
+    add(sched, "a", prompt, max_tokens=40)
+    run(sched)
+    hits = sched.pages.lookup_prefix(prompt)
+    assert len(hits) == 9, "the finished request's released pages stay in the prefix cache"
+    add(sched, "b", prompt, max_tokens=40)
+    run(sched)
+    assert sched.pages.stats().prefix_hit_tokens >= 36
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_with_a_window_moves_only_live_pages_and_leaks_nothing(mode):
+    window, page_size = 8, 4
+    sched = make(num_pages=16, window=window, page_size=page_size, max_num_seqs=6,
+                 preemption_mode=mode)
+    for i in range(6):
+        add(sched, f"r{i}", range(20 * i, 20 * i + 20), max_tokens=30)
+    out, back = {}, {}
+
+    def on_step(plan):
+        for swap in plan.swap_out:
+            assert NULL_PAGE not in swap.page_ids
+            assert len(swap.page_ids) <= math.ceil(window / page_size) + 1, swap
+            out.setdefault(swap.request_id, []).append(len(swap.page_ids))
+        for swap in plan.swap_in:
+            back.setdefault(swap.request_id, []).append(len(swap.page_ids))
+
+    run(sched, on_step=on_step)
+    assert sched.num_preemptions > 0, "the pool was meant to force preemption"
+    if mode == "swap":
+        assert sched.num_swaps > 0 and out == back, \
+            f"pages swapped in must match the ones swapped out: {out} vs {back}"
+
+
+@settings(max_examples=60, deadline=None)
+@given(window=st.integers(1, 24), page_size=st.integers(1, 8), caching=st.booleans(),
+       mode=st.sampled_from(["swap", "recompute"]), num_pages=st.integers(12, 40),
+       lengths=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 40)), min_size=1,
+                        max_size=6),
+       budget=st.integers(4, 24), shared=st.booleans())
+def test_window_reuse_never_releases_a_needed_page_nor_leaks(window, page_size, caching, mode,
+                                                             num_pages, lengths, budget, shared):
+    sched = make(num_pages=num_pages, page_size=page_size, window=window, caching=caching,
+                 preemption_mode=mode, max_num_batched_tokens=budget)
+    for i, (prompt_len, max_tokens) in enumerate(lengths):
+        start = 0 if shared else 100 * i
+        r = Request(f"r{i}", list(range(start, start + prompt_len)),
+                    SamplingParams(max_tokens=max_tokens, temperature=0), seed=0)
+        r.arrival_seq = i
+        sched.add(r)  # one that can never fit is finished at once
+    run(sched)
+
+
+def mistral_window_run(loaded, prompts, *, reuse: bool, **engine_settings):
+    """Greedy tokens of `prompts` through the engine, whether pages were released, and
+    (preemptions, swaps)."""
+    from jaxserve.llm import LLM
+
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    with LLM(loaded=loaded, page_size=4, max_num_batched_tokens=16, max_num_seqs=6,
+             max_model_len=128, progress=False, **engine_settings) as llm:
+        scheduler = llm.engine.scheduler
+        scheduler.kv_window = reusable_window(loaded.config.layer_windows) if reuse else None
+        schedule, nulls = scheduler.schedule, []
+
+        def recording_schedule():
+            plan = schedule()
+            nulls.extend(p for c in plan.chunks for p in c.page_table if p == NULL_PAGE)
+            return plan
+
+        scheduler.schedule = recording_schedule
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert scheduler.pages.num_free_pages == scheduler.pages.num_pages - 1, "pages leaked"
+        return ([list(o.token_ids) for o in outputs], bool(nulls),
+                (scheduler.num_preemptions, scheduler.num_swaps))
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_mistral_window_greedy_tokens_are_the_same_with_page_reuse_and_preemption(mode):
+    pytest.importorskip("jax")
+    from tiny_models import tiny_loaded
+
+    loaded = tiny_loaded(seed=3, architecture="mistral", sliding_window=8,
+                         layer_types=("sliding_attention",) * 2)
+    prompts = [list(range(3 + i, 3 + i + n)) for i, n in enumerate((30, 25, 12, 28, 21, 17))]
+    want, released, _ = mistral_window_run(loaded, prompts, reuse=False)
+    assert not released
+    got, released, (num_preemptions, num_swaps) = mistral_window_run(
+        loaded, prompts, reuse=True, num_pages=14, preemption_mode=mode)
+    assert released, "no page was released for the window"
+    assert num_preemptions > 0, "the 13-page pool was meant to force preemption"
+    assert (num_swaps > 0) == (mode == "swap"), f"{num_swaps} swaps in {mode} mode"
+    assert all(len(tokens) == 20 for tokens in got)
+    assert got == want, "window page reuse (with preemption) changed greedy tokens"
