@@ -230,3 +230,50 @@ def test_mistral_window_greedy_tokens_are_the_same_with_page_reuse_and_preemptio
     assert (num_swaps > 0) == (mode == "swap"), f"{num_swaps} swaps in {mode} mode"
     assert all(len(tokens) == 20 for tokens in got)
     assert got == want, "window page reuse (with preemption) changed greedy tokens"
+
+
+@pytest.mark.parametrize("kernel_name", ["ragged", "decode"])
+def test_attention_masks_null_pages_before_the_window(kernel_name):
+    """The reference and the Pallas kernels (interpret mode) read NULL_PAGE where pages were
+    released and give the output of the full page table."""
+    jnp = pytest.importorskip("jax.numpy")
+    import functools
+
+    import numpy as np
+    from pallas_kernels import reference
+    from pallas_kernels.paged_attention import paged_attention
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+    from test_kernels import (MAX_SEQS, NUM_TOKENS, assert_close, compile_once, decode_lens,
+                              make_inputs, ragged_batch)
+
+    window, page_size, head_dim = 13, 8, 32
+    rng = np.random.default_rng(14)
+    kw = dict(sm_scale=head_dim ** -0.5, sliding_window=window)
+    if kernel_name == "ragged":
+        q_lens, kv_lens, cu_q_lens, num_seqs = ragged_batch(rng, page_size)
+        num_rows, extra = NUM_TOKENS, (cu_q_lens, num_seqs)
+        ref, kernel = reference.ragged_paged_attention, ragged_paged_attention
+    else:
+        kv_lens = decode_lens(rng, page_size)
+        q_lens, num_rows, extra = [1] * MAX_SEQS, MAX_SEQS, ()
+        ref, kernel = reference.paged_attention, paged_attention
+        kw["num_kv_splits"] = 2
+    q, k, v, layer, kv, table = make_inputs(rng, q_lens, kv_lens, 2, page_size, head_dim,
+                                            jnp.float32, num_rows)
+    if kernel_name == "decode":
+        q = jnp.where((kv == 0)[:, None, None], jnp.nan, q)
+    nulled = np.asarray(table).copy()
+    for s, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
+        first_key = max(kv_len - q_len - window + 1, 0)  # what the first query row sees
+        nulled[s, :first_key // page_size] = NULL_PAGE
+    assert (nulled == NULL_PAGE).any(), "the draw released no page"
+    ref_kw = {key: val for key, val in kw.items() if key != "num_kv_splits"}
+    args = (q, k, v, layer, kv, table) + extra
+    want = compile_once(functools.partial(ref, **ref_kw), *args)(*args)
+    args = (q, k, v, layer, kv, jnp.asarray(nulled)) + extra
+    live = (np.arange(num_rows) < sum(q_lens) if kernel_name == "ragged"
+            else np.asarray(kv_lens) > 0)
+    got_ref = compile_once(functools.partial(ref, **ref_kw), *args)(*args)
+    assert_close(got_ref, want, jnp.float32, live, "reference with NULL_PAGE entries")
+    got = compile_once(functools.partial(kernel, interpret=True, **kw), *args)(*args)
+    assert_close(got, want, jnp.float32, live, f"{kernel_name} kernel with NULL_PAGE entries")
