@@ -104,7 +104,8 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
                         error = self._finish_error(engine, out, params)
                         break
                     if out.new_token_ids or out.new_text or out.finished:
-                        await context.write(convert.response_from_output(out, params.logprobs))
+                        await context.write(convert.response_from_output(
+                            out, params.logprobs is not None))
             except Exception as exc:
                 error = _status_for_exception(exc, validating=not started)
         if error is not None:
