@@ -97,17 +97,19 @@ def write_converted_gguf(path, arch: str, config, state: dict, vocab: dict, *,
         writer.add_sliding_window(c.sliding_window)
     if arch == "phi3":
         head_dim = c.hidden_size // c.num_attention_heads
-        rotary = int(rope.get("partial_rotary_factor", 1.0) * c.hidden_size) // c.num_attention_heads
+        partial = rope.get("partial_rotary_factor", 1.0)
+        rotary = int(partial * c.hidden_size) // c.num_attention_heads
         writer.add_rope_dimension_count(rotary)
         writer.add_rope_scaling_orig_ctx_len(c.original_max_position_embeddings)
         writer.add_sliding_window(c.sliding_window or 0)
         if rope.get("rope_type") == "longrope":
             scale = c.max_position_embeddings / c.original_max_position_embeddings
             original = c.original_max_position_embeddings
-            writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
-            writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
-            writer.add_tensor("rope_factors_short.weight",
-                              np.asarray(rope["short_factor"], np.float32))
+            writer.add_rope_scaling_attn_factors(
+                math.sqrt(1 + math.log(scale) / math.log(original)))
+            for kind in ("long", "short"):
+                writer.add_tensor(f"rope_factors_{kind}.weight",
+                                  np.asarray(rope[f"{kind}_factor"], np.float32))
         assert head_dim == 16
     for key, value in (extra_metadata or {}).items():
         writer.add_uint32(key, value)
@@ -251,3 +253,12 @@ def test_gguf_refuses_an_architecture_it_has_no_layout_for(tmp_path):
     (tmp_path / "bad.gguf").write_bytes(raw)
     with pytest.raises(ValueError, match="unsupported architecture 'qwen9'"):
         load_gguf(tmp_path / "bad.gguf", progress=False)
+
+
+def test_a_split_gguf_shard_is_refused_with_the_merge_command(tmp_path):
+    config = hf_config("qwen3")
+    state = save_checkpoint(tmp_path / "hf", config, tiny_vocab())
+    write_converted_gguf(tmp_path / "m.gguf", "qwen3", config, state, tiny_vocab(),
+                         extra_metadata={"split.count": 2})
+    with pytest.raises(ValueError, match="shard 1 of 2.*llama-gguf-split --merge"):
+        load_gguf(tmp_path / "m.gguf", progress=False)

@@ -9,7 +9,7 @@ import pytest
 
 from jaxserve.model.hub_cache import looks_like_hub_id, resolve_hub_id
 from jaxserve.model.loader import load_model, save_hf_directory
-from model_fixtures import random_model, tiny_tokenizer
+from model_fixtures import random_model, tiny_tokenizer, write_gguf
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -39,7 +39,8 @@ def hub_cache(tmp_path, monkeypatch) -> Path:
     ("org/name", True), ("HuggingFaceTB/SmolLM2-135M-Instruct", True), ("org/name@main", True),
     ("org/name@" + COMMIT, True), ("./org/name", False), ("/abs/path", False),
     ("~/models/x", False), ("name", False), ("a/b/c", False), ("org/../x", False),
-    ("model.gguf", False)])
+    ("model.gguf", False), ("org/name/model-Q4_K_M.gguf", True),
+    ("org/name@v1/sub/model.gguf", True), ("org/name/../x.gguf", False)])
 def test_hub_id_shape(spec, is_id):
     assert looks_like_hub_id(spec) is is_id, spec
 
@@ -103,3 +104,21 @@ def test_uncached_revision_is_named(hub_cache):
     fake_hub_cache(hub_cache, "org/tiny-llama", config, params)
     with pytest.raises(FileNotFoundError, match="revision 'nope'"):
         load_model("org/tiny-llama@nope", progress=False)
+
+
+def test_hub_id_with_a_gguf_file_picks_that_file_of_the_snapshot(hub_cache):
+    config, params = random_model(seed=0)
+    snapshot = hub_cache / "models--org--tiny-GGUF" / "snapshots" / COMMIT
+    snapshot.mkdir(parents=True)
+    (hub_cache / "models--org--tiny-GGUF" / "refs").mkdir()
+    (hub_cache / "models--org--tiny-GGUF" / "refs" / "main").write_text(COMMIT)
+    _, other = random_model(seed=1)
+    write_gguf(snapshot / "tiny-a.gguf", config, params)
+    write_gguf(snapshot / "tiny-b.gguf", config, other)
+    loaded = load_model("org/tiny-GGUF/tiny-b.gguf", progress=False)
+    assert loaded.config.name == "org/tiny-GGUF"
+    np.testing.assert_array_equal(loaded.params["embed"], other["embed"])
+    with pytest.raises(FileNotFoundError, match="holds no model.*2 .gguf files"):
+        load_model("org/tiny-GGUF", progress=False)
+    with pytest.raises(FileNotFoundError, match=r"'tiny-c.gguf'.*tiny-a.gguf, tiny-b.gguf"):
+        load_model("org/tiny-GGUF/tiny-c.gguf", progress=False)

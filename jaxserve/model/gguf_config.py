@@ -178,6 +178,10 @@ def config_from_metadata(metadata: dict, tensor_names, *, name: str,
                          rope_factors: tuple | None = None) -> ModelConfig:
     """The ModelConfig a GGUF describes. `tensor_names` tells biases and a tied head apart;
     `rope_factors` is (short, long) when the file holds Phi-3's rope_factors tensors."""
+    if metadata.get("split.count", 1) > 1:
+        raise ValueError(f"this GGUF is shard {metadata.get('split.no', 0) + 1} of "
+                         f"{metadata['split.count']}; jaxserve reads one file: merge the shards "
+                         f"with llama.cpp's `llama-gguf-split --merge <first shard> <out.gguf>`")
     arch = metadata.get("general.architecture")
     family = _family(arch)
     check_keys(metadata, arch)

@@ -2,10 +2,11 @@
 
 A spec is "default" (the embedded SmolLM2-135M-Instruct GGUF), a .gguf file, a Hugging Face
 directory (config.json + *.safetensors + tokenizer.json), a jaxserve checkpoint directory
-(written by `convert`), or a Hugging Face hub id `org/name[@revision]` found in the local hub
-cache (hub_cache; a local path of the same name wins). Every path returns the same LoadedModel
-layout, so the model never knows where its weights came from. This module only dispatches: format details live in gguf_loader,
-safetensors_loader and checkpoint, and it must not import jax.
+(written by `convert`), or a Hugging Face hub id `org/name[@revision][/file.gguf]` in the local
+hub cache (hub_cache; a local path of the same name wins). Every path returns the same
+LoadedModel layout, so the model never knows where its weights came from. This module only
+dispatches: format details live in gguf_loader, safetensors_loader and checkpoint, and it must
+not import jax.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def load_model(spec: str = "default", *, progress: bool = True) -> LoadedModel:
     if not path.exists() and hub_cache.looks_like_hub_id(spec):
         model = _load_path(hub_cache.resolve_hub_id(spec), progress)
         # a snapshot directory is named by its commit hash: the hub id is the model's name
-        model.config = dataclasses.replace(model.config, name=spec.split("@")[0])
+        model.config = dataclasses.replace(model.config, name=hub_cache.hub_repo_id(spec))
         model.source = f"{spec} ({model.source})"
         return model
     return _load_path(path, progress)
