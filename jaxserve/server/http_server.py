@@ -4,9 +4,12 @@ Routes: POST /v1/completions, /v1/chat/completions, GET /v1/models, /health, /me
 /version, POST /tokenize, /detokenize (vLLM's shapes). Request bodies are pydantic models
 (openai_protocol.py); the translation to engine calls is OpenAIServing's (openai_serving.py);
 this module only routes, gates and shapes errors as OpenAI does ({"error": {message, type,
-param, code}}): 400 bad value (pydantic's and the engine's messages, naming the field), 401 bad
-key, 404 unknown model or path, 413 oversized body, 429 full queue (Retry-After), 503 while
-starting, draining or after the engine died; never a 500 for bad input.
+param, code}}): 400 bad value (pydantic's and the engine's messages, naming the field), 404
+unknown model or path, 405 wrong method, 429 full queue (Retry-After), 503 while starting,
+draining or after the engine died; never a 500 for bad input. The API key (401), body size (413),
+JSON content type (415) and readiness are checked before any route (http_gate.py). A client
+that disconnects aborts its request: a stream's response closes its engine stream, and a
+non-streaming request's work is cancelled the moment the disconnect arrives.
 
 Threading and lifecycle: uvicorn serves the app on the caller's asyncio loop (the one the gRPC
 server runs on), from a socket bound at `start` (port 0: any free one); health is 503 until
@@ -20,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import socket
 import time
@@ -36,14 +38,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxserve import __version__
 from jaxserve.server import openai_protocol as api
+from jaxserve.server.http_gate import Gate, GateState
 from jaxserve.server.openai_errors import OpenAIError, bad_request
 from jaxserve.server.openai_serving import OpenAIServing
 
 log = logging.getLogger(__name__)
-# Paths served whatever the state and without the API key (probes, scrapers, the schema).
-_OPEN_PATHS = {"/health", "/metrics", "/version", "/openapi.json", "/docs", "/redoc",
-               "/docs/oauth2-redirect"}
-_JSON_PATHS = {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
 _ERRORS = {code: {"model": api.ErrorResponse} for code in (400, 401, 404, 413, 415, 429, 503)}
 
 
@@ -54,89 +53,6 @@ class HttpSettings:
     served_model_name: str | None = None  # default: the model's name
     chat_template: str | None = None      # template source overriding the model's own
     max_body_bytes: int = 16 << 20
-
-
-class _State:
-    """What the routes and the gate share; the engine is None until attach."""
-
-    def __init__(self):
-        self.serving: OpenAIServing | None = None
-        self.draining = False
-        self.num_in_flight = 0
-        self.started = int(time.time())
-
-    def unavailable(self) -> str | None:
-        if self.draining:
-            return "the server is shutting down"
-        if self.serving is None:
-            return "the server is starting: the engine is loading and compiling"
-        error = self.serving.async_engine.error
-        return None if error is None else f"engine stopped: {error!r}"
-
-
-async def _send_error(error: OpenAIError, scope, receive, send) -> None:
-    await JSONResponse(error.body(), error.status, error.headers)(scope, receive, send)
-
-
-class _Gate:
-    """ASGI middleware before any route: API key, body size, readiness, in-flight count."""
-
-    def __init__(self, app, settings: HttpSettings, state: _State):
-        self.app, self.settings, self.state = app, settings, state
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in _OPEN_PATHS:
-            return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        key = self.settings.api_key
-        if key is not None:
-            given = headers.get(b"authorization", b"").decode("latin-1")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                return await _send_error(OpenAIError(
-                    401, "missing or invalid API key: send the header 'Authorization: Bearer "
-                         "<key>'", "authorization", "authentication_error"), scope, receive, send)
-        limit = self.settings.max_body_bytes
-        length = headers.get(b"content-length", b"0")
-        if not length.isdigit() or int(length) > limit:
-            return await _send_error(OpenAIError(
-                413, f"the request body ({length.decode('latin-1')} bytes) exceeds the limit of "
-                     f"{limit} bytes", "body", "request_too_large"), scope, receive, send)
-        if scope["path"] in _JSON_PATHS and scope["method"] == "POST":
-            given = headers.get(b"content-type", b"").decode("latin-1")
-            if given.partition(";")[0].strip().lower() != "application/json":
-                return await _send_error(OpenAIError(
-                    415, f"the request body must be JSON, sent with the header 'Content-Type: "
-                         f"application/json' (got {given or 'none'!r})", "content-type",
-                    "unsupported_media_type"), scope, receive, send)
-        reason = self.state.unavailable()
-        if reason is not None:
-            return await _send_error(OpenAIError(503, reason, None, "service_unavailable"),
-                                     scope, receive, send)
-        if b"content-length" not in headers and scope["method"] == "POST":
-            # A chunked body has no length to check first: read it here, up to the limit.
-            messages, received, more = [], 0, True
-            while more:
-                message = await receive()
-                if message["type"] != "http.request":
-                    return
-                received += len(message.get("body", b""))
-                if received > limit:
-                    return await _send_error(OpenAIError(
-                        413, f"the request body exceeds the limit of {limit} bytes", "body",
-                        "request_too_large"), scope, receive, send)
-                messages.append(message)
-                more = message.get("more_body", False)
-
-            async def replayed():
-                return messages.pop(0) if messages else await receive()
-        else:
-            replayed = receive
-
-        self.state.num_in_flight += 1
-        try:
-            await self.app(scope, replayed, send)
-        finally:
-            self.state.num_in_flight -= 1
 
 
 class _EventStream(StreamingResponse):
@@ -208,7 +124,7 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     return bad_request(f"{param}={shown} is invalid: {'; or '.join(messages[:3])}", param)
 
 
-def build_app(settings: HttpSettings, state: _State) -> FastAPI:
+def build_app(settings: HttpSettings, state: GateState) -> FastAPI:
     app = FastAPI(title="jaxserve OpenAI-compatible API", version=__version__)
 
     def serving() -> OpenAIServing:
@@ -287,7 +203,7 @@ def build_app(settings: HttpSettings, state: _State) -> FastAPI:
         return JSONResponse(OpenAIError(500, f"internal error: {exc!r}", None,
                                         "internal_error").body(), 500)
 
-    app.add_middleware(_Gate, settings=settings, state=state)
+    app.add_middleware(Gate, settings=settings, state=state)
     return app
 
 
@@ -316,7 +232,7 @@ class HttpServer:
     """A listening uvicorn server for the app. Build it with `start`, then `attach`."""
 
     def __init__(self, host: str, settings: HttpSettings):
-        self.host, self.settings, self.state = host, settings, _State()
+        self.host, self.settings, self.state = host, settings, GateState()
         self.app = build_app(settings, self.state)
         self.sock = _bind(host, settings.port)
         self.port = self.sock.getsockname()[1]
