@@ -247,6 +247,23 @@ class ArchSuite:
                           attention_impl="pallas-interpret")
         assert_logits_close(got, case.want_logits)
 
+    def test_saved_hf_directory_reads_back_in_jaxserve_and_transformers(self, case, tmp_path):
+        import torch
+        import transformers
+
+        from jaxserve.model.loader import load_model
+        from jaxserve.model.safetensors_loader import save_hf_directory
+
+        loaded = case.load("transformers5")
+        save_hf_directory(tmp_path, loaded.config, loaded.params, loaded.tokenizer)
+        again = load_model(str(tmp_path), progress=False)
+        assert dataclasses.replace(again.config, name="m") == dataclasses.replace(
+            loaded.config, name="m")
+        assert all(np.array_equal(again.params[k], v) for k, v in loaded.params.items())
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path, dtype=torch.float32, attn_implementation="eager").eval()
+        assert_logits_close(hf_last_logits(model, case.batch), case.want_logits, atol=1e-5)
+
     @pytest.mark.parametrize("layout", LAYOUTS)
     def test_greedy_tokens_through_the_engine_match_transformers(self, case, layout):
         if layout not in case.directories:

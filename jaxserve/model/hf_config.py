@@ -189,7 +189,12 @@ def write_hf_config(c: ModelConfig) -> dict:
         "eos_token_id": list(c.eos_token_ids) if len(c.eos_token_ids) != 1
         else c.eos_token_ids[0],
         "add_bos_token": c.add_bos_token, family.activation_key: c.hidden_act,
+        "pad_token_id": None,  # else transformers fills in its class default (Phi-3: 32000)
     }
+    if "original_max_position_embeddings" in rope:
+        # transformers gives a top-level value priority over the rope dict's, and Phi-3's
+        # config class always has one (default 4096): write the real one there too.
+        d["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
     if family.attention_bias == "config":
         if c.attention_bias != c.output_bias:
             raise ValueError(f"{family.hf_architecture} has q/k/v and o biases together or "
