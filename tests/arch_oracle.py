@@ -63,7 +63,7 @@ def hf_checkpoint(directory: Path, model_type: str, seed: int = 0, **config_kw):
 def as_transformers4_layout(directory: Path, target: Path) -> Path:
     """A copy of a transformers 5 checkpoint whose config.json has the transformers 4 layout:
     top-level rope_theta / rope_scaling (Gemma 3: rope_local_base_freq for its local layers)
-    and partial_rotary_factor, no rope_parameters."""
+    and partial_rotary_factor, no rope_parameters, no layer_types."""
     shutil.copytree(directory, target)
     d = json.loads((target / "config.json").read_text())
     rope = d.pop("rope_parameters")
@@ -75,9 +75,10 @@ def as_transformers4_layout(directory: Path, target: Path) -> Path:
     if "partial_rotary_factor" in rope:
         d["partial_rotary_factor"] = rope.pop("partial_rotary_factor")
     d["rope_scaling"] = None if rope.get("rope_type") == "default" else rope
-    if "sliding_window_pattern" in d:  # Gemma 3 before layer_types: the pattern alone
-        d.pop("layer_types", None)
-        d.pop("_sliding_window_pattern", None)
+    # Before layer_types, the window's layers followed from a rule (every layer, layers from
+    # max_window_layers on, Gemma 3's sliding_window_pattern): let the reader derive them.
+    d.pop("layer_types", None)
+    d.pop("_sliding_window_pattern", None)
     (target / "config.json").write_text(json.dumps(d, indent=2))
     return target
 
