@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 
 from jaxserve.bench.datasets import ServeRequest
@@ -20,6 +21,8 @@ from jaxserve.bench.load import LoadResult
 from jaxserve.bench.stats import RequestTimeline
 
 PATHS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
+# httpx logs every request at INFO: a line per benchmark request would bury the report.
+logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def request_body(backend: str, request: ServeRequest, model: str, temperature: float = 0.0,
