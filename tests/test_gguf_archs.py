@@ -72,7 +72,7 @@ def save_checkpoint(directory, config, vocab: dict) -> dict[str, np.ndarray]:
 
 
 def write_converted_gguf(path, arch: str, config, state: dict, vocab: dict, *,
-                         extra_metadata: dict | None = None) -> None:
+                         extra_metadata: dict | None = None, qtype=None) -> None:
     """What convert_hf_to_gguf.py writes for `config` (Qwen3Model, Gemma3Model, Phi3MiniModel)."""
     c = config
     tensor_map = gguf.get_tensor_name_map(GGUF_ARCH[arch], c.num_hidden_layers)
@@ -128,7 +128,10 @@ def write_converted_gguf(path, arch: str, config, state: dict, vocab: dict, *,
             w = w + 1.0  # Gemma3Model.norm_shift: llama.cpp's RMSNorm multiplies by w
         name = tensor_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert name is not None, f"gguf has no name for {hf_name}"
-        writer.add_tensor(name, np.ascontiguousarray(w))
+        if qtype is not None and w.ndim == 2:  # llama.cpp keeps 1-D tensors in F32
+            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(w))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -201,6 +204,20 @@ def test_phi3_splits_fused_qkv_and_gate_up(tmp_path):
     for name in ("layers.wq", "layers.wk", "layers.wv", "layers.w_gate", "layers.w_up"):
         np.testing.assert_array_equal(gguf_model.params[name], hf_model.params[name],
                                       err_msg=name)
+
+
+def test_quantized_fused_tensors_are_split_after_dequantizing(tmp_path):
+    config = hf_config("phi3")
+    state = save_checkpoint(tmp_path / "hf", config, tiny_vocab())
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    write_converted_gguf(tmp_path / "m.gguf", "phi3", config, state, tiny_vocab(), qtype=q8)
+    got = load_gguf(tmp_path / "m.gguf", progress=False).params
+    want = load_hf_directory(tmp_path / "hf", progress=False).params
+    for name in ("layers.wq", "layers.wk", "layers.wv", "layers.w_gate", "layers.w_up"):
+        w = np.swapaxes(want[name], -1, -2)  # [L, out, in]: Q8_0 blocks run along `in`
+        deq = gguf.quants.dequantize(gguf.quants.quantize(np.ascontiguousarray(w), q8), q8)
+        np.testing.assert_allclose(got[name], np.swapaxes(deq.reshape(w.shape), -1, -2),
+                                   rtol=0, atol=1e-6, err_msg=name)
 
 
 def test_qwen3_takes_its_pre_tokenizer_from_the_file(tmp_path):
