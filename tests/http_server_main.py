@@ -48,10 +48,29 @@ class ServerProcess:
     url: str                      # http://127.0.0.1:PORT
     grpc_address: str             # 127.0.0.1:PORT
     lines: list[str] = field(default_factory=list)  # its stderr so far
+    health_seen: list[int] = field(default_factory=list)  # /health statuses while starting
 
     @property
     def log(self) -> str:
         return "".join(self.lines)
+
+
+def _record_health(url: str, seen: list[int]) -> None:
+    """Append each new /health status until it is 200 (the engine is attached)."""
+    import urllib.error
+    import urllib.request
+
+    while not seen or seen[-1] != 200:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as response:
+                status = response.status
+        except urllib.error.HTTPError as exc:
+            status = exc.code
+        except OSError:
+            status = None  # not accepting yet
+        if status is not None and (not seen or seen[-1] != status):
+            seen.append(status)
+        time.sleep(0.01)
 
 
 @contextlib.contextmanager
@@ -60,11 +79,14 @@ def server_process(*args: str):
     Its stderr is read all along on a thread (a full pipe would block the server)."""
     proc = subprocess.Popen([sys.executable, __file__, *args], stderr=subprocess.PIPE,
                             text=True, cwd=Path(__file__).resolve().parent.parent)
-    lines, url, address = [], None, None
+    lines, url, address, health_seen, poller = [], None, None, [], None
     for line in proc.stderr:
         lines.append(line)
         if m := re.search(r"HTTP \(OpenAI API\) server listening on (http://\S+)", line):
             url = m.group(1)
+            poller = threading.Thread(target=_record_health, args=(url, health_seen),
+                                      daemon=True)
+            poller.start()
         if m := re.search(r"gRPC server listening on (\S+:\d+)", line):
             address = m.group(1)
         if "health SERVING" in line:
@@ -74,8 +96,10 @@ def server_process(*args: str):
         raise RuntimeError(f"the server exited before serving:\n{''.join(lines)}")
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
     reader.start()
+    if poller is not None:
+        poller.join(timeout=30)
     try:
-        yield ServerProcess(proc, url, address, lines)
+        yield ServerProcess(proc, url, address, lines, health_seen)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -85,6 +85,44 @@ def test_streamed_completion_deltas_concatenate_to_the_full_text(client):
     assert ids == full.choices[0].model_extra["token_ids"]
 
 
+def test_prompt_lists_give_one_choice_each_streamed_or_not_and_echo_prepends(client, offline):
+    ids = [[5, 6, 7], [8, 9]]
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, **GREEDY)
+    assert [c.index for c in r.choices] == [0, 1]
+    for choice, prompt in zip(r.choices, ids):
+        assert choice.model_extra["token_ids"] == offline_ids(offline, prompt, 4)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (5, 8)
+    texts = ["the dog", "a bird flew"]
+    full = client.completions.create(model=MODEL, prompt=texts, max_tokens=4, **GREEDY)
+    streamed = ["", ""]
+    for chunk in client.completions.create(model=MODEL, prompt=texts, max_tokens=4,
+                                           stream=True, **GREEDY):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == [c.text for c in full.choices]
+    echoed = client.completions.create(model=MODEL, prompt=texts[0], max_tokens=4, echo=True,
+                                       **GREEDY)
+    assert echoed.choices[0].text == texts[0] + full.choices[0].text
+
+
+def test_a_stop_string_ends_the_text_before_it_with_finish_reason_stop(client):
+    full = client.completions.create(model=MODEL, prompt="stop here", max_tokens=24, **GREEDY)
+    text = full.choices[0].text
+    stop = next(text[i:i + 2] for i in range(len(text) // 2, len(text) - 1)
+                if text[i:i + 2].strip() and text.find(text[i:i + 2]) == i)
+    r = client.completions.create(model=MODEL, prompt="stop here", max_tokens=24, stop=[stop],
+                                  temperature=0.0)
+    assert r.choices[0].finish_reason == "stop", (stop, r.choices[0])
+    assert r.choices[0].text == text[:text.index(stop)]
+
+
+def test_a_seeded_sampled_completion_repeats(client):
+    kwargs = dict(model=MODEL, prompt="dice", max_tokens=8, temperature=1.0, top_p=0.9,
+                  seed=1234, extra_body={"ignore_eos": True, "top_k": 50, "min_p": 0.01})
+    assert client.completions.create(**kwargs).choices[0].text == \
+        client.completions.create(**kwargs).choices[0].text
+
+
 def test_chat_streamed_and_not_equal_the_template_prompt_offline(server, client, offline):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, **GREEDY)

@@ -54,6 +54,50 @@ def pages_all_free(server) -> bool:
     return metric(server, "jaxserve_kv_cache_free_pages") == ALL_PAGES
 
 
+def test_health_is_503_while_the_engine_loads_then_200(server):
+    assert server.health_seen == [503, 200], server.health_seen
+    r = httpx.get(server.url + "/health")
+    assert r.json() == {"status": "serving"}, r.text
+
+
+def test_health_and_requests_are_503_once_the_engine_thread_died():
+    """In-process: the engine's step raises, as a broken device would make it."""
+    from conftest import make_llm
+
+    from jaxserve.async_engine import AsyncEngine
+    from jaxserve.server.http_server import HttpServer, HttpSettings
+
+    llm = make_llm()
+
+    def broken_step():
+        raise RuntimeError("device lost")
+
+    async def scenario():
+        async_engine = AsyncEngine(llm.engine)
+        async_engine.start()
+        http = await HttpServer.start("127.0.0.1", HttpSettings(port=0))
+        http.attach(async_engine)
+        body = {"model": http.state.serving.model_name, "prompt": [1, 2, 3], "max_tokens": 4}
+        try:
+            async with httpx.AsyncClient(base_url=http.url, timeout=60) as client:
+                assert (await client.get("/health")).status_code == 200
+                llm.engine.step = broken_step
+                failed = await client.post("/v1/completions", json=body)
+                health = await client.get("/health")
+                after = await client.post("/v1/completions", json=body)
+        finally:
+            await http.shutdown(timeout=0)
+            async_engine.stop(timeout=10)
+        return failed, health, after
+
+    failed, health, after = asyncio.run(scenario())
+    assert failed.status_code == 503, failed.text
+    assert (health.status_code, health.json()["status"]) == (503, "unavailable"), health.text
+    assert "device lost" in health.json()["reason"], health.text
+    assert after.status_code == 503 and "engine stopped" in after.json()["error"]["message"]
+    llm.close()
+
+
 def test_a_burst_beyond_the_queue_gets_429_with_retry_after_and_the_accepted_complete(server):
     body = {"model": "tiny-llama", "prompt": "burst", "max_tokens": 20, **GREEDY}
 
