@@ -48,3 +48,11 @@ def test_greedy_tokens_at_tensor_parallel_2_match_transformers(case):
     got, num_preemptions = arch_oracle.engine_greedy_in_subprocess(
         case.directories["transformers5"], case.batch, tensor_parallel_size=2)
     arch_oracle.assert_greedy_equal(got, case.want_greedy, num_preemptions)
+
+
+def test_first_layers_draft_keeps_each_layers_window(case):
+    from jaxserve.spec.draft import load_draft
+
+    config, params, _ = load_draft("layers:3", case.load("transformers5"), progress=False)
+    assert config.layer_windows == (WINDOW, None, WINDOW)
+    assert params["layers.wq"].shape[0] == 3

@@ -45,6 +45,7 @@ def load_draft(spec: str | None, target, *,
         if not 1 <= num_layers < tc.num_layers:
             raise ValueError(f"speculative_draft={spec!r}: N must be in [1, {tc.num_layers})")
         config = dataclasses.replace(tc, num_layers=num_layers,
+                                     layer_types=tc.layer_types[:num_layers],
                                      name=f"{tc.name} (first {num_layers} layers)")
         params = {k: (v[:num_layers] if k.startswith("layers.") else v)
                   for k, v in target.params.items()}
