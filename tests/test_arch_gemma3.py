@@ -56,3 +56,20 @@ def test_first_layers_draft_keeps_each_layers_window(case):
     config, params, _ = load_draft("layers:3", case.load("transformers5"), progress=False)
     assert config.layer_windows == (WINDOW, None, WINDOW)
     assert params["layers.wq"].shape[0] == 3
+
+
+def test_orbax_checkpoint_round_trips_every_gemma_parameter(case, tmp_path):
+    import dataclasses
+
+    import numpy as np
+
+    from jaxserve.model.loader import convert, load_model
+
+    convert(str(case.directories["transformers5"]), tmp_path / "orbax", progress=False)
+    restored = load_model(str(tmp_path / "orbax"), progress=False)
+    loaded = case.load("transformers5")
+    assert dataclasses.replace(restored.config, name="m") == dataclasses.replace(
+        loaded.config, name="m")
+    assert sorted(restored.params) == sorted(loaded.params)
+    assert all(np.array_equal(np.asarray(restored.params[k]), v)
+               for k, v in loaded.params.items())
