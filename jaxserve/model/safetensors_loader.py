@@ -68,7 +68,8 @@ def _merged_eos(config: ModelConfig, tokenizer: Tokenizer) -> tuple[int, ...]:
 
 
 def load_hf_directory(directory: str | Path, *, progress: bool = True) -> LoadedModel:
-    """Config, params (stored dtype) and tokenizer of a Hugging Face Llama-family directory."""
+    """Config, params (stored dtype) and tokenizer of a Hugging Face directory of any supported
+    family (tensor names and fused tensors as its Family declares)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"model directory not found: {directory}")

@@ -3,7 +3,8 @@
 `LoadedModel` is what every loader returns. `ParamBuilder` gathers tensors into the stacked
 [in, out] layout of `ModelConfig.param_shapes()`, checking each shape as it arrives, so no loader
 can hand the model a tensor of the wrong shape. Hugging Face tensor names live here too, because
-both the safetensors reader and writer need them. This module must not read files or import jax.
+both the safetensors reader and writer need them (Llama's, with each Family's renames and fused
+tensors on top). This module must not read files or import jax.
 """
 
 from __future__ import annotations
