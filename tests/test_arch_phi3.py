@@ -37,3 +37,20 @@ class TestPhi3(arch_oracle.ArchSuite):
     def test_longer_max_model_len_than_longrope_computes_exactly_is_refused(self, case):
         with pytest.raises(ValueError, match="rope_type='longrope'.*max_model_len=128"):
             case.load("transformers5").config.check_runnable(max_model_len=128)
+
+
+def test_fused_tensor_of_the_wrong_size_is_refused_naming_it(case, tmp_path):
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from jaxserve.model.loader import load_model
+
+    shutil.copytree(case.directories["transformers5"], tmp_path / "bad")
+    path = tmp_path / "bad" / "model.safetensors"
+    tensors = load_file(str(path))
+    name = "model.layers.1.self_attn.qkv_proj.weight"
+    tensors[name] = tensors[name][:-16]  # one KV head short
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"qkv_proj\.weight.*\(128, 64\)"):
+        load_model(str(tmp_path / "bad"), progress=False)
