@@ -5,7 +5,9 @@ arguments after `--` go to it), waits until it serves, runs one unmeasured warm-
 backend (so the prefix cache holds every prompt before any measured run, whichever backend comes
 first), then alternates the backends for `--rounds` rounds on the identical workload (dataset,
 seed, concurrency). Prints each run's output tokens/s and the ratio of each HTTP backend to
-gRPC (mean of rounds, and best against best); `--json` writes every report. SIGTERM ends the
+gRPC (mean of rounds, and best against best), and the CPU time the server process and this
+load generator spent per output token (a busy machine moves wall-clock throughput far more than
+CPU cost, so this says what each front end costs); `--json` writes every report. SIGTERM ends the
 server. `--server-script FILE` runs a Python file taking the same flags instead (the test
 suite's tiny-model server: tests/http_server_main.py).
 """
@@ -14,12 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 
 from jaxserve.bench.datasets import DATASETS, build_requests
 from jaxserve.bench.serve import BACKENDS, benchmark, fit_to_model, jsonable
@@ -30,6 +34,16 @@ def _free_port(host: str) -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of a process so far (Linux /proc; None elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def start_server(command: list[str], timeout_lines: int = 100_000):
@@ -89,17 +103,25 @@ def main(argv: list[str] | None = None) -> int:
               f"per run; gRPC {grpc_address}, HTTP {base_url}", flush=True)
         for round_no in range(args.rounds + 1):
             for backend in args.backends:
+                server_cpu, client_cpu = process_cpu_s(proc.pid), time.process_time()
                 result = benchmark(grpc_address if backend == "grpc" else base_url, requests,
                                    max_concurrency=args.max_concurrency, seed=args.seed,
                                    backend=backend, model=info.model_name,
                                    prompt_ids=prompt_ids, timeout=900.0)
+                num_tokens = max(result["total_output_tokens"], 1)
+                client_ms = (time.process_time() - client_cpu) * 1e3 / num_tokens
+                server_ms = None if server_cpu is None else \
+                    (process_cpu_s(proc.pid) - server_cpu) * 1e3 / num_tokens
                 kind = "warm-up" if round_no == 0 else f"round {round_no}"
                 print(f"{kind:>8} {backend:<12} {result['output_throughput']:9.2f} output tok/s"
                       f"  {result['completed']}/{len(requests)} ok  mean TPOT "
-                      f"{result['tpot_s']['mean'] * 1e3:7.2f} ms  mean TTFT "
-                      f"{result['ttft_s']['mean'] * 1e3:8.2f} ms", flush=True)
+                      f"{result['tpot_s']['mean'] * 1e3:7.2f} ms  CPU ms/token: server "
+                      f"{server_ms if server_ms is None else f'{server_ms:.3f}'}, load "
+                      f"generator {client_ms:.3f}", flush=True)
                 result.pop("raw")
-                runs.append(dict(result, backend=backend, round=round_no))
+                runs.append(dict(result, backend=backend, round=round_no,
+                                 server_cpu_ms_per_token=server_ms,
+                                 client_cpu_ms_per_token=client_ms))
     finally:
         proc.send_signal(signal.SIGTERM)
         exit_code = proc.wait(timeout=120)
@@ -112,8 +134,19 @@ def main(argv: list[str] | None = None) -> int:
         mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
         summary[backend] = {"mean_ratio": mean(measured[backend]) / mean(measured["grpc"]),
                             "best_ratio": max(measured[backend]) / max(measured["grpc"])}
+        for side in ("server", "client"):
+            cpu = {b: [r[f"{side}_cpu_ms_per_token"] for r in runs
+                       if r["backend"] == b and r["round"]] for b in ("grpc", backend)}
+            if all(v is not None for vs in cpu.values() for v in vs):
+                summary[backend][f"{side}_cpu_ms_per_token"] = {b: mean(v)
+                                                                for b, v in cpu.items()}
         print(f"{backend} / grpc output tok/s: {summary[backend]['mean_ratio']:.3f} (mean of "
               f"{args.rounds} rounds), {summary[backend]['best_ratio']:.3f} (best of each)")
+        for side in ("server", "client"):
+            cpu = summary[backend].get(f"{side}_cpu_ms_per_token")
+            if cpu:
+                print(f"  {side} CPU ms per output token: grpc {cpu['grpc']:.3f}, {backend} "
+                      f"{cpu[backend]:.3f}")
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(jsonable({"args": vars(args), "server_args": server_args, "runs": runs,
