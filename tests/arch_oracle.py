@@ -23,10 +23,11 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_lay
 # Prompt lengths: all longer than the sliding windows the tests use (8-16), one under a page.
 PROMPT_LENGTHS = (30, 3, 19, 41, 26)
 NUM_GREEDY = 20
-# The engine under test: 16-token budget (prefill in chunks), 4-token pages, and a pool that
-# holds about two of the requests at once, so the others are preempted and recomputed.
+# The engine under test: 16-token budget (prefill in chunks), 4-token pages, and a pool of 16
+# usable pages: just the longest request (41 + 20 tokens), so requests are preempted and
+# recomputed, even for models whose windows let the scheduler give back pages behind them.
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, token_buckets=(16,), seq_buckets=(4,),
-              max_model_len=96, page_size=4, num_pages=28, enable_prefix_caching=False)
+              max_model_len=96, page_size=4, num_pages=17, enable_prefix_caching=False)
 
 
 def prompts(seed: int = 0, vocab: int = 256) -> list[list[int]]:

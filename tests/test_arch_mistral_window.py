@@ -9,7 +9,7 @@ pytest.importorskip("transformers")
 
 import arch_oracle  # noqa: E402
 
-WINDOW = 8
+WINDOW = 16  # 8 would let window page reuse keep all four requests in the pool
 
 
 @pytest.fixture(scope="module")
@@ -22,4 +22,4 @@ class TestMistralWindow(arch_oracle.ArchSuite):
     def test_every_layer_has_the_window(self, case):
         config = case.load("transformers5").config
         assert config.layer_windows == (WINDOW,) * config.num_layers
-        assert max(map(len, case.batch)) > 4 * WINDOW, "prompts must outgrow the window"
+        assert max(map(len, case.batch)) > 2 * WINDOW, "prompts must outgrow the window"
