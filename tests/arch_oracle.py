@@ -103,7 +103,8 @@ def hf_greedy(model, prompt: list[int], num_tokens: int = NUM_GREEDY) -> list[in
 
 
 def last_logits(loaded, batch: list[list[int]], *, layer_loop: str = "unroll",
-                attention_impl: str = "reference", page_size: int = 4) -> np.ndarray:
+                attention_impl: str = "reference", page_size: int = 4,
+                dtype: str = "float32") -> np.ndarray:
     """[len(batch), V]: one ragged prefill step over every prompt of `batch` (pages shuffled)."""
     import jax
     import jax.numpy as jnp
@@ -135,13 +136,14 @@ def last_logits(loaded, batch: list[list[int]], *, layer_loop: str = "unroll",
     attention = get_attention(attention_impl, AttentionShape(
         group=config.num_heads // config.num_kv_heads, num_kv_heads=config.num_kv_heads,
         page_size=page_size, sliding_windows=config.sliding_windows))
-    graphdef, state = nnx.split(Llama(config, loaded.params, layer_loop=layer_loop))
+    graphdef, state = nnx.split(Llama(config, loaded.params, getattr(jnp, dtype),
+                                      layer_loop=layer_loop))
 
     @jax.jit
     def forward(state, inputs, metadata, kv):
         return nnx.merge(graphdef, state)(inputs, metadata, kv, attention)[0]
 
-    kv = init_kv_cache(config, num_pages, page_size)
+    kv = init_kv_cache(config, num_pages, page_size, getattr(jnp, dtype))
     return np.asarray(forward(state, inputs, metadata, kv))
 
 
@@ -248,6 +250,12 @@ class ArchSuite:
         got = last_logits(case.load("transformers5"), case.batch,
                           attention_impl="pallas-interpret")
         assert_logits_close(got, case.want_logits)
+
+    def test_bfloat16_runs_the_same_decoder_within_bfloat16_error(self, case):
+        """The TPU/GPU default dtype: the same code path with every weight, activation and KV
+        page in bfloat16 (tiny models' logits here reach about 5; bf16 keeps ~3 digits)."""
+        got = last_logits(case.load("transformers5"), case.batch, dtype="bfloat16")
+        assert_logits_close(got, case.want_logits, atol=0.25)
 
     def test_saved_hf_directory_reads_back_in_jaxserve_and_transformers(self, case, tmp_path):
         import torch
