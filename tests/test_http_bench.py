@@ -78,6 +78,6 @@ def test_front_ends_compares_grpc_and_http_on_one_server(tmp_path):
     report = json.loads(out.read_text())
     assert code == 0, report
     assert [(r["backend"], r["round"]) for r in report["runs"]] == \
-        [("grpc", 0), ("openai-chat", 0), ("grpc", 1), ("openai-chat", 1)]
+        [("openai-chat", 0), ("grpc", 0), ("grpc", 1), ("openai-chat", 1)]
     assert report["summary"]["openai-chat"]["mean_ratio"] > 0
     assert report["server_exit_code"] == 0

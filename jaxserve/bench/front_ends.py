@@ -4,7 +4,8 @@ Starts one `jaxserve serve` process (gRPC and the OpenAI HTTP API on free loopba
 arguments after `--` go to it), waits until it serves, runs one unmeasured warm-up load per
 backend (so the prefix cache holds every prompt before any measured run, whichever backend comes
 first), then alternates the backends for `--rounds` rounds on the identical workload (dataset,
-seed, concurrency). Prints each run's output tokens/s and the ratio of each HTTP backend to
+seed, concurrency), in A B, B A, A B ... order so that a drift in the machine's load favours
+neither. Prints each run's output tokens/s and the ratio of each HTTP backend to
 gRPC (mean of rounds, and best against best), and the CPU time the server process and this
 load generator spent per output token (a busy machine moves wall-clock throughput far more than
 CPU cost, so this says what each front end costs); `--json` writes every report. SIGTERM ends the
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.max_concurrency}, {sum(r.max_tokens for r in requests)} output tokens "
               f"per run; gRPC {grpc_address}, HTTP {base_url}", flush=True)
         for round_no in range(args.rounds + 1):
-            for backend in args.backends:
+            for backend in args.backends[::-1] if round_no % 2 == 0 else args.backends:
                 server_cpu, client_cpu = process_cpu_s(proc.pid), time.process_time()
                 result = benchmark(grpc_address if backend == "grpc" else base_url, requests,
                                    max_concurrency=args.max_concurrency, seed=args.seed,
