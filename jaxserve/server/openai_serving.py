@@ -6,7 +6,8 @@ AsyncEngine.generate (whose iterator is always closed, so a request whose client
 aborted); it never touches the scheduler, the page manager or the runner, and knows nothing of
 routing, auth or health (http_server.py). Tokenizing and chat templating run on a worker thread,
 never on the event loop. Every refusal is an OpenAIError with the HTTP status, a message naming
-the field and its limit, and the field itself.
+the field and its limit, and the field itself (openai_errors.py, with the parameters refused until
+the engine learns them); walking engine streams, SSE, usage and logprobs are openai_stream.py's.
 """
 
 from __future__ import annotations
