@@ -21,6 +21,7 @@ from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.engine_builder import EngineParts, build_engine
 from jaxserve.metrics import EngineMetrics
 from jaxserve.outputs import RequestOutput
+from jaxserve.processor_slots import bad_words_ids
 from jaxserve.request import FinishReason, Request, SamplingParams, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -106,9 +107,16 @@ class Engine:
             raise ValueError(f"prompt length {len(ids)} + max_tokens {params.max_tokens} = "
                              f"{len(ids) + params.max_tokens} exceeds max_model_len "
                              f"{self.max_model_len}")
+        for name, tokens in (("logit_bias", [t for t, _ in params.logit_bias]),
+                             ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = [t for t in tokens if t >= vocab]
+            if bad:
+                raise ValueError(f"{name} contains token id {bad[0]}, outside the vocabulary "
+                                 f"[0, {vocab})")
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
         return Request(request_id or uuid.uuid4().hex, ids, params, seed,
-                       eos_token_ids=tuple(self.tokenizer.eos_token_ids), priority=priority)
+                       eos_token_ids=tuple(self.tokenizer.eos_token_ids), priority=priority,
+                       bad_words_ids=bad_words_ids(self.tokenizer, params.bad_words))
 
     def add(self, request: Request) -> None:
         limit = self.config.max_queued_requests
@@ -121,7 +129,8 @@ class Engine:
         self._tracked[request.request_id] = _Tracked(
             request,
             RequestOutput(request.request_id, request.prompt_token_ids,
-                          logprobs=[] if request.sampling.logprobs else None),
+                          logprobs=[] if request.sampling.logprobs is not None else None,
+                          top_logprobs=[] if request.sampling.top_logprobs else None),
             IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
                                    request.sampling.stop))
         event = self.scheduler.add(request)
@@ -150,7 +159,8 @@ class Engine:
         start = time.perf_counter()
         plan = self.scheduler.schedule()
         result = self.runner.execute(plan)
-        events = self.scheduler.update(plan, result.token_ids, result.logprobs)
+        events = self.scheduler.update(plan, result.token_ids, result.logprobs, result.top_ids,
+                                       result.top_logprobs)
         self.num_steps += 1
         outputs = self._process(events)
         self._publish_stats()
@@ -196,6 +206,7 @@ class Engine:
             event = dataclasses.replace(
                 event, new_token_ids=event.new_token_ids[:num_used],
                 new_logprobs=event.new_logprobs[:num_used],
+                new_top_logprobs=event.new_top_logprobs[:num_used],
                 finish_reason=None if event.finish_reason is None else FinishReason.STOP)
         reason, error = event.finish_reason, event.error
         if detok.stopped and reason is None:
@@ -208,6 +219,9 @@ class Engine:
         out.new_logprobs = list(event.new_logprobs)
         if out.logprobs is not None:
             out.logprobs.extend(event.new_logprobs)
+        out.new_top_logprobs = [dict(top) for top in event.new_top_logprobs]
+        if out.top_logprobs is not None:
+            out.top_logprobs.extend(out.new_top_logprobs)
         out.new_text = detok.take_delta(final=reason is not None)
         out.text += out.new_text
         out.num_cached_tokens = request.num_cached_tokens
@@ -217,4 +231,5 @@ class Engine:
             del self._tracked[rid]
         return dataclasses.replace(  # a snapshot: later steps must not change it
             out, token_ids=list(out.token_ids),
-            logprobs=None if out.logprobs is None else list(out.logprobs))
+            logprobs=None if out.logprobs is None else list(out.logprobs),
+            top_logprobs=None if out.top_logprobs is None else list(out.top_logprobs))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from jaxserve.config import EngineConfig
 from jaxserve.engine_info import EngineInfo
 from jaxserve.page_manager import PageManager
-from jaxserve.scheduler import Scheduler
+from jaxserve.scheduler import Scheduler, reusable_window
 from jaxserve.swap_space import HostSwapSpace
 
 log = logging.getLogger(__name__)
@@ -80,11 +80,15 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
     max_pages = -(-max_model_len // config.page_size)
     swap = HostSwapSpace(config.swap_space, config.page_size * kv_per_token,
                          page_buckets=powers_of_two(1, max_pages))
+    # Pages no layer of the target (nor of a draft sharing its page tables) can see again
+    # go back to the pool as requests advance: only when every layer has a sliding window.
+    draft_windows = () if speculation.draft is None else (speculation.draft[0].layer_windows,)
     scheduler = Scheduler(
         pages, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
         preemption_mode=config.preemption_mode, enable_chunked_prefill=config.enable_chunked_prefill,
-        batching=config.batching, swap_space=swap, speculation=speculation.policy)
+        batching=config.batching, swap_space=swap, speculation=speculation.policy,
+        kv_window=reusable_window(mc.layer_windows, *draft_windows))
     runner = speculation.wrap(ModelRunner(
         mc, loaded.params, num_pages=num_pages, page_size=config.page_size,
         max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,

@@ -17,7 +17,10 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)  # this step's tokens
     new_text: str = ""                                      # this step's text delta
     new_logprobs: list[float] = field(default_factory=list)
-    logprobs: list[float] | None = None
+    logprobs: list[float] | None = None                     # sampling.logprobs is not None
+    # sampling.logprobs = k > 0: per output token, its k most likely {token id: logprob}
+    new_top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] | None = None
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None

@@ -10,6 +10,32 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class ProcessorInit:
+    """What a freshly assigned processor slot is filled with on device, once per admission
+    (first sampling step after arrival or after a preemption): the token histories the
+    penalties count, and the request's fixed vocabulary masks and biases."""
+
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    logit_bias: tuple[tuple[int, float], ...]   # single-token bad words included, as -inf
+    allowed_token_ids: tuple[int, ...] | None
+    stop_token_ids: tuple[int, ...]             # masked while below min_tokens
+
+
+@dataclass(frozen=True)
+class ProcessorRow:
+    """A request's logits processors for the token it samples this step."""
+
+    slot: int                     # its row in the device-side processor state (0: scratch)
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    suppress_stop: bool           # fewer than min_tokens outputs so far
+    banned: tuple[int, ...]       # multi-token bad words' last tokens, banned this step
+    init: ProcessorInit | None    # set on the step the slot was assigned
+
+
+@dataclass(frozen=True)
 class SamplingRow:
     """Sampling settings of one request for the token it samples this step."""
 
@@ -19,6 +45,8 @@ class SamplingRow:
     min_p: float
     seed: int
     output_index: int  # which output token this is: keys derive from (seed, output_index)
+    top_logprobs: int = 0                    # alternatives to report (sampling.logprobs = k)
+    processors: ProcessorRow | None = None   # None: no logits processor changes this row
 
 
 @dataclass(frozen=True)

@@ -26,9 +26,23 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+MAX_LOGPROBS = 20          # top alternatives per token (logprobs=k), as vLLM's default cap
+MAX_LOGIT_BIAS = 1024      # logit_bias entries (OpenAI documents no cap; vLLM none either)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens. temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off."""
+    """How to pick tokens. temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off.
+
+    Logits processors (vLLM / OpenAI semantics), applied in this order before temperature and
+    the filters: repetition_penalty (over prompt and output tokens: positive logits divided,
+    negative multiplied), frequency_penalty (minus count in the output), presence_penalty
+    (minus once if in the output), logit_bias (token id -> added bias), allowed_token_ids
+    (every other token masked), bad_words (a word's last token masked where its earlier tokens
+    end the output), min_tokens (EOS and stop_token_ids masked until that many outputs).
+    logprobs: None (off), 0 (the sampled token's), k (plus the k most likely alternatives);
+    True / False mean 0 / None. Logprobs are of the processed logits, before temperature.
+    """
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -39,13 +53,30 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    logprobs: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()   # a dict is accepted
+    min_tokens: int = 0
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if isinstance(self.logprobs, bool):
+            object.__setattr__(self, "logprobs", 0 if self.logprobs else None)
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids",
+                               tuple(int(t) for t in self.allowed_token_ids))
+        if isinstance(self.bad_words, str):
+            object.__setattr__(self, "bad_words", (self.bad_words,))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words))
         self.validate()
 
     def validate(self) -> None:
@@ -68,10 +99,46 @@ class SamplingParams:
             bad("stop", self.stop, "non-empty strings")
         if any(t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", self.stop_token_ids, "non-negative token ids")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", self.logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+                bad(name, value, "in [-2, 2]")
+        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 10):
+            bad("repetition_penalty", self.repetition_penalty, "in (0, 10] (1 is off)")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            bad("logit_bias", f"<{len(self.logit_bias)} entries>", f"at most {MAX_LOGIT_BIAS} "
+                "entries")
+        for token, value in self.logit_bias:
+            if token < 0 or not (math.isfinite(value) and -100 <= value <= 100):
+                bad("logit_bias", {token: value}, "token ids >= 0 mapped to biases in [-100, 100]")
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            bad("logit_bias", self.logit_bias, "one bias per token id")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", self.min_tokens, f"an integer in [0, max_tokens={self.max_tokens}]")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids or any(t < 0 for t in self.allowed_token_ids)):
+            bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list of token ids >= 0")
+        if any(not isinstance(w, str) or not w for w in self.bad_words):
+            bad("bad_words", self.bad_words, "non-empty strings")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def uses_processors(self) -> bool:
+        """Whether any logits processor changes this request's logits."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0 or self.logit_bias or self.min_tokens
+                    or self.allowed_token_ids is not None or self.bad_words)
+
+    @property
+    def top_logprobs(self) -> int:
+        """Alternatives reported per token (0: none)."""
+        return self.logprobs or 0
 
 
 @dataclass
@@ -82,6 +149,7 @@ class Request:
     seed: int                      # sampling keys derive from (seed, output index)
     eos_token_ids: tuple[int, ...] = ()
     priority: int = 0              # lower value runs first
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # sampling.bad_words, tokenized
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_seq: int = 0           # tie-break: earlier arrival wins
     output_token_ids: list[int] = field(default_factory=list)
@@ -92,7 +160,6 @@ class Request:
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     error: str | None = None
-    first_token_time: float | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -120,3 +187,5 @@ class TokenEvent:
     new_logprobs: tuple[float, ...]
     finish_reason: FinishReason | None = None
     error: str | None = None
+    # sampling.logprobs = k > 0: per new token, its k most likely (token id, logprob) pairs
+    new_top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()

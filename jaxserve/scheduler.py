@@ -24,6 +24,7 @@ from jaxserve.batching import make_batching_policy
 from jaxserve.engine_info import EngineStats
 from jaxserve.page_manager import PageManager
 from jaxserve.plan import DraftRows, SamplingRow, ScheduledChunk, StepPlan, SwapIn, SwapOut
+from jaxserve.processor_slots import ProcessorSlots
 from jaxserve.request import FinishReason, Request, RequestStatus, TokenEvent
 from jaxserve.swap_space import HostSwapSpace
 
@@ -57,6 +58,10 @@ class Scheduler:
         self.running: list[Request] = []   # sorted by Request.sort_key
         self.swapped: list[Request] = []   # FIFO
         self._dropped_swaps: list[str] = []
+        self.processor_slots = ProcessorSlots(max_num_seqs + 1)
+        # Requests only plain steps compute (logits processors, top logprobs): while any is
+        # in the engine, no step speculates.
+        self._num_plain_only = 0
         self.num_preemptions = 0
         self.num_swaps = 0
 
@@ -67,6 +72,7 @@ class Scheduler:
         needed = self.pages.num_pages_for(total)
         capacity = self.pages.num_pages - 1
         self.requests[request.request_id] = request
+        self._num_plain_only += _plain_only(request)
         if needed > capacity:
             request.error = (f"request needs {needed} KV pages ({total} tokens) but the page "
                              f"pool holds {capacity}; lower max_tokens or the prompt length")
@@ -94,9 +100,11 @@ class Scheduler:
             self.swap_space.release(request.request_id)
             self._dropped_swaps.append(request.request_id)
         self.pages.free(request.request_id)
+        self.processor_slots.release(request.request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        self.requests.pop(request.request_id, None)
+        if self.requests.pop(request.request_id, None) is not None:
+            self._num_plain_only -= _plain_only(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -135,8 +143,9 @@ class Scheduler:
         """Each running request's next token or prefill chunk (plus draft rows when speculating),
         preempting others for pages. Returns (budget left, whether anything was preempted)."""
         preempted = False
-        speculate = self.speculation is not None and self.speculation.should_speculate(
-            sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running))
+        speculate = (self.speculation is not None and self._num_plain_only == 0
+                     and self.speculation.should_speculate(
+                         sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)))
         for index, request in enumerate(list(self.running)):
             if budget == 0:
                 break
@@ -234,6 +243,7 @@ class Scheduler:
         self.running.remove(victim)
         victim.num_preemptions += 1
         self.num_preemptions += 1
+        self.processor_slots.release(victim.request_id)  # refilled from histories on resume
         plan.preempted.append(victim.request_id)
         num_pages = self.pages.num_pages_for(victim.num_computed_tokens)
         num_released = self._release_window(victim)  # only pages still in the window move
@@ -272,16 +282,19 @@ class Scheduler:
         if end == request.num_tokens:
             sp = request.sampling
             sampling = SamplingRow(sp.temperature, sp.top_k, sp.top_p, sp.min_p, request.seed,
-                                   len(request.output_token_ids))
+                                   len(request.output_token_ids), sp.top_logprobs,
+                                   self.processor_slots.row(request))
         return ScheduledChunk(request.request_id, tuple(request.all_token_ids[start:end]), start,
                               tuple(self.pages.page_table(request.request_id)), sampling)
 
     # ---- results ---------------------------------------------------------------------
-    def update(self, plan: StepPlan, token_ids, logprobs) -> list[TokenEvent]:
+    def update(self, plan: StepPlan, token_ids, logprobs, top_ids=None,
+               top_logprobs=None) -> list[TokenEvent]:
         """Apply one step's sampled tokens (index i belongs to plan.chunks[i]).
 
         token_ids[i] is one token, or (speculative steps) a row of tokens: the accepted drafts,
-        then the target's own next token, then -1 padding. logprobs[i] has the same shape."""
+        then the target's own next token, then -1 padding. logprobs[i] has the same shape.
+        top_ids[i] / top_logprobs[i] (plain steps): the most likely alternatives, best first."""
         events, verified = [], []
         for i, chunk in enumerate(plan.chunks):
             request = self.requests.get(chunk.request_id)
@@ -317,8 +330,12 @@ class Scheduler:
                 self._finish(request, reason)
             else:
                 self._release_window(request)
+            top = ()
+            if chunk.sampling.top_logprobs and new_tokens:
+                k = chunk.sampling.top_logprobs
+                top = (tuple(zip(top_ids[i][:k].tolist(), top_logprobs[i][:k].tolist())),)
             events.append(TokenEvent(request.request_id, tuple(new_tokens), tuple(new_logprobs),
-                                     reason))
+                                     reason, new_top_logprobs=top))
         if self.speculation is not None:
             self.speculation.record_step(verified)
         return events
@@ -334,3 +351,9 @@ class Scheduler:
         if request.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
+
+
+def _plain_only(request: Request) -> bool:
+    """Whether only plain steps compute this request (speculative verification applies no
+    logits processor and reports no alternatives)."""
+    return request.sampling.uses_processors or request.sampling.top_logprobs > 0

@@ -16,6 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxserve.request import MAX_LOGPROBS as MAX_TOP_LOGPROBS  # alternatives a row can report
+
+MAX_BANNED = 16  # multi-token bad words' last tokens one row can ban in one step
+
 
 @dataclass
 class ModelInputs:
@@ -61,11 +65,23 @@ class SamplingInputs:
     seeds: np.ndarray           # [S] u32
     output_index: np.ndarray    # [S] i32 keys derive from (seed, output_index)
     any_sampling: np.ndarray    # [] bool: False lets the step skip the sort for top-k/top-p
+    # Logits processors (runner/logits_processors.py); a row without any points at slot 0.
+    processor_slot: np.ndarray      # [S] i32 row of the device processor state
+    presence_penalty: np.ndarray    # [S] f32
+    frequency_penalty: np.ndarray   # [S] f32
+    repetition_penalty: np.ndarray  # [S] f32 (1: off)
+    suppress_stop: np.ndarray       # [S] bool: below min_tokens, stop tokens are masked
+    banned: np.ndarray              # [S, MAX_BANNED] i32 tokens masked this step (-1: none)
+    any_processors: np.ndarray      # [] bool: False skips every processor
+    any_top_logprobs: np.ndarray    # [] bool: False skips the top-k of the log-probabilities
 
     @classmethod
     def empty(cls, s: int) -> "SamplingInputs":
         return cls(np.zeros(s, np.float32), np.zeros(s, np.int32), np.ones(s, np.float32),
                    np.zeros(s, np.float32), np.zeros(s, np.uint32), np.zeros(s, np.int32),
+                   np.zeros((), np.bool_), np.zeros(s, np.int32), np.zeros(s, np.float32),
+                   np.zeros(s, np.float32), np.ones(s, np.float32), np.zeros(s, np.bool_),
+                   np.full((s, MAX_BANNED), -1, np.int32), np.zeros((), np.bool_),
                    np.zeros((), np.bool_))
 
 

@@ -67,11 +67,15 @@ def main() -> int:
         finally:
             for path in sides.values():
                 subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=ROOT)
-    metrics = [k for k, v in runs["before"][0].items() if isinstance(v, float)]
+    metrics = [k for k, v in runs["after"][0].items()
+               if isinstance(v, float) and k in runs["before"][0]]
     summary = {m: {side: statistics.median(run[m] for run in runs[side]) for side in runs}
                for m in metrics}
     for m, s in summary.items():
         s["after/before"] = s["after"] / s["before"]
+    only_after = sorted(set(runs["after"][0]) - set(runs["before"][0]) - {"jaxserve_path"})
+    for m in only_after:  # features the 'before' checkout lacks: reported, not compared
+        summary[m] = {"after": statistics.median(run[m] for run in runs["after"])}
     report = {"before": base, "after": head, "rounds": args.rounds,
               "token_cases": cases, "token_cases_differing": differ,
               "preemptions": {side: t["preemptions"] for side, t in tok.items()},
@@ -79,6 +83,9 @@ def main() -> int:
     print(f"tokens: {len(cases) - len(differ)}/{len(cases)} cases identical"
           + (f"; DIFFER: {', '.join(differ)}" if differ else ""))
     for m, s in summary.items():
+        if "before" not in s:
+            print(f"{m}: after {s['after']:.2f} (no 'before' figure)")
+            continue
         print(f"{m}: before {s['before']:.2f}  after {s['after']:.2f}  "
               f"after/before {s['after/before']:.3f}")
     if args.json_path:

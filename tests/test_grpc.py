@@ -351,3 +351,24 @@ def test_health_is_serving_and_reflection_lists_the_service(served):
     service = DescriptorPool(database).FindServiceByName("jaxserve.v1.JaxServe")  # as grpcurl
     generate = service.methods_by_name["Generate"]
     assert generate.output_type.full_name == "jaxserve.v1.GenerateResponse"
+
+
+def test_processors_and_top_logprobs_cross_the_wire_as_offline(served, small_llm):
+    """Every new SamplingParams field survives the proto both ways; the served tokens and
+    alternatives equal the offline engine's for the same request."""
+    from jaxserve.server import convert
+
+    params = SamplingParams(max_tokens=8, logprobs=3, presence_penalty=0.5,
+                            frequency_penalty=-0.25, repetition_penalty=1.5,
+                            logit_bias={40: 3.0, 41: -5.0}, min_tokens=2,
+                            allowed_token_ids=list(range(30, 100)), bad_words=["zz"], **GREEDY)
+    assert convert.sampling_from_proto(convert.sampling_to_proto(params)) == params
+    old = convert.sampling_from_proto(pb.SamplingParams(logprobs=True))
+    assert old.logprobs == 0 and not old.uses_processors, "an old client's request is unchanged"
+    result = served.client.generate_text("abc", params)
+    want = small_llm.generate(["abc"], params, use_tqdm=False)[0]  # the same tiny model
+    assert result.token_ids == want.token_ids and set(result.token_ids) <= set(range(30, 100))
+    assert len(result.top_logprobs) == 8
+    assert [list(t) for t in result.top_logprobs] == [list(t) for t in want.top_logprobs]
+    np.testing.assert_allclose([v for t in result.top_logprobs for v in t.values()],
+                               [v for t in want.top_logprobs for v in t.values()], rtol=1e-6)

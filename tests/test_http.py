@@ -255,7 +255,15 @@ BAD = [  # (path, json body / raw bytes / chunks, header overrides, status, fiel
     (CHAT, {**H, "max_completion_tokens": 9999}, None, 400, "max_completion_tokens"),
     (CHAT, {**H, "continue_final_message": True}, None, 400, "continue_final_message"),
     (CHAT, {"model": "gpt-4", "messages": M}, None, 404, "model"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}]}, None, 400,
+     "messages[0].content"),  # a lone surrogate: JSON can carry it, no tokenizer can
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x", "name": "\udfff"}]},
+     None, 400, "messages[0].name"),
+    (COMP, {**C, "stop": ["\ud800"]}, None, 400, "stop"),
+    ("/tokenize", {"prompt": "a\ud800"}, None, 400, "prompt"),
     (CHAT, b"{not json", None, 400, "body"),
+    (CHAT, b'{"model": "\xff\xfe"}', None, 400, "body"),  # not UTF-8
+    (COMP, b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, 400, "body"),
     (CHAT, b"[1, 2]", None, 400, "body"),
     (CHAT, b"x" * (2 << 20), None, 413, "body"),
     (CHAT, [b"{" + b" " * (1 << 16)] * 20, None, 413, "body"),  # chunked: no Content-Length

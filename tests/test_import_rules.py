@@ -12,7 +12,8 @@ HOST_SIDE = ["jaxserve.scheduler", "jaxserve.page_manager", "jaxserve.swap_space
              "jaxserve.request", "jaxserve.plan", "jaxserve.metrics", "jaxserve.batching",
              "jaxserve.step_inputs", "jaxserve.engine_info", "jaxserve.outputs",
              "jaxserve.runner.batch", "jaxserve.runner.buckets", "jaxserve.runner.protocol",
-             "jaxserve.spec.batch", "jaxserve.spec.policy", "jaxserve.spec.ngram"]
+             "jaxserve.spec.batch", "jaxserve.spec.policy", "jaxserve.spec.ngram",
+             "jaxserve.processor_slots"]
 
 
 @pytest.mark.parametrize("module", HOST_SIDE)

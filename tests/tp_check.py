@@ -29,6 +29,7 @@ from scale_out_fixtures import LEAN_ENGINE, mixed_requests, save_tiny_checkpoint
 from jaxserve.llm import LLM  # noqa: E402
 from jaxserve.model.sharding import make_mesh  # noqa: E402
 from jaxserve.runner import tensor_parallel  # noqa: E402
+from jaxserve.step_inputs import StepInputs  # noqa: E402
 
 RUNS = [  # (tensor_parallel_size, layer_loop, preemption_mode)
     (1, "unroll", "recompute"), (2, "scan", "swap"), (4, "unroll", "recompute")]
@@ -74,7 +75,8 @@ def serve(checkpoint: Path, tp: int, layer_loop: str, preemption_mode: str, **sp
             "weights": state_shardings(runner.state),
             "kv": [describe(x) for x in runner.kv],
             "inputs_replicated": all(s.is_fully_replicated for s in step_inputs),
-            "num_step_inputs": len(step_inputs)}
+            "num_step_inputs": len(step_inputs),
+            "num_input_leaves": len(jax.tree.leaves(StepInputs.empty(16, 4, 2)))}
 
 
 def error_of(fn) -> str | None:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxserve.plan import ScheduledChunk, StepPlan
+from jaxserve.plan import ProcessorRow, ScheduledChunk, StepPlan
 from jaxserve.runner.buckets import BucketTable
-from jaxserve.step_inputs import StepInputs
+from jaxserve.step_inputs import SamplingInputs, StepInputs
 
 
 def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
@@ -28,7 +28,7 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
     p = buckets.max_pages_per_request
     b = StepInputs.empty(t, s, p)
     m, a, sp = b.model, b.attention, b.sampling
-    row = 0
+    row, any_processors, any_top = 0, False, False
     for i, chunk in enumerate(chunks):
         n = chunk.num_tokens
         pos = np.arange(chunk.start_position, chunk.kv_len, dtype=np.int32)
@@ -48,6 +48,10 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
             sp.temperature[i], sp.top_k[i], sp.top_p[i], sp.min_p[i] = (
                 sr.temperature, sr.top_k, sr.top_p, sr.min_p)
             sp.seeds[i], sp.output_index[i] = sr.seed, sr.output_index
+            any_top |= sr.top_logprobs > 0
+            if sr.processors is not None:
+                _fill_processors(sp, i, sr.processors)
+                any_processors = True
         row += n
     num_seqs = len(chunks)
     a.num_decode_seqs[...] = next((i for i, c in enumerate(chunks) if c.num_tokens != 1),
@@ -58,7 +62,16 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
     a.cu_q_lens[num_seqs + 1:] = row
     a.num_seqs[...] = num_seqs
     sp.any_sampling[...] = bool(np.any(sp.temperature[:num_seqs] > 0))
+    sp.any_processors[...] = any_processors
+    sp.any_top_logprobs[...] = any_top
     return b
+
+
+def _fill_processors(sp: SamplingInputs, i: int, pr: ProcessorRow) -> None:
+    sp.processor_slot[i] = pr.slot
+    sp.presence_penalty[i], sp.frequency_penalty[i] = pr.presence_penalty, pr.frequency_penalty
+    sp.repetition_penalty[i], sp.suppress_stop[i] = pr.repetition_penalty, pr.suppress_stop
+    sp.banned[i, :len(pr.banned)] = pr.banned
 
 
 def _fill_finished_slots(b: StepInputs, chunks: list[ScheduledChunk], first: int, row: int,

@@ -1,7 +1,9 @@
-"""ModelRunner: owns every device array of a plain step (weights, KV pages, host swap copies).
+"""ModelRunner: owns every device array of a plain step (weights, KV pages, host swap copies,
+the logits processors' state).
 
 It turns a StepPlan into StepInputs (runner/batch.py) and one call of its CompiledStep
-(forward -> sample, KV donated), and returns plain numpy results. Every (tokens, requests)
+(forward -> logits processors -> sample, KV and processor state donated), and returns plain
+numpy results. Every (tokens, requests)
 bucket is compiled ahead of time; a shape outside the table raises instead of compiling. It
 never decides what runs: that is the scheduler's job. runner/protocol.py declares what every
 runner (plain, speculative, multi-host leader / follower) offers the engine.
@@ -23,9 +25,11 @@ from jaxserve.plan import StepPlan
 from jaxserve.runner.batch import build_step_inputs
 from jaxserve.runner.buckets import BucketTable
 from jaxserve.runner.compiled_step import CompiledStep
+from jaxserve.runner import logits_processors
 from jaxserve.runner.kv_cache import DeviceKV
+from jaxserve.runner.logits_processors import ProcessorState
 from jaxserve.runner.protocol import StepResult
-from jaxserve.runner.sampler import sample
+from jaxserve.runner.sampler import sample, top_logprobs
 from jaxserve.runner.tensor_parallel import Placement
 from jaxserve.step_inputs import StepInputs
 
@@ -56,22 +60,35 @@ def enable_compile_cache(cache_dir: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def pack(tokens, logprobs):
-    """One packed i32 array -> one device-to-host copy per step. [2, ...]"""
+def pack(tokens, logprobs, top=None):
+    """One packed i32 array -> one device-to-host copy per step: [2, S] (tokens, logprob bits),
+    or with top = (ids, logprobs) [S, K]: [2, S, 1 + K] (the sampled token first)."""
+    if top is not None:
+        tokens = jnp.concatenate([tokens[:, None], top[0]], axis=1)
+        logprobs = jnp.concatenate([logprobs[:, None], top[1]], axis=1)
     return jnp.stack([tokens, jax.lax.bitcast_convert_type(logprobs, jnp.int32)])
 
 
-def unpack(packed: np.ndarray, num_chunks: int) -> StepResult:
-    return StepResult(packed[0, :num_chunks].copy(),
-                      packed[1, :num_chunks].view(np.float32).copy())
+def unpack(packed: np.ndarray, num_chunks: int, with_top: bool = False) -> StepResult:
+    """with_top: packed is pack(..., top) of a plain step; else [2, S, ...] rows as they are."""
+    tokens, logprobs = packed[0, :num_chunks], packed[1, :num_chunks].view(np.float32)
+    if not with_top:
+        return StepResult(tokens.copy(), logprobs.copy())
+    return StepResult(tokens[:, 0].copy(), logprobs[:, 0].copy(), tokens[:, 1:].copy(),
+                      logprobs[:, 1:].copy())
 
 
 def plain_step(graphdef, attention, state, kv, inputs: StepInputs):
-    """forward -> sample. Returns (packed [2, S] i32, kv)."""
+    """forward -> logits processors -> sample (+ top-k logprobs). kv: (KV pages, processor
+    state). Returns (packed [2, S, 1 + K] i32, kv)."""
+    kv_pages, processors = kv
     model = nnx.merge(graphdef, state)
-    logits, kv = model(inputs.model, inputs.attention, kv, attention)
-    tokens, logprobs = sample(logits, inputs.sampling)
-    return pack(tokens, logprobs), kv
+    logits, kv_pages = model(inputs.model, inputs.attention, kv_pages, attention)
+    sp = inputs.sampling
+    logits = logits_processors.apply_if_any(logits, sp, processors)
+    tokens, logprobs = sample(logits, sp)
+    processors = logits_processors.record_if_any(processors, sp, tokens)
+    return pack(tokens, logprobs, top_logprobs(logits, sp)), (kv_pages, processors)
 
 
 class ModelRunner:
@@ -97,12 +114,14 @@ class ModelRunner:
         self.placement = Placement(mesh, model_config)
         self.graphdef, state = self.placement.model(params, self.dtype, self.layer_loop)
         self.cache = self.new_cache(self.placement)
+        self.processors = ProcessorState(max_num_seqs + 1, model_config.vocab_size,
+                                         self.placement.replicated)
         self.attention = self.placement.attention(attention_impl, page_size)
         step = functools.partial(plain_step, self.graphdef, self.attention)
         p = self.buckets.max_pages_per_request
-        self.step = CompiledStep("step", step, state, (self.cache,), self.buckets,
-                                 lambda shape: StepInputs.empty(*shape, p),
-                                 **self.placement.jit_shardings())
+        self.step = CompiledStep("step", step, state, (self.cache, self.processors),
+                                 self.buckets, lambda shape: StepInputs.empty(*shape, p),
+                                 **self.placement.jit_shardings(processor_state=True))
 
     def new_cache(self, placement: Placement) -> DeviceKV:
         """A zeroed KV cache for placement's model over this runner's page pool."""
@@ -124,16 +143,18 @@ class ModelRunner:
     def warmup(self, progress: bool = True) -> None:
         self.step.warmup(progress)
         self.cache.warmup()
+        self.processors.warmup()
 
     def wait(self) -> None:
-        jax.block_until_ready((self.state, self.kv))
+        jax.block_until_ready((self.state, self.kv, self.processors.arrays))
 
     def close(self) -> None:
         pass
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.cache.apply_swaps(plan)
+        self.processors.apply_inits(plan)
         if not plan.chunks:
             return StepResult(np.zeros(0, np.int32), np.zeros(0, np.float32))
         inputs = build_step_inputs(plan, self.buckets, self.page_size)
-        return unpack(np.asarray(self.step.run(inputs)), len(plan.chunks))
+        return unpack(np.asarray(self.step.run(inputs)), len(plan.chunks), with_top=True)

@@ -23,6 +23,10 @@ class StepResult:
     # entries of chunks that do not sample are meaningless.
     token_ids: np.ndarray
     logprobs: np.ndarray   # f32, the shape of token_ids
+    # Plain steps: [num_chunks, MAX_TOP_LOGPROBS] most likely token ids and their logprobs
+    # (zeros when no row asked); None from speculative steps (which never carry such rows).
+    top_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
 
 
 class Runner(Protocol):

@@ -1,4 +1,5 @@
-"""Token sampling inside the compiled step: greedy, temperature, top-k, top-p, min-p.
+"""Token sampling inside the compiled step: greedy, temperature, top-k, top-p, min-p, and the
+top-k log-probabilities a request may ask for.
 
 Each request's key derives from (its seed, the index of the output token), so a seeded request
 samples the same tokens whatever else shares the batch. When no row samples, a lax.cond skips
@@ -10,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxserve.step_inputs import SamplingInputs
+from jaxserve.step_inputs import MAX_TOP_LOGPROBS, SamplingInputs
 
 _BASE_KEY = 0x6A61  # arbitrary fixed root; keys differ per (seed, output index)
 
@@ -57,3 +58,19 @@ def sample(logits, sampling: SamplingInputs):
     tokens = jax.lax.cond(any_sampling, sampled, lambda _: greedy, None)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+
+
+def top_logprobs(logits, sampling: SamplingInputs):
+    """The MAX_TOP_LOGPROBS most likely tokens of each row and their log-probabilities:
+    (ids [S, K] i32, logprobs [S, K] f32); zeros, without the top-k, when no row asked."""
+    num_rows = logits.shape[0]
+
+    def top(x):
+        values, ids = jax.lax.top_k(jax.nn.log_softmax(x, axis=-1), MAX_TOP_LOGPROBS)
+        return ids.astype(jnp.int32), values
+
+    def none(x):
+        return (jnp.zeros((num_rows, MAX_TOP_LOGPROBS), jnp.int32),
+                jnp.zeros((num_rows, MAX_TOP_LOGPROBS), jnp.float32))
+
+    return jax.lax.cond(sampling.any_top_logprobs, top, none, logits)

@@ -125,15 +125,23 @@ class Placement:
         backend = get_attention(impl, shape)
         return backend if self.mesh is None else _ShardedAttention(backend, self.mesh)
 
-    def jit_shardings(self, num_caches: int = 1, with_out: bool = True) -> dict:
+    def jit_shardings(self, num_caches: int = 1, with_out: bool = True,
+                      processor_state: bool = False) -> dict:
         """jax.jit keywords for a step -> (out, kv): out (packed tokens) replicated, kv one
         (K, V) pair or a tuple of num_caches pairs, each in the KV sharding; with_out False:
-        the step returns (None, kv)."""
+        the step returns (None, kv). processor_state: kv is (KV pair, the logits processors'
+        four arrays, replicated)."""
         if self.mesh is None:
             return {}
         pair = (self.kv_sharding, self.kv_sharding)
         kv = pair if num_caches == 1 else (pair,) * num_caches
+        if processor_state:
+            kv = (kv, (self.replicated,) * 4)
         return {"out_shardings": (sharding.replicated(self.mesh) if with_out else None, kv)}
+
+    @property
+    def replicated(self) -> NamedSharding | None:
+        return None if self.mesh is None else sharding.replicated(self.mesh)
 
 
 class _ShardedAttention:

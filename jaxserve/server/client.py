@@ -43,6 +43,7 @@ class GenerateResult:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # logprobs = k > 0
     finish_reason: str | None = None       # "stop" or "length"
     usage: pb.Usage | None = None
     text_deltas: list[str] = field(default_factory=list)
@@ -85,6 +86,8 @@ class JaxServeClient:
                 result.text_deltas.append(response.text)
                 result.token_ids.extend(response.token_ids)
                 result.logprobs.extend(response.logprobs)
+                result.top_logprobs.extend(dict(zip(top.token_ids, top.logprobs))
+                                           for top in response.top_logprobs)
                 if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                     result.finish_reason = convert.FINISH_REASON_NAMES[response.finish_reason]
                     result.usage = response.usage

@@ -12,7 +12,8 @@ from jaxserve.request import SamplingParams
 from jaxserve.server.pb import jaxserve_pb2 as pb
 
 _OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
-                             "ignore_eos", "logprobs")
+                             "ignore_eos", "presence_penalty", "frequency_penalty",
+                             "repetition_penalty", "min_tokens")
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 FINISH_REASON_NAMES = {value: name for name, value in FINISH_REASONS.items()}
 
@@ -22,7 +23,14 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     """Raises ValueError naming the field, the value and the limit (SamplingParams.validate)."""
     kwargs = {name: getattr(msg, name) for name in _OPTIONAL_SAMPLING_FIELDS
               if msg.HasField(name)}
+    if msg.HasField("top_logprobs") and msg.top_logprobs != 0:
+        kwargs["logprobs"] = msg.top_logprobs  # validated there: in [0, 20]
+    elif msg.HasField("logprobs"):
+        kwargs["logprobs"] = 0 if msg.logprobs else None
+    if msg.HasField("allowed_token_ids"):
+        kwargs["allowed_token_ids"] = tuple(msg.allowed_token_ids.ids)
     return SamplingParams(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
+                          logit_bias=dict(msg.logit_bias), bad_words=tuple(msg.bad_words),
                           **kwargs)
 
 
@@ -56,6 +64,8 @@ def response_from_output(out, with_logprobs: bool) -> pb.GenerateResponse:
                                    token_ids=[int(t) for t in out.new_token_ids])
     if with_logprobs:
         response.logprobs.extend(float(x) for x in out.new_logprobs)
+    for top in out.new_top_logprobs:
+        response.top_logprobs.add(token_ids=list(top), logprobs=list(top.values()))
     if out.finished:
         response.finish_reason = FINISH_REASONS[out.finish_reason]
         response.usage.prompt_tokens = len(out.prompt_token_ids)
@@ -73,9 +83,17 @@ def sampling_to_proto(params: SamplingParams | None) -> pb.SamplingParams:
     msg = pb.SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature,
                             top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
                             stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
-                            ignore_eos=params.ignore_eos, logprobs=params.logprobs)
+                            ignore_eos=params.ignore_eos, logprobs=params.logprobs is not None,
+                            top_logprobs=params.top_logprobs,
+                            presence_penalty=params.presence_penalty,
+                            frequency_penalty=params.frequency_penalty,
+                            repetition_penalty=params.repetition_penalty,
+                            logit_bias=dict(params.logit_bias), min_tokens=params.min_tokens,
+                            bad_words=list(params.bad_words))
     if params.seed is not None:
         msg.seed = params.seed
+    if params.allowed_token_ids is not None:
+        msg.allowed_token_ids.ids.extend(params.allowed_token_ids)
     return msg
 
 

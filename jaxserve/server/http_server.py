@@ -193,8 +193,12 @@ def build_app(settings: HttpSettings, state: GateState) -> FastAPI:
     async def http_error(request: Request, exc: StarletteHTTPException):
         message = (f"no route {request.method} {request.url.path}" if exc.status_code in
                    (404, 405) else str(exc.detail))
+        param = None
+        if exc.status_code == 400:  # FastAPI could not read the body: bad UTF-8, too deep
+            message, param = (f"the request body is not valid JSON ({exc.detail.lower()}: "
+                              f"invalid UTF-8, or nested too deeply?)"), "body"
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        error = OpenAIError(exc.status_code, message, None, kind)
+        error = OpenAIError(exc.status_code, message, param, kind)
         return JSONResponse(error.body(), exc.status_code, getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)

@@ -3,19 +3,31 @@
 Requests validate types and ranges (the limits are in the schema, so /openapi.json documents
 them and a bad value is a 400 naming the field and its limit); unknown fields are refused, so a
 parameter jaxserve does not know is never silently ignored. Parameters it knows but cannot honour
-yet are modelled here and refused in openai_serving.UNSUPPORTED. Plain data: no engine, no I/O.
+yet are modelled here and refused in openai_errors.UNSUPPORTED. Plain data: no engine, no I/O.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+
+def _unicode(value: str) -> str:
+    """JSON may escape a lone surrogate ("\\ud800"); no tokenizer can encode one."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"must be valid Unicode text: a lone surrogate "
+                         f"{value[exc.start]!r} at position {exc.start}") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_unicode)]  # every string that reaches the tokenizer
+NonEmptyText = Annotated[Text, Field(min_length=1)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
 TokenIds = Annotated[list[NonNegativeInt], Field(min_length=1)]
-StopStrings = Union[Annotated[str, Field(min_length=1)],
-                    list[Annotated[str, Field(min_length=1)]]]
+StopStrings = Union[NonEmptyText, list[NonEmptyText]]
 
 
 class _Strict(BaseModel):
@@ -51,8 +63,8 @@ class _SamplingFields(_Strict):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[Annotated[str, Field(min_length=1)],
-                  Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)],
+    prompt: Union[NonEmptyText,
+                  Annotated[list[NonEmptyText], Field(min_length=1)],
                   TokenIds,
                   Annotated[list[TokenIds], Field(min_length=1)]]
     echo: bool = False
@@ -63,13 +75,13 @@ class CompletionRequest(_SamplingFields):
 
 class TextPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, Annotated[list[TextPart], Field(min_length=1)]]
-    name: str | None = None
+    content: Union[Text, Annotated[list[TextPart], Field(min_length=1)]]
+    name: Text | None = None
 
 
 class ResponseFormat(_Strict):
@@ -89,7 +101,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 class TokenizeCompletionRequest(_Strict):
     model: str | None = None
-    prompt: str
+    prompt: Text
     add_special_tokens: bool = True
 
 

@@ -32,6 +32,10 @@ def build_spec_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
         extra = () if d is None else (d.token_ids or (0,) * d.num_tokens)
         chunks.append(dataclasses.replace(c, token_ids=c.token_ids + extra))
     step = build_step_inputs(plan, buckets, page_size, chunks=chunks, shape=(t, s))
+    if step.sampling.any_processors or step.sampling.any_top_logprobs:
+        # The scheduler never speculates while such a request is in the engine.
+        raise ValueError("a speculative step carries logits processors or top logprobs; the "
+                         "verification does not compute them")
     r = num_logit_rows(t, s, k)
     step.model.logits_indices = np.zeros(r, np.int32)  # [R] verification rows (padding: 0)
     verify = VerifyInputs.empty(r, s)
