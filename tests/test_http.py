@@ -196,6 +196,12 @@ M = [{"role": "user", "content": "hi"}]
 C = {"model": MODEL, "prompt": "x"}
 H = {"model": MODEL, "messages": M}
 NO_TYPE = {"Content-Type": None}
+
+
+def ascii_json(body) -> bytes:
+    return json.dumps(body).encode()  # escapes what UTF-8 cannot hold
+
+
 BAD = [  # (path, json body / raw bytes / chunks, header overrides, status, field named)
     (COMP, {"model": MODEL, "prompt": 5}, None, 400, "prompt"),
     (COMP, {"model": MODEL}, None, 400, "prompt"),
@@ -255,12 +261,14 @@ BAD = [  # (path, json body / raw bytes / chunks, header overrides, status, fiel
     (CHAT, {**H, "max_completion_tokens": 9999}, None, 400, "max_completion_tokens"),
     (CHAT, {**H, "continue_final_message": True}, None, 400, "continue_final_message"),
     (CHAT, {"model": "gpt-4", "messages": M}, None, 404, "model"),
-    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}]}, None, 400,
-     "messages[0].content"),  # a lone surrogate: JSON can carry it, no tokenizer can
-    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x", "name": "\udfff"}]},
+    # A lone surrogate: JSON can carry it ("\ud800"), no tokenizer can encode it.
+    (CHAT, ascii_json({"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}]}),
+     None, 400, "messages[0].content"),
+    (CHAT, ascii_json({"model": MODEL, "messages": [{"role": "user", "content": "x",
+                                                      "name": "\udfff"}]}),
      None, 400, "messages[0].name"),
-    (COMP, {**C, "stop": ["\ud800"]}, None, 400, "stop"),
-    ("/tokenize", {"prompt": "a\ud800"}, None, 400, "prompt"),
+    (COMP, ascii_json({**C, "stop": ["\ud800"]}), None, 400, "stop"),
+    ("/tokenize", ascii_json({"prompt": "a\ud800"}), None, 400, "prompt"),
     (CHAT, b"{not json", None, 400, "body"),
     (CHAT, b'{"model": "\xff\xfe"}', None, 400, "body"),  # not UTF-8
     (COMP, b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, 400, "body"),
