@@ -16,8 +16,8 @@ from jaxserve.model.config import ModelConfig  # noqa: E402
 WINDOW = 8
 # Untied: a tiny random Gemma with a tied head greedily repeats its last token forever (the
 # scaled embedding dominates the residual), which would make the greedy check toothless.
-GEMMA3 = dict(num_hidden_layers=4, tie_word_embeddings=False, sliding_window=WINDOW, sliding_window_pattern=2,
-              query_pre_attn_scalar=24, final_logit_softcapping=3.0, rope_parameters={
+GEMMA3 = dict(num_hidden_layers=4, tie_word_embeddings=False, sliding_window=WINDOW,
+              sliding_window_pattern=2, query_pre_attn_scalar=24, final_logit_softcapping=3.0, rope_parameters={
                   "full_attention": {"rope_type": "linear", "factor": 2.0,
                                      "rope_theta": 1_000_000.0},
                   "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
