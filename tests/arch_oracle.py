@@ -20,12 +20,14 @@ import pytest
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-# Prompt lengths: all longer than the sliding windows the tests use (8-16), one under a page.
+# Prompt lengths: all but one longer than the sliding windows the tests use (8-16); one (3)
+# fits in a page.
 PROMPT_LENGTHS = (30, 3, 19, 41, 26)
 NUM_GREEDY = 20
 # The engine under test: 16-token budget (prefill in chunks), 4-token pages, and a pool of 16
 # usable pages: just the longest request (41 + 20 tokens), so requests are preempted and
 # recomputed, even for models whose windows let the scheduler give back pages behind them.
+# No prefix cache: a preempted request really recomputes its KV.
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, token_buckets=(16,), seq_buckets=(4,),
               max_model_len=96, page_size=4, num_pages=17, enable_prefix_caching=False)
 
