@@ -206,7 +206,5 @@ class ModelConfig:
         return cls.from_hf_dict(json.loads(path.read_text()), name=name or Path(directory).name)
 
 
-# Families gguf_loader maps tensors for (it imports this; every family runs from HF checkpoints).
-RUNNABLE_ARCHITECTURES = ("llama", "mistral", "qwen2")
 # MLP activations by their transformers names.
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu_new", "gelu")
