@@ -138,6 +138,37 @@ def test_a_non_streaming_request_whose_client_disconnects_is_aborted(server):
     assert wait_for(lambda: pages_all_free(server))
 
 
+def test_a_stream_whose_client_leaves_while_it_waits_in_the_queue_is_aborted(server):
+    before = metric(server, ABORTED)
+    busy = {"model": "tiny-llama", "prompt": "hold a slot", "max_tokens": 60, **GREEDY}
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+            runners = [asyncio.ensure_future(http.post("/v1/completions", json=busy))
+                       for _ in range(2)]  # both running slots
+            assert await asyncio.to_thread(
+                wait_for, lambda: metric(server, "jaxserve_num_requests_running") == 2)
+            await asyncio.to_thread(send_and_leave_while_waiting, server)
+            return await asyncio.gather(*runners)
+
+    for r in asyncio.run(scenario()):
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 60, r.text
+    assert wait_for(lambda: metric(server, ABORTED) - before == 1), \
+        "the queued stream of a client that went away must be aborted"
+    assert wait_for(lambda: pages_all_free(server))
+
+
+def send_and_leave_while_waiting(server) -> None:
+    body = json.dumps({"model": "tiny-llama", "prompt": "queued", "max_tokens": 5,
+                       "stream": True, **GREEDY}).encode()
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        assert wait_for(lambda: metric(server, "jaxserve_num_requests_waiting") == 1), \
+            "the third request never queued"
+
+
 def test_sigterm_drains_http_and_grpc_streams_in_flight_then_exits_0(server):
     """Runs last: it ends the server process."""
     body = {"model": "tiny-llama", "prompt": "drain me", "max_tokens": 100, "stream": True,

@@ -61,10 +61,10 @@ class _EventStream(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    async def stream_response(self, send) -> None:
+    async def __call__(self, scope, receive, send) -> None:
         try:
-            await super().stream_response(send)
-        finally:
+            await super().__call__(scope, receive, send)
+        finally:  # also when streaming never began (the client left before the first event)
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()
 

@@ -24,8 +24,9 @@ from jaxserve.server import openai_protocol as api
 from jaxserve.server.chat_prompt import render_chat, with_chat_template
 from jaxserve.server.openai_errors import (OpenAIError, bad_request, check_supported,
                                            error_for_exception)
-from jaxserve.server.openai_stream import (SSE_DONE, chat_logprobs, completion_logprobs,
-                                           final, finish_reason, merged, sse, usage)
+from jaxserve.server.openai_stream import (SSE_DONE, EventStream, chat_logprobs,
+                                           completion_logprobs, final, finish_reason, merged,
+                                           sse, usage)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -148,7 +149,8 @@ class OpenAIServing:
             echoes = [t if t is not None else await self._in_thread(self.tokenizer.decode, ids)
                       for t, ids in zip(texts, prompts)]
         if request.stream:
-            return self._completion_stream(request, request_id, created, started, echoes)
+            return EventStream(self._completion_stream(request, request_id, created,
+                                                       started, echoes), started)
         outs = await asyncio.gather(*(final(f, s) for f, s in started))
         choices = [api.CompletionChoice(
             index=i, text=echoes[i] + out.text, finish_reason=finish_reason(out),
@@ -202,7 +204,8 @@ class OpenAIServing:
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         started = await self._start(request_id, [ids], [params], "messages")
         if request.stream:
-            return self._chat_stream(request, request_id, created, started)
+            return EventStream(self._chat_stream(request, request_id, created, started),
+                               started)
         out = await final(*started[0])
         choice = api.ChatChoice(
             index=0, message=api.AssistantMessage(content=out.text),

@@ -94,6 +94,23 @@ async def merged(started) -> AsyncIterator[tuple[int, RequestOutput]]:
             await stream.aclose()
 
 
+class EventStream:
+    """SSE event strings from `events`, an async generator over `started` (first output,
+    engine stream) pairs. aclose() closes the generator and every engine stream, so the
+    requests are aborted even if iteration never began."""
+
+    def __init__(self, events, started):
+        self.events, self.started = events, started
+
+    def __aiter__(self):
+        return self.events
+
+    async def aclose(self) -> None:
+        await self.events.aclose()
+        for _, stream in self.started:
+            await stream.aclose()
+
+
 # ---- sampled-token logprobs (no top-k alternatives yet: see openai_errors.UNSUPPORTED) ----------
 def _pieces(tokenizer, token_ids) -> list[str]:
     """Each token's own text (a byte-level token cut inside a character decodes to U+FFFD)."""
