@@ -1,0 +1,200 @@
+"""GrammarMatcher: one request's position in its grammar, and the allowed-token bitmask of the
+next step; `fill_batch` writes one step's bitmasks for a batch.
+
+A bitmask row is int32 [ceil(vocab_size / 32)] over the model's vocabulary, bit `t % 32` of word
+`t // 32` set when token t is allowed (llguidance's and xgrammar's layout, which the compiled
+step unpacks). Ids the tokenizer does not know (the model's embedding may have more rows) are
+never allowed. Once the grammar is complete and nothing may follow, only EOS is allowed; when
+it is complete but may go on (a regex `a+`), EOS is one of the allowed tokens. Accepting a
+token the grammar rejects changes nothing and returns False, so a bug upstream can't corrupt
+the state. Runs on the engine thread only: a matcher is not thread-safe, and this module must
+not import jax.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import llguidance as llg
+import numpy as np
+
+from jaxserve.structured.compiler import CompiledGrammar
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words in one bitmask row."""
+    return (vocab_size + 31) // 32
+
+
+@functools.lru_cache(maxsize=8)
+def _known_ids(num_known: int, vocab_size: int) -> np.ndarray:
+    """int32 [ceil(vocab_size / 32)]: bits set for ids < num_known (and < vocab_size)."""
+    bits = np.zeros(bitmask_words(vocab_size) * 32, dtype=np.uint8)
+    bits[:min(num_known, vocab_size)] = 1
+    words = np.packbits(bits, bitorder="little").view(np.int32)
+    words.flags.writeable = False
+    return words
+
+
+@functools.lru_cache(maxsize=8)
+def _eos_row(eos_ids: tuple[int, ...], vocab_size: int) -> np.ndarray:
+    bits = np.zeros(bitmask_words(vocab_size) * 32, dtype=np.uint8)
+    bits[[t for t in eos_ids if t < vocab_size]] = 1
+    words = np.packbits(bits, bitorder="little").view(np.int32)
+    words.flags.writeable = False
+    return words
+
+
+@functools.lru_cache(maxsize=1)
+def _executor() -> "llg.LLExecutor":
+    return llg.LLExecutor(2)
+
+
+class GrammarMatcher:
+    """One request's grammar state: accept sampled tokens, roll back rejected drafts, fill the
+    next step's bitmask."""
+
+    def __init__(self, compiled: CompiledGrammar):
+        self.compiled = compiled
+        self.vocab_size = compiled.vocab_size
+        self.num_words = bitmask_words(compiled.vocab_size)
+        self._ll_words = bitmask_words(compiled.tokenizer.vocab_size)
+        self._known = _known_ids(compiled.tokenizer_vocab_size, compiled.vocab_size)
+        self._eos = frozenset(compiled.tokenizer.eos_tokens)
+        self._eos_row = _eos_row(tuple(sorted(self._eos)), compiled.vocab_size)
+        self._m = compiled.template.deep_copy()
+        self.num_accepted = 0              # tokens accepted and not rolled back
+        self._eos_at: int | None = None    # num_accepted right after the EOS was accepted
+
+    # ---- state ---------------------------------------------------------------------------------
+    def is_accepting(self) -> bool:
+        """The output so far is complete: EOS is allowed now."""
+        return self._m.is_accepting()
+
+    def is_stopped(self) -> bool:
+        """Complete, and nothing but EOS may follow."""
+        return self._m.is_stopped()
+
+    def is_terminated(self) -> bool:
+        """The EOS was accepted: the constrained output is finished."""
+        return self._eos_at is not None
+
+    def error(self) -> str | None:
+        """llguidance's error, if its state broke (never expected: rejected tokens are refused
+        before they reach it)."""
+        return self._m.get_error() if self._m.is_error() else None
+
+    # ---- tokens --------------------------------------------------------------------------------
+    def num_valid(self, tokens: Sequence[int]) -> int:
+        """How many leading `tokens` the grammar would accept (no state change)."""
+        tokens = [int(t) for t in tokens]
+        if self.is_terminated() or not tokens:
+            return 0
+        if self._m.is_stopped():  # llguidance's validate_tokens counts no EOS once stopped
+            return int(tokens[0] in self._eos)
+        return self._m.validate_tokens(tokens)
+
+    def accept(self, tokens: Sequence[int]) -> bool:
+        """Advance over all of `tokens` when the grammar accepts every one; otherwise change
+        nothing and return False."""
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            return True
+        if self.num_valid(tokens) != len(tokens):
+            return False
+        if not self._m.consume_tokens(tokens):
+            raise RuntimeError(f"grammar matcher broke on validated tokens: {self.error()}")
+        self.num_accepted += len(tokens)
+        if tokens[-1] in self._eos:
+            self._eos_at = self.num_accepted
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (rejected speculative drafts)."""
+        if num_tokens < 0 or num_tokens > self.num_accepted:
+            raise ValueError(f"can't roll back {num_tokens} tokens: {self.num_accepted} accepted")
+        if num_tokens == 0:
+            return
+        if not self._m.rollback(num_tokens):
+            raise RuntimeError(f"grammar rollback failed: {self.error()}")
+        self.num_accepted -= num_tokens
+        if self._eos_at is not None and self.num_accepted < self._eos_at:
+            self._eos_at = None
+
+    # ---- masks ---------------------------------------------------------------------------------
+    def fill_bitmask(self, out_row: np.ndarray) -> None:
+        """Write the next token's allowed set into `out_row` (int32 [num_words], contiguous)."""
+        _check_rows(out_row[None] if out_row.ndim == 1 else out_row, self.num_words)
+        if self.is_terminated():  # finished: keep ending, never an all-masked row
+            out_row[:] = self._eos_row
+            return
+        if self._ll_words == self.num_words:
+            self._m.unsafe_compute_mask_ptr(out_row.ctypes.data, out_row.nbytes)
+        else:  # the model's vocab is smaller than llguidance's: fill a full row, keep a prefix
+            scratch = np.empty(self._ll_words, dtype=np.int32)
+            self._m.unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
+            out_row[:] = scratch[:self.num_words]
+        out_row &= self._known
+
+
+def _check_rows(out: np.ndarray, num_words: int) -> None:
+    if out.dtype != np.int32 or out.ndim != 2 or out.shape[1] != num_words \
+            or not out.flags.c_contiguous:
+        raise ValueError(f"bitmask must be C-contiguous int32 [rows, {num_words}], got "
+                         f"{out.dtype} {out.shape}")
+
+
+def fill_batch(matchers: Sequence[GrammarMatcher | None], out: np.ndarray, *,
+               drafts: Sequence[Sequence[int]] | None = None) -> np.ndarray:
+    """One step's bitmasks into `out` (int32 [R, W]); returns has_mask bool [R].
+
+    Without drafts, row i is matcher i's next-token mask (R >= len(matchers)). With drafts
+    (speculative decoding, k = R // len(matchers) - 1 rows per request after the first), rows
+    i*(k+1) + j hold matcher i's mask after accepting drafts[i][:j]; rows past the first draft
+    the grammar rejects, or past the drafts given, have no mask. Rows without a matcher or a
+    mask are filled with -1 (all allowed) and flagged False. Matchers end in the state they
+    started in.
+    """
+    first = next((m for m in matchers if m is not None), None)
+    if first is not None:
+        _check_rows(out, first.num_words)
+    out[:] = -1
+    has_mask = np.zeros(out.shape[0], dtype=bool)
+    if first is None:
+        return has_mask
+    if drafts is None:
+        if len(matchers) > out.shape[0]:
+            raise ValueError(f"{len(matchers)} matchers for {out.shape[0]} bitmask rows")
+        live = [(m, i) for i, m in enumerate(matchers) if m is not None]
+        direct = [(m, i) for m, i in live if m._ll_words == m.num_words
+                  and not m.is_terminated()]
+        if len(direct) > 1:  # llguidance fills rows in parallel on its own threads
+            _executor().unsafe_compute_mask_ptr([(m._m, i) for m, i in direct], out.ctypes.data,
+                                                out.shape[1] * 4, out.shape[0])
+            for m, i in direct:
+                out[i] &= m._known
+        done = {i for _, i in direct} if len(direct) > 1 else set()
+        for m, i in live:
+            if i not in done:
+                m.fill_bitmask(out[i])
+            has_mask[i] = True
+        return has_mask
+    if len(drafts) != len(matchers) or out.shape[0] % len(matchers):
+        raise ValueError(f"{len(matchers)} matchers, {len(drafts)} draft lists and "
+                         f"{out.shape[0]} rows: need rows = matchers * (k + 1)")
+    rows_per = out.shape[0] // len(matchers)
+    for i, (m, draft) in enumerate(zip(matchers, drafts)):
+        if m is None:
+            continue
+        draft = [int(t) for t in draft][:rows_per - 1]
+        num_valid = m.num_valid(draft)
+        base = i * rows_per
+        m.fill_bitmask(out[base])
+        has_mask[base] = True
+        for j in range(min(num_valid, len(draft))):
+            m.accept([draft[j]])
+            m.fill_bitmask(out[base + j + 1])
+            has_mask[base + j + 1] = True
+        m.rollback(min(num_valid, len(draft)))
+    return has_mask
