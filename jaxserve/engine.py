@@ -14,29 +14,20 @@ import logging
 import random
 import time
 import uuid
-from dataclasses import dataclass
 
 from jaxserve.config import EngineConfig
-from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.engine_builder import EngineParts, build_engine
 from jaxserve.metrics import EngineMetrics
+from jaxserve.output_processor import OutputProcessor
 from jaxserve.outputs import RequestOutput
 from jaxserve.processor_slots import bad_words_ids
-from jaxserve.request import FinishReason, Request, SamplingParams, TokenEvent
+from jaxserve.request import FinishReason, Request, SamplingParams, TokenEvent, sample_seed
 
 log = logging.getLogger(__name__)
 
 
 class QueueFullError(RuntimeError):
     """The waiting queue holds max_queued_requests already."""
-
-
-@dataclass
-class _Tracked:
-    """One request in flight, with everything output processing keeps for it."""
-    request: Request
-    output: RequestOutput       # the running record; callers get snapshots of it
-    detok: IncrementalDetokenizer
 
 
 class Engine:
@@ -56,7 +47,7 @@ class Engine:
         self.scheduler = parts.scheduler
         self.runner = parts.runner
         self.info = parts.info
-        self._tracked: dict[str, _Tracked] = {}
+        self._outputs = OutputProcessor(self.tokenizer, self.scheduler.finish)
         self._pending_events: list[TokenEvent] = []
         self._arrivals = itertools.count()
         self._seed_rng = random.Random(self.config.seed)
@@ -119,23 +110,26 @@ class Engine:
                        bad_words_ids=bad_words_ids(self.tokenizer, params.bad_words))
 
     def add(self, request: Request) -> None:
+        """Queue a made request; with sampling.n > 1 its other samples too (ids
+        "<request_id>#<i>", seeds sample_seed(seed, i)), which share its prompt's KV pages."""
+        n = request.sampling.n
         limit = self.config.max_queued_requests
-        if limit is not None and self.scheduler.num_waiting >= limit:
+        if limit is not None and self.scheduler.num_waiting + n > limit:
             raise QueueFullError(f"waiting queue is full (max_queued_requests={limit})")
-        if request.request_id in self._tracked:
+        samples = [request] + [dataclasses.replace(
+            request, request_id=f"{request.request_id}#{i}", seed=sample_seed(request.seed, i),
+            sample_index=i, shares_prompt_of=request.request_id, output_token_ids=[],
+            output_logprobs=[]) for i in range(1, n)]
+        if any(s.request_id in self._outputs for s in samples):
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        request.arrival_seq = next(self._arrivals)
-        request.arrival_time = time.monotonic()
-        self._tracked[request.request_id] = _Tracked(
-            request,
-            RequestOutput(request.request_id, request.prompt_token_ids,
-                          logprobs=[] if request.sampling.logprobs is not None else None,
-                          top_logprobs=[] if request.sampling.top_logprobs else None),
-            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
-                                   request.sampling.stop))
-        event = self.scheduler.add(request)
-        if event is not None:
-            self._pending_events.append(event)
+        seq, now = next(self._arrivals), time.monotonic()
+        for sample in samples:
+            sample.arrival_seq, sample.arrival_time = seq, now
+        self._outputs.add(samples)
+        for sample in samples:
+            event = self.scheduler.add(sample)
+            if event is not None:
+                self._pending_events.append(event)
         self._publish_stats()
 
     def add_request(self, prompt=None, params=None, **kwargs) -> str:
@@ -144,12 +138,16 @@ class Engine:
         return request.request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        if not self.scheduler.finish(request_id, FinishReason.ABORT):
+        """Abort every sample of the request; its final output, or None if unknown or done."""
+        samples = [s for s in self._outputs.samples_of(request_id)
+                   if self.scheduler.finish(s, FinishReason.ABORT)]
+        if not samples:
             return None
-        out = self._emit(TokenEvent(request_id, (), (), FinishReason.ABORT))
-        self.metrics.observe_outputs([out] if out is not None else [])
+        outs = self._outputs.process([TokenEvent(s, (), (), FinishReason.ABORT) for s in samples],
+                                     self._log_failure)
+        self.metrics.observe_outputs(outs)
         self._publish_stats()
-        return out
+        return outs[0] if outs else None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending_events)
@@ -172,64 +170,8 @@ class Engine:
         if self._pending_events:
             events = self._pending_events + events
             self._pending_events = []
-        outputs = []
-        for event in events:
-            try:
-                out = self._emit(event)
-            except Exception as exc:  # fail this request only; the others go on
-                log.exception("output processing failed for %s", event.request_id)
-                out = self._fail(event.request_id, f"internal error: {exc!r}")
-            if out is not None:
-                outputs.append(out)
-        return outputs
+        return self._outputs.process(events, self._log_failure)
 
-    def _fail(self, request_id: str, message: str) -> RequestOutput | None:
-        self.scheduler.finish(request_id, FinishReason.ERROR)
-        tracked = self._tracked.pop(request_id, None)
-        if tracked is None:
-            return None
-        out = tracked.output
-        out.finished, out.finish_reason, out.error = True, FinishReason.ERROR.value, message
-        out.latency = time.monotonic() - tracked.request.arrival_time
-        out.new_token_ids, out.new_text = [], ""
-        return out
-
-    def _emit(self, event: TokenEvent) -> RequestOutput | None:
-        rid = event.request_id
-        tracked = self._tracked.get(rid)
-        if tracked is None:
-            return None
-        request, out, detok = tracked.request, tracked.output, tracked.detok
-        # A stop string inside a multi-token (speculative) event ends the output at its token.
-        num_used = detok.add_tokens(event.new_token_ids)
-        if num_used < len(event.new_token_ids):
-            event = dataclasses.replace(
-                event, new_token_ids=event.new_token_ids[:num_used],
-                new_logprobs=event.new_logprobs[:num_used],
-                new_top_logprobs=event.new_top_logprobs[:num_used],
-                finish_reason=None if event.finish_reason is None else FinishReason.STOP)
-        reason, error = event.finish_reason, event.error
-        if detok.stopped and reason is None:
-            reason = FinishReason.STOP
-            self.scheduler.finish(rid, FinishReason.STOP)
-        if out.time_to_first_token is None and event.new_token_ids:
-            out.time_to_first_token = time.monotonic() - request.arrival_time
-        out.new_token_ids = list(event.new_token_ids)
-        out.token_ids.extend(event.new_token_ids)
-        out.new_logprobs = list(event.new_logprobs)
-        if out.logprobs is not None:
-            out.logprobs.extend(event.new_logprobs)
-        out.new_top_logprobs = [dict(top) for top in event.new_top_logprobs]
-        if out.top_logprobs is not None:
-            out.top_logprobs.extend(out.new_top_logprobs)
-        out.new_text = detok.take_delta(final=reason is not None)
-        out.text += out.new_text
-        out.num_cached_tokens = request.num_cached_tokens
-        if reason is not None:
-            out.finished, out.finish_reason, out.error = True, reason.value, error
-            out.latency = time.monotonic() - request.arrival_time
-            del self._tracked[rid]
-        return dataclasses.replace(  # a snapshot: later steps must not change it
-            out, token_ids=list(out.token_ids),
-            logprobs=None if out.logprobs is None else list(out.logprobs),
-            top_logprobs=None if out.top_logprobs is None else list(out.top_logprobs))
+    @staticmethod
+    def _log_failure(sample_id: str, exc: Exception) -> None:
+        log.error("output processing failed for %s", sample_id, exc_info=exc)

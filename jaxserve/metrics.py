@@ -92,10 +92,10 @@ class EngineMetrics:
 
     def observe_outputs(self, outputs: Iterable[RequestOutput]) -> None:
         for out in outputs:
-            num_new = len(out.new_token_ids)
+            num_new = sum(len(c.new_token_ids) for c in out.outputs)  # every sample's
             if num_new:
                 self.generation_tokens.inc(num_new)
-                if len(out.token_ids) == num_new:  # this output carries the first token
+                if sum(len(c.token_ids) for c in out.outputs) == num_new:  # the first tokens
                     self.prompt_tokens.inc(len(out.prompt_token_ids))
                     self.ttft.observe(out.time_to_first_token)
             if out.finished:

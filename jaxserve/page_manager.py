@@ -239,29 +239,25 @@ class PageManager:
             req.num_hashed_pages = i + 1
             req.parent_key, req.parent_serial = key, self._serial[holder]
 
-    def fork(self, src_id: str, dst_id: str) -> list[tuple[int, int]] | None:
-        """dst shares src's full pages; src's partly filled last page is copied into a new page.
-
-        Returns the [(src_page, dst_page)] copies for the device, or None, nothing changed, if no
-        page is free for the copy. All of src's num_slots slots must hold final KV."""
+    def fork(self, src_id: str, dst_id: str, num_slots: int) -> int:
+        """dst shares (by ref count) src's pages that lie wholly inside its first num_slots
+        slots, and continues src's prefix chain from there. Returns the slots dst holds, a
+        multiple of page_size (0, holding nothing, when src has given pages back to a window);
+        the caller grows dst with append_slots. Those slots of src must hold final KV."""
         src = self._get(src_id)
         if dst_id in self._requests:
             raise ValueError(f"request {dst_id!r} already holds pages")
-        num_full = src.num_slots // self.page_size
-        needs_copy = len(src.pages) > num_full
-        if needs_copy and not self._free:
-            return None
-        pages = src.pages[:num_full]
-        for page in pages[src.num_released_pages:]:
+        num_pages = 0 if src.num_released_pages else min(num_slots, src.num_slots) // self.page_size
+        pages = src.pages[:num_pages]
+        for page in pages:
             self._take_ref(page)
-        pairs = []
-        if needs_copy:
-            pairs.append((src.pages[num_full], self._pop_free()))
-            pages.append(pairs[0][1])
-        self._requests[dst_id] = _RequestPages(pages, src.num_slots, src.num_hashed_pages,
-                                               src.parent_key, src.parent_serial, src.can_register,
-                                               src.num_released_pages)
-        return pairs
+        num_hashed = min(src.num_hashed_pages, num_pages)
+        last = pages[num_hashed - 1] if num_hashed else None
+        self._requests[dst_id] = _RequestPages(
+            pages, num_pages * self.page_size, num_hashed,
+            None if last is None else self._key[last],
+            _ROOT_SERIAL if last is None else self._serial[last], src.can_register)
+        return num_pages * self.page_size
 
     def free(self, request_id: str) -> None:
         """Release all the request's pages, deepest first; an unknown id is a no-op."""

@@ -28,18 +28,28 @@ class RequestStatus(enum.Enum):
 
 MAX_LOGPROBS = 20          # top alternatives per token (logprobs=k), as vLLM's default cap
 MAX_LOGIT_BIAS = 1024      # logit_bias entries (OpenAI documents no cap; vLLM none either)
+MAX_N = 64                 # parallel samples per prompt
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request with `n > 1`: sample 0 keeps the request's seed,
+    so SamplingParams(seed=sample_seed(s, i), n=1) reproduces sample i of a seeded n-request."""
+    return (seed + 0x9E3779B9 * index) % 2**32
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens. temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off.
 
+    n: parallel samples of the prompt, which is prefilled once (the samples share its KV pages);
+    sample i draws with sample_seed(seed, i).
     Logits processors (vLLM / OpenAI semantics), applied in this order before temperature and
-    the filters: repetition_penalty (over prompt and output tokens: positive logits divided,
-    negative multiplied), frequency_penalty (minus count in the output), presence_penalty
-    (minus once if in the output), logit_bias (token id -> added bias), allowed_token_ids
-    (every other token masked), bad_words (a word's last token masked where its earlier tokens
-    end the output), min_tokens (EOS and stop_token_ids masked until that many outputs).
+    the filters: allowed_token_ids (every other token masked), logit_bias (token id -> added
+    bias), bad_words (a word's last token masked where its earlier tokens end the output),
+    min_tokens (EOS and stop_token_ids masked until that many outputs), then
+    repetition_penalty (over prompt and output tokens: positive logits divided, negative
+    multiplied), frequency_penalty (minus count in the output), presence_penalty (minus once if
+    in the output).
     logprobs: None (off), 0 (the sampled token's), k (plus the k most likely alternatives);
     True / False mean 0 / None. Logprobs are of the processed logits, before temperature.
     """
@@ -61,6 +71,7 @@ class SamplingParams:
     min_tokens: int = 0
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
+    n: int = 1
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -123,6 +134,8 @@ class SamplingParams:
             bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list of token ids >= 0")
         if any(not isinstance(w, str) or not w for w in self.bad_words):
             bad("bad_words", self.bad_words, "non-empty strings")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            bad("n", self.n, f"an integer in [1, {MAX_N}]")
 
     @property
     def greedy(self) -> bool:
@@ -150,6 +163,10 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     priority: int = 0              # lower value runs first
     bad_words_ids: tuple[tuple[int, ...], ...] = ()  # sampling.bad_words, tokenized
+    # n > 1: which sample this is, and (samples 1..n-1) the id of sample 0, whose prompt KV
+    # pages it shares once sample 0 has prefilled them
+    sample_index: int = 0
+    shares_prompt_of: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_seq: int = 0           # tie-break: earlier arrival wins
     output_token_ids: list[int] = field(default_factory=list)
@@ -173,9 +190,9 @@ class Request:
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
 
-    def sort_key(self) -> tuple[int, int]:
-        """Scheduling order: priority first, then arrival."""
-        return (self.priority, self.arrival_seq)
+    def sort_key(self) -> tuple[int, int, int]:
+        """Scheduling order: priority first, then arrival (a request's samples in order)."""
+        return (self.priority, self.arrival_seq, self.sample_index)
 
 
 @dataclass(frozen=True)

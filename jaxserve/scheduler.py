@@ -57,6 +57,8 @@ class Scheduler:
         self.waiting: list[Request] = []   # sorted by Request.sort_key
         self.running: list[Request] = []   # sorted by Request.sort_key
         self.swapped: list[Request] = []   # FIFO
+        # n > 1: sample 0's id -> the other samples, held until its prompt KV is computed
+        self._held: dict[str, list[Request]] = {}
         self._dropped_swaps: list[str] = []
         self.processor_slots = ProcessorSlots(max_num_seqs + 1)
         # Requests only plain steps compute (logits processors, top logprobs): while any is
@@ -79,6 +81,10 @@ class Scheduler:
             self._finish(request, FinishReason.ERROR)
             return TokenEvent(request.request_id, (), (), FinishReason.ERROR, request.error)
         request.status = RequestStatus.WAITING
+        source = self.requests.get(request.shares_prompt_of or "")
+        if source is not None and not source.output_token_ids:
+            self._held.setdefault(source.request_id, []).append(request)
+            return None
         bisect.insort(self.waiting, request, key=Request.sort_key)
         return None
 
@@ -91,7 +97,11 @@ class Scheduler:
         return True
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
-        if request.status == RequestStatus.WAITING and request in self.waiting:
+        self._release_held(request.request_id)  # its samples prefill on their own now
+        held = self._held.get(request.shares_prompt_of or "")
+        if held and request in held:
+            held.remove(request)
+        elif request.status == RequestStatus.WAITING and request in self.waiting:
             self.waiting.remove(request)
         elif request.status == RequestStatus.RUNNING:
             self.running.remove(request)
@@ -107,11 +117,16 @@ class Scheduler:
             self._num_plain_only -= _plain_only(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.waiting or self.running or self.swapped or self._held)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + sum(len(h) for h in self._held.values())
+
+    def _release_held(self, request_id: str) -> None:
+        """The samples waiting for this one's prompt KV join the waiting queue."""
+        for request in self._held.pop(request_id, ()):
+            bisect.insort(self.waiting, request, key=Request.sort_key)
 
     def stats(self, pages, num_steps: int) -> EngineStats:
         """An immutable snapshot for other threads (pages: the page manager's PageStats)."""
@@ -209,12 +224,7 @@ class Scheduler:
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
             tokens = request.all_token_ids
-            num_cached = len(self.pages.lookup_prefix(tokens)) * self.pages.page_size
-            num_new = len(tokens) - num_cached
-            if num_new > budget and not self.enable_chunked_prefill:
-                break
-            num_new = min(num_new, budget)
-            got = self.pages.allocate(request.request_id, tokens, num_cached + num_new)
+            got = self._admit_pages(request, budget)
             if got is None:
                 break
             self.waiting.pop(0)
@@ -229,6 +239,31 @@ class Scheduler:
             budget -= num_new
         self.batching.admitted(new_batch)
         return budget
+
+    def _admit_pages(self, request: Request, budget: int) -> int | None:
+        """Pages to admit a waiting request: the prompt pages of the sample it shares them with
+        (n > 1) while that one holds them, else its cached prefix; then fresh pages for what it
+        computes this step. Returns the tokens whose KV it has, or None, nothing changed, when
+        pages run out (or its prompt doesn't fit the budget and chunked prefill is off)."""
+        tokens, rid = request.all_token_ids, request.request_id
+        source = self.requests.get(request.shares_prompt_of or "")
+        num_prompt = len(request.prompt_token_ids)
+        if (source is not None and self.pages.has_request(source.request_id)
+                and source.num_computed_tokens >= num_prompt):
+            num_shared = (num_prompt - 1) // self.pages.page_size * self.pages.page_size
+        else:
+            source, num_shared = None, len(self.pages.lookup_prefix(tokens)) * self.pages.page_size
+        num_new = len(tokens) - num_shared
+        if num_new > budget and not self.enable_chunked_prefill:
+            return None
+        num_new = min(num_new, budget)
+        if source is None:
+            return self.pages.allocate(rid, tokens, num_shared + num_new)
+        got = self.pages.fork(source.request_id, rid, num_shared)
+        if not self.pages.append_slots(rid, got + num_new):
+            self.pages.free(rid)
+            return None
+        return got
 
     def _start_running(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING
@@ -326,6 +361,7 @@ class Scheduler:
                 self.pages.truncate(request.request_id, request.num_computed_tokens)
             self.pages.commit(request.request_id,
                               request.all_token_ids[:request.num_computed_tokens])
+            self._release_held(request.request_id)  # its prompt KV is final: share it
             if reason is not None:
                 self._finish(request, reason)
             else:

@@ -158,7 +158,7 @@ def test_a_failure_while_emitting_one_request_fails_only_that_request(small_llm)
     def broken(token_ids):
         raise RuntimeError("detokenizer broke")
 
-    engine._tracked[bad].detok.add_tokens = broken
+    engine._outputs._samples[bad].detok.add_tokens = broken
     outs = {}
     while engine.has_unfinished():
         for out in engine.step():

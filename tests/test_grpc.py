@@ -304,7 +304,7 @@ def test_model_info_describes_the_served_engine(served):
 def test_engine_finishes_other_than_stop_or_length_end_the_call_with_a_status(served):
     """error: RESOURCE_EXHAUSTED if the page pool can never hold the request, else INTERNAL;
     abort by the server: ABORTED. A fake engine yields each outcome for its prompt."""
-    from jaxserve.outputs import RequestOutput
+    from jaxserve.outputs import CompletionOutput, RequestOutput
     from jaxserve.server.background import ServerThread
 
     outcomes = {1: ("error", "request needs 64 KV pages"), 2: ("error", "kaput"),
@@ -312,7 +312,8 @@ def test_engine_finishes_other_than_stop_or_length_end_the_call_with_a_status(se
 
     async def generate(prompt, params, *, request_id, priority, prompt_token_ids):
         reason, error = outcomes[len(prompt_token_ids) % 4]
-        yield RequestOutput("r", prompt_token_ids, finished=True, finish_reason=reason, error=error)
+        yield RequestOutput("r", prompt_token_ids, [CompletionOutput(0, finish_reason=reason)],
+                            finished=True, error=error)
 
     info = dataclasses.replace(served.engine.info, max_model_len=4096)
     engine = SimpleNamespace(tokenizer=served.engine.tokenizer, info=info)  # 47 pages of 16
@@ -372,3 +373,14 @@ def test_processors_and_top_logprobs_cross_the_wire_as_offline(served, small_llm
     assert [list(t) for t in result.top_logprobs] == [list(t) for t in want.top_logprobs]
     np.testing.assert_allclose([v for t in result.top_logprobs for v in t.values()],
                                [v for t in want.top_logprobs for v in t.values()], rtol=1e-6)
+
+
+def test_n_samples_stream_by_index_as_offline(served, small_llm):
+    params = SamplingParams(max_tokens=6, temperature=0.8, seed=3, n=3, ignore_eos=True)
+    result = served.client.generate_text("hello", params)
+    want = small_llm.generate(["hello"], params, use_tqdm=False)[0]
+    assert sorted(result.samples) == [0, 1, 2]
+    assert [result.samples[i].token_ids for i in range(3)] == [c.token_ids for c in want.outputs]
+    assert all(result.samples[i].finish_reason == "length" for i in range(3))
+    assert result.usage.completion_tokens == 18
+    wait_until_idle(served.engine)

@@ -122,19 +122,13 @@ class PageManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def fork(self, data):
-        src, dst, before = self._draw_request(data), self._new_id(), self._snapshot()
-        pairs = self.pm.fork(src, dst)
-        if pairs is None:
-            assert self._snapshot() == before, "a failed fork changed state"
-            assert self.pm.num_free_pages == 0
-            return
+        src, dst = self._draw_request(data), self._new_id()
+        num_slots = data.draw(st.integers(0, len(self.tokens[src])))
+        got = self.pm.fork(src, dst, num_slots)
+        assert got == num_slots // PAGE_SIZE * PAGE_SIZE
         src_table, dst_table = self.pm.page_table(src), self.pm.page_table(dst)
-        num_full = len(self.tokens[src]) // PAGE_SIZE
-        assert dst_table[:num_full] == src_table[:num_full], "fork must share the full pages"
-        for src_page, dst_page in pairs:
-            assert dst_page not in src_table
-            self.content[dst_page] = list(self.content[src_page])
-        self.tokens[dst] = list(self.tokens[src])
+        assert dst_table == src_table[:got // PAGE_SIZE], "fork shares the pages in num_slots"
+        self.tokens[dst] = list(self.tokens[src][:got])
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -294,16 +288,19 @@ def test_allocate_counts_cached_pages_that_sit_in_the_free_list():
     assert _admit(pm, "b", [1, 2, 3, 4, 5, 6]) == 4
 
 
-def test_fork_shares_full_pages_and_copies_the_partial_one():
+def test_fork_shares_the_whole_pages_inside_num_slots_and_nothing_more():
     pm = PageManager(8, 4)
-    _admit(pm, "a", list(range(6)))
-    pairs = pm.fork("a", "b")
+    _admit(pm, "a", list(range(10)))
+    free = pm.num_free_pages
+    assert pm.fork("a", "b", 9) == 8
     a, b = pm.page_table("a"), pm.page_table("b")
-    assert b[0] == a[0] and pairs == [(a[1], b[1])] and b[1] != a[1]
-    assert pm.num_slots("b") == 6
-    full = PageManager(3, 4)
-    _admit(full, "a", list(range(6)))
-    assert full.fork("a", "b") is None and not full.has_request("b")
+    assert b == a[:2] and pm.num_free_pages == free, "shared by ref count, none taken"
+    assert pm.append_slots("b", 10) and pm.page_table("b")[2] not in a
+    pm.free("a")
+    assert pm.page_table("b")[:2] == a[:2], "b keeps the shared pages"
+    pm.free("b")
+    pm.check_invariants()
+    assert pm.num_free_pages == 7
 
 
 def test_truncate_releases_trailing_pages_but_refuses_committed_ones():
@@ -369,7 +366,7 @@ def test_paging_waste_metric():
 def test_forked_request_extends_the_chain_its_source_registered():
     pm = PageManager(10, 4)
     _admit(pm, "a", list(range(10)), commit=False)  # 2 full pages + 1 partial
-    assert pm.fork("a", "b") is not None
+    assert pm.fork("a", "b", 10) == 8
     assert pm.append_slots("a", 12) and pm.append_slots("b", 12)
     pm.commit("a", list(range(12)))
     pm.commit("b", list(range(10)) + [9, 9])  # pages 0, 1 already registered by 'a': adopted

@@ -143,3 +143,49 @@ def test_speculation_pauses_while_a_request_uses_processors():
 def test_token_ids_outside_the_vocabulary_are_refused(llm, kwargs, field):
     with pytest.raises(ValueError, match=f"{field}.*vocabulary"):
         llm.engine.make_request([5, 6], SamplingParams(**kwargs))
+
+
+def test_n_samples_share_one_prefill_and_each_reproduces_alone(llm, monkeypatch):
+    from jaxserve.request import sample_seed
+
+    prompt = list(range(5, 75))  # 70 tokens: four full pages of 16 and a partial one
+    sp = SamplingParams(max_tokens=12, temperature=0.9, seed=5, n=4, ignore_eos=True,
+                        presence_penalty=0.5)
+    sched, plans = llm.engine.scheduler, []
+    original = sched.schedule
+    monkeypatch.setattr(sched, "schedule", lambda: plans.append(original()) or plans[-1])
+    out = llm.generate([prompt], sp, use_tqdm=False)[0]
+    monkeypatch.undo()
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3] and out.finished
+    assert all(len(c.token_ids) == 12 and c.finish_reason == "length" for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 4, "each sample has its own seed"
+    prefill = {}  # sample id -> prompt tokens it computed
+    tables = {}
+    for plan in plans:
+        for chunk in plan.chunks:
+            if chunk.start_position < len(prompt):
+                prefill[chunk.request_id] = prefill.get(chunk.request_id, 0) + min(
+                    chunk.kv_len, len(prompt)) - chunk.start_position
+            tables[chunk.request_id] = chunk.page_table
+    first = out.request_id
+    assert prefill[first] == len(prompt)
+    others = [rid for rid in prefill if rid != first]
+    assert len(others) == 3 and all(prefill[rid] == len(prompt) - 64 for rid in others), prefill
+    assert all(tables[rid][:4] == tables[first][:4] for rid in others), "prompt pages shared"
+    assert len({tables[rid][4] for rid in tables}) == 4, "each sample its own last page"
+    for i, c in enumerate(out.outputs):
+        alone = SamplingParams(max_tokens=12, temperature=0.9, seed=sample_seed(5, i),
+                               ignore_eos=True, presence_penalty=0.5)
+        assert llm.generate([prompt], alone, use_tqdm=False)[0].token_ids == c.token_ids, i
+    assert_idle_and_no_leak(llm)
+
+
+def test_aborting_an_n_request_aborts_every_sample(llm):
+    engine = llm.engine
+    rid = engine.add_request(list(range(5, 40)), SamplingParams(max_tokens=50, n=3))
+    engine.step()
+    out = engine.abort(rid)
+    assert out.finished and [c.finish_reason for c in out.outputs] == ["abort"] * 3
+    while engine.has_unfinished():
+        engine.step()
+    assert_idle_and_no_leak(llm)

@@ -47,6 +47,8 @@ class GenerateResult:
     finish_reason: str | None = None       # "stop" or "length"
     usage: pb.Usage | None = None
     text_deltas: list[str] = field(default_factory=list)
+    # n > 1: every sample, by index (samples[0] is this result itself)
+    samples: dict[int, "GenerateResult"] = field(default_factory=dict)
 
 
 class JaxServeClient:
@@ -80,16 +82,20 @@ class JaxServeClient:
         """Run one request to the end; raises JaxServeError on failure."""
         result = GenerateResult(request_id=kwargs.get("request_id", ""))
         try:
+            result.samples[0] = result
             for response in self.generate(prompt, params, **kwargs):
                 result.request_id = response.request_id
-                result.text += response.text
-                result.text_deltas.append(response.text)
-                result.token_ids.extend(response.token_ids)
-                result.logprobs.extend(response.logprobs)
-                result.top_logprobs.extend(dict(zip(top.token_ids, top.logprobs))
+                sample = result.samples.setdefault(
+                    response.index, GenerateResult(response.request_id))
+                sample.text += response.text
+                sample.text_deltas.append(response.text)
+                sample.token_ids.extend(response.token_ids)
+                sample.logprobs.extend(response.logprobs)
+                sample.top_logprobs.extend(dict(zip(top.token_ids, top.logprobs))
                                            for top in response.top_logprobs)
                 if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                    result.finish_reason = convert.FINISH_REASON_NAMES[response.finish_reason]
+                    sample.finish_reason = convert.FINISH_REASON_NAMES[response.finish_reason]
+                if response.HasField("usage"):
                     result.usage = response.usage
         except grpc.RpcError as exc:
             raise _error(exc) from None

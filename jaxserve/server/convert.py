@@ -13,7 +13,7 @@ from jaxserve.server.pb import jaxserve_pb2 as pb
 
 _OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
                              "ignore_eos", "presence_penalty", "frequency_penalty",
-                             "repetition_penalty", "min_tokens")
+                             "repetition_penalty", "min_tokens", "n")
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 FINISH_REASON_NAMES = {value: name for name, value in FINISH_REASONS.items()}
 
@@ -57,23 +57,35 @@ def prompt_from_proto(request: pb.GenerateRequest,
     return None, chat_prompt(tokenizer, request.chat)[1]
 
 
-def response_from_output(out, with_logprobs: bool) -> pb.GenerateResponse:
-    """One RequestOutput snapshot (engine.RequestOutput) -> one stream message; finish reason
-    and usage only on the finished one (which must have finished with stop or length)."""
-    response = pb.GenerateResponse(request_id=out.request_id, text=out.new_text,
-                                   token_ids=[int(t) for t in out.new_token_ids])
-    if with_logprobs:
-        response.logprobs.extend(float(x) for x in out.new_logprobs)
-    for top in out.new_top_logprobs:
-        response.top_logprobs.add(token_ids=list(top), logprobs=list(top.values()))
-    if out.finished:
-        response.finish_reason = FINISH_REASONS[out.finish_reason]
-        response.usage.prompt_tokens = len(out.prompt_token_ids)
-        response.usage.completion_tokens = len(out.token_ids)
-        response.usage.cached_prompt_tokens = out.num_cached_tokens
+def responses_from_output(out, with_logprobs: bool,
+                          reported: set[int]) -> list[pb.GenerateResponse]:
+    """One RequestOutput snapshot -> one stream message per sample with news (new tokens, or
+    its finish, which must be stop or length). reported: the samples whose finish was sent,
+    updated here, so each is sent once. Usage comes with the request's last message."""
+    messages = []
+    for c in out.outputs:
+        finishing = c.finished and c.index not in reported
+        if not (c.new_token_ids or c.new_text or finishing):
+            continue
+        response = pb.GenerateResponse(request_id=out.request_id, text=c.new_text,
+                                       token_ids=[int(t) for t in c.new_token_ids],
+                                       index=c.index)
+        if with_logprobs:
+            response.logprobs.extend(float(x) for x in c.new_logprobs)
+        for top in c.new_top_logprobs:
+            response.top_logprobs.add(token_ids=list(top), logprobs=list(top.values()))
+        if finishing:
+            response.finish_reason = FINISH_REASONS[c.finish_reason]
+            reported.add(c.index)
+        messages.append(response)
+    if out.finished and messages:
+        usage = messages[-1].usage
+        usage.prompt_tokens = len(out.prompt_token_ids)
+        usage.completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+        usage.cached_prompt_tokens = out.num_cached_tokens
         if out.time_to_first_token is not None:
-            response.usage.time_to_first_token_s = out.time_to_first_token
-    return response
+            usage.time_to_first_token_s = out.time_to_first_token
+    return messages
 
 
 # ---- client side: Python values -> wire --------------------------------------------------------
@@ -89,7 +101,7 @@ def sampling_to_proto(params: SamplingParams | None) -> pb.SamplingParams:
                             frequency_penalty=params.frequency_penalty,
                             repetition_penalty=params.repetition_penalty,
                             logit_bias=dict(params.logit_bias), min_tokens=params.min_tokens,
-                            bad_words=list(params.bad_words))
+                            bad_words=list(params.bad_words), n=params.n)
     if params.seed is not None:
         msg.seed = params.seed
     if params.allowed_token_ids is not None:

@@ -93,7 +93,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             await context.abort(*_status_for_exception(exc, validating=True))
         stream = async_engine.generate(text, params, request_id=request.request_id or None,
                                        priority=request.priority, prompt_token_ids=token_ids)
-        started, error = False, None
+        started, error, reported = False, None, set()
         # aclosing: however this handler ends (cancelled, deadline, error), the engine's
         # iterator is closed, which aborts an unfinished request.
         async with contextlib.aclosing(stream):
@@ -103,9 +103,9 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
                     if out.finished and out.finish_reason not in convert.FINISH_REASONS:
                         error = self._finish_error(engine, out, params)
                         break
-                    if out.new_token_ids or out.new_text or out.finished:
-                        await context.write(convert.response_from_output(
-                            out, params.logprobs is not None))
+                    for response in convert.responses_from_output(
+                            out, params.logprobs is not None, reported):
+                        await context.write(response)
             except Exception as exc:
                 error = _status_for_exception(exc, validating=not started)
         if error is not None:

@@ -1,0 +1,151 @@
+"""OutputProcessor: the scheduler's token events -> RequestOutputs with text, one record each.
+
+A caller's request is a _Group (its RequestOutput, and its samples: one, or `n`), and each
+sample a _Sample (the scheduler's Request, its CompletionOutput, its incremental detokenizer
+with the stop strings). Events of one step are applied first; then every group they touched
+yields one snapshot, so an n > 1 request streams one RequestOutput per step holding the deltas
+of each of its samples. A stop string found here finishes the sample in the scheduler (through
+`finish`). Plain Python: no jax, no device state, no scheduling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.request import FinishReason, Request, TokenEvent
+
+
+@dataclass
+class _Group:
+    """One caller's request: the output it is handed, and its samples still running."""
+    output: RequestOutput
+    arrival_time: float
+    running: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _Sample:
+    request: Request
+    completion: CompletionOutput   # the running record; snapshots are copies of it
+    detok: IncrementalDetokenizer
+    group: _Group
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, finish: Callable[[str, FinishReason], bool]):
+        """finish(sample_id, reason): ends a sample in the scheduler (a stop string, a
+        failure); False when it had already ended."""
+        self.tokenizer = tokenizer
+        self.finish = finish
+        self._samples: dict[str, _Sample] = {}
+        self._groups: dict[str, _Group] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._groups or request_id in self._samples
+
+    def samples_of(self, request_id: str) -> list[str]:
+        """The sample ids of a caller's request still running (empty when unknown or done)."""
+        group = self._groups.get(request_id)
+        return sorted(group.running) if group else []
+
+    def add(self, samples: list[Request]) -> None:
+        """One caller's request: its samples, sample 0 first (whose id is the request's)."""
+        first = samples[0]
+        sp = first.sampling
+        group = _Group(RequestOutput(first.request_id, first.prompt_token_ids, outputs=[]),
+                       first.arrival_time)
+        for request in samples:
+            completion = CompletionOutput(
+                request.sample_index, logprobs=[] if sp.logprobs is not None else None,
+                top_logprobs=[] if sp.top_logprobs else None)
+            group.output.outputs.append(completion)
+            group.running.add(request.request_id)
+            self._samples[request.request_id] = _Sample(
+                request, completion,
+                IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, sp.stop), group)
+        self._groups[first.request_id] = group
+
+    def process(self, events: list[TokenEvent], on_error) -> list[RequestOutput]:
+        """Apply one step's events; one snapshot per request they touched, in event order.
+        on_error(sample_id, exc) is called when an event can't be processed: that request
+        fails, the others go on."""
+        touched: dict[str, _Group] = {}
+        for event in events:
+            sample = self._samples.get(event.request_id)
+            if sample is None:
+                continue
+            try:
+                self._apply(sample, event)
+            except Exception as exc:
+                on_error(event.request_id, exc)
+                self.fail(sample.group.output.request_id, f"internal error: {exc!r}")
+            touched[sample.group.output.request_id] = sample.group
+        return [self._snapshot(group) for group in touched.values()]
+
+    def fail(self, request_id: str, message: str) -> RequestOutput | None:
+        """End every sample of a request with an error; its final output (None if unknown)."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return None
+        for sample_id in list(group.running):
+            self.finish(sample_id, FinishReason.ERROR)
+            sample = self._samples.pop(sample_id)
+            c = sample.completion
+            c.finish_reason, c.new_token_ids, c.new_text = FinishReason.ERROR.value, [], ""
+            c.new_logprobs, c.new_top_logprobs = [], []
+        group.running.clear()
+        group.output.error = message
+        return self._snapshot(group)
+
+    def _apply(self, sample: _Sample, event: TokenEvent) -> None:
+        request, c, detok, group = sample.request, sample.completion, sample.detok, sample.group
+        # A stop string inside a multi-token (speculative) event ends the output at its token.
+        num_used = detok.add_tokens(event.new_token_ids)
+        if num_used < len(event.new_token_ids):
+            event = dataclasses.replace(
+                event, new_token_ids=event.new_token_ids[:num_used],
+                new_logprobs=event.new_logprobs[:num_used],
+                new_top_logprobs=event.new_top_logprobs[:num_used],
+                finish_reason=None if event.finish_reason is None else FinishReason.STOP)
+        reason = event.finish_reason
+        if detok.stopped and reason is None:
+            reason = FinishReason.STOP
+            self.finish(request.request_id, FinishReason.STOP)
+        out = group.output
+        if out.time_to_first_token is None and event.new_token_ids:
+            out.time_to_first_token = time.monotonic() - group.arrival_time
+        c.new_token_ids = list(event.new_token_ids)
+        c.token_ids.extend(event.new_token_ids)
+        c.new_logprobs = list(event.new_logprobs)
+        c.cumulative_logprob += sum(event.new_logprobs)
+        if c.logprobs is not None:
+            c.logprobs.extend(event.new_logprobs)
+        c.new_top_logprobs = [dict(top) for top in event.new_top_logprobs]
+        if c.top_logprobs is not None:
+            c.top_logprobs.extend(c.new_top_logprobs)
+        c.new_text = detok.take_delta(final=reason is not None)
+        c.text += c.new_text
+        if request.sample_index == 0:
+            out.num_cached_tokens = request.num_cached_tokens
+        if reason is not None:
+            c.finish_reason = reason.value
+            if event.error:
+                out.error = event.error
+            group.running.discard(request.request_id)
+            del self._samples[request.request_id]
+
+    def _snapshot(self, group: _Group) -> RequestOutput:
+        out = group.output
+        if not group.running and not out.finished:
+            out.finished = True
+            out.latency = time.monotonic() - group.arrival_time
+            del self._groups[out.request_id]
+        snapshot = dataclasses.replace(out, outputs=[c.snapshot() for c in out.outputs])
+        for c in out.outputs:  # deltas belong to the step that produced them
+            c.new_token_ids, c.new_text, c.new_logprobs, c.new_top_logprobs = [], "", [], []
+        return snapshot
