@@ -43,6 +43,19 @@ def request_body(backend: str, request: ServeRequest, model: str, temperature: f
     return dict(body, prompt=list(ids))
 
 
+async def _events(response):
+    """The JSON objects of an SSE stream's `data: {...}` events, as their bytes arrive (split on
+    the blank line ending each event: cheaper than text lines, and the load generator shares
+    the machine with the server it measures)."""
+    buffer = b""
+    async for data in response.aiter_raw():
+        buffer += data
+        *events, buffer = buffer.split(b"\n\n")
+        for event in events:
+            if event.startswith(b"data: {"):
+                yield json.loads(event[6:])
+
+
 async def _one(http, path: str, body: dict, timeline: RequestTimeline) -> tuple[str | None, int]:
     timeline.arrival = time.perf_counter()
     cached = 0
@@ -52,11 +65,8 @@ async def _one(http, path: str, body: dict, timeline: RequestTimeline) -> tuple[
                 text = (await response.aread()).decode(errors="replace")
                 timeline.ok = False
                 return f"HTTP {response.status_code}: {text[:200]}", cached
-            async for line in response.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
+            async for event in _events(response):
                 now = time.perf_counter()
-                event = json.loads(line[6:])
                 if "error" in event:
                     timeline.ok = False
                     return f"stream error: {event['error'].get('message')}", cached
