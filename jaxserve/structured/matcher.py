@@ -87,26 +87,30 @@ class GrammarMatcher:
 
     # ---- tokens --------------------------------------------------------------------------------
     def num_valid(self, tokens: Sequence[int]) -> int:
-        """How many leading `tokens` the grammar would accept (no state change)."""
+        """How many leading `tokens` the grammar would accept (no state change); nothing after
+        an EOS is."""
         tokens = [int(t) for t in tokens]
         if self.is_terminated() or not tokens:
             return 0
         if self._m.is_stopped():  # llguidance's validate_tokens counts no EOS once stopped
             return int(tokens[0] in self._eos)
-        return self._m.validate_tokens(tokens)
+        eos_at = next((i for i, t in enumerate(tokens) if t in self._eos), len(tokens))
+        return min(self._m.validate_tokens(tokens[:eos_at + 1]), eos_at + 1)
 
     def accept(self, tokens: Sequence[int]) -> bool:
         """Advance over all of `tokens` when the grammar accepts every one; otherwise change
-        nothing and return False."""
+        nothing and return False. The EOS never reaches llguidance (which would count it for
+        rollback in some states and not in others): it is this matcher's own last token."""
         tokens = [int(t) for t in tokens]
         if not tokens:
             return True
         if self.num_valid(tokens) != len(tokens):
             return False
-        if not self._m.consume_tokens(tokens):
+        body = tokens[:-1] if tokens[-1] in self._eos else tokens
+        if body and not self._m.consume_tokens(body):
             raise RuntimeError(f"grammar matcher broke on validated tokens: {self.error()}")
         self.num_accepted += len(tokens)
-        if tokens[-1] in self._eos:
+        if len(body) < len(tokens):
             self._eos_at = self.num_accepted
         return True
 
@@ -116,11 +120,13 @@ class GrammarMatcher:
             raise ValueError(f"can't roll back {num_tokens} tokens: {self.num_accepted} accepted")
         if num_tokens == 0:
             return
-        if not self._m.rollback(num_tokens):
+        in_grammar = num_tokens
+        if self._eos_at is not None:  # the EOS is the last token and not llguidance's
+            self._eos_at = None
+            in_grammar -= 1
+        if in_grammar and not self._m.rollback(in_grammar):
             raise RuntimeError(f"grammar rollback failed: {self.error()}")
         self.num_accepted -= num_tokens
-        if self._eos_at is not None and self.num_accepted < self._eos_at:
-            self._eos_at = None
 
     # ---- masks ---------------------------------------------------------------------------------
     def fill_bitmask(self, out_row: np.ndarray) -> None:
