@@ -2,7 +2,8 @@
 
 Text deltas are UTF-8 safe across token boundaries: a token that ends inside a multi-byte
 character is held back until the character completes. Text that could still be the start of
-a stop string is held back too, so a stop string is never emitted. Pure host code; no jax.
+a stop string is held back too, so a stop string is never emitted (unless
+include_stop_str_in_output). Pure host code; no jax.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ _CONTEXT_TOKENS = 6  # tokens decoded before the new ones, so merges and spaces 
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = (), *,
+                 include_stop_str: bool = False, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.stop = stop
+        self.include_stop_str = include_stop_str
+        self.skip_special_tokens = skip_special_tokens
         self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -29,8 +33,8 @@ class IncrementalDetokenizer:
             if self.stopped:
                 return num_taken
             self._ids.append(int(token_id))
-            prefix = self.tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
-            full = self.tokenizer.decode(self._ids[self._prefix_offset:])
+            prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
+            full = self._decode(self._ids[self._prefix_offset:])
             if full.endswith(_REPLACEMENT) or len(full) <= len(prefix):
                 continue  # an incomplete character: wait for the next token
             self.text += full[len(prefix):]
@@ -38,14 +42,19 @@ class IncrementalDetokenizer:
             self._check_stop()
         return len(token_ids)
 
+    def _decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
     def _check_stop(self) -> None:
         if not self.stop:
             return
         longest = max(len(s) for s in self.stop)
         search_from = max(0, self._emitted - longest)
-        hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+        hits = [(i, s) for i, s in ((self.text.find(s, search_from), s) for s in self.stop)
+                if i >= 0]
         if hits:
-            self.text = self.text[:min(hits)]
+            start, stop = min(hits)
+            self.text = self.text[:start + len(stop) if self.include_stop_str else start]
             self.stopped = True
 
     def take_delta(self, final: bool = False) -> str:

@@ -68,6 +68,9 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
         loaded = tensor_parallel.load_model(config.model, mesh, progress=progress)
     mc = loaded.config
     max_model_len = config.max_model_len or min(mc.max_position_embeddings, 2048)
+    if mc.max_exact_len is not None and config.max_model_len is None:
+        max_model_len = min(max_model_len, mc.max_exact_len)  # where RoPE is exact
+    mc.check_runnable(max_model_len)  # a longer max_model_len than that is refused
     dtype = resolve_dtype(config.dtype, jax.default_backend())
     speculation = Speculation.build(config, loaded, progress=progress)
     itemsize = jax.numpy.dtype(dtype).itemsize

@@ -67,7 +67,9 @@ class OutputProcessor:
             group.running.add(request.request_id)
             self._samples[request.request_id] = _Sample(
                 request, completion,
-                IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, sp.stop), group)
+                IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, sp.stop,
+                                       include_stop_str=sp.include_stop_str_in_output,
+                                       skip_special_tokens=sp.skip_special_tokens), group)
         self._groups[first.request_id] = group
 
     def process(self, events: list[TokenEvent], on_error) -> list[RequestOutput]:

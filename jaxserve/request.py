@@ -72,6 +72,8 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
     n: int = 1
+    include_stop_str_in_output: bool = False   # the stop string that ended the text stays in it
+    skip_special_tokens: bool = True           # special tokens are left out of the text
 
     def __post_init__(self):
         if isinstance(self.stop, str):

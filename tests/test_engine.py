@@ -168,3 +168,13 @@ def test_a_failure_while_emitting_one_request_fails_only_that_request(small_llm)
     assert engine.metrics.registry.get_sample_value(
         "jaxserve_requests_finished_total", {"finish_reason": "error"}) == errors_before + 1
     assert_idle_and_no_leak(small_llm)
+
+
+def test_dynamic_rope_beyond_its_exact_length_is_refused_and_the_default_stays_inside():
+    from jaxserve.model.rope import RopeScaling
+
+    dynamic = dict(rope_scaling=RopeScaling(2.0, rope_type="dynamic"),
+                   max_position_embeddings=128)
+    with pytest.raises(ValueError, match="rope_type='dynamic'.*max_model_len=512"):
+        make_llm(model_overrides=dynamic)  # SMALL_ENGINE asks for max_model_len 512
+    assert make_llm(model_overrides=dynamic, max_model_len=None).engine.max_model_len == 128

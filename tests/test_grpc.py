@@ -362,7 +362,9 @@ def test_processors_and_top_logprobs_cross_the_wire_as_offline(served, small_llm
     params = SamplingParams(max_tokens=8, logprobs=3, presence_penalty=0.5,
                             frequency_penalty=-0.25, repetition_penalty=1.5,
                             logit_bias={40: 3.0, 41: -5.0}, min_tokens=2,
-                            allowed_token_ids=list(range(30, 100)), bad_words=["zz"], **GREEDY)
+                            allowed_token_ids=list(range(30, 100)), bad_words=["zz"],
+                            include_stop_str_in_output=True, skip_special_tokens=False,
+                            **GREEDY)
     assert convert.sampling_from_proto(convert.sampling_to_proto(params)) == params
     old = convert.sampling_from_proto(pb.SamplingParams(logprobs=True))
     assert old.logprobs == 0 and not old.uses_processors, "an old client's request is unchanged"

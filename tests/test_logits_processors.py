@@ -183,3 +183,29 @@ def test_bool_logprobs_keep_their_old_meaning():
     assert SamplingParams(logprobs=True).logprobs == 0
     assert SamplingParams(logprobs=False).logprobs is None
     assert SamplingParams(logprobs=3).top_logprobs == 3
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_strings_end_the_text_with_or_without_themselves(include):
+    from model_fixtures import tiny_tokenizer
+
+    from jaxserve.detokenizer import IncrementalDetokenizer
+
+    tok = tiny_tokenizer()
+    detok = IncrementalDetokenizer(tok, [], ("in",), include_stop_str=include)
+    detok.add_tokens(tok.encode("the sun in the sky", add_special_tokens=False))
+    assert detok.stopped
+    assert detok.take_delta(final=True) == ("the sun in" if include else "the sun ")
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_special_tokens_are_skipped_in_the_text_unless_asked(skip):
+    from model_fixtures import tiny_tokenizer
+
+    from jaxserve.detokenizer import IncrementalDetokenizer
+
+    tok = tiny_tokenizer()
+    ids = tok.encode("hi", add_special_tokens=False) + [2]  # <|im_end|>
+    detok = IncrementalDetokenizer(tok, [], (), skip_special_tokens=skip)
+    detok.add_tokens(ids)
+    assert detok.take_delta(final=True) == ("hi" if skip else "hi<|im_end|>")

@@ -76,7 +76,8 @@ def test_each_feature_changes_the_tokens_and_masked_tokens_never_appear(llm, alo
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_alone_and_in_a_busy_preempted_batch_give_the_same_tokens(mode, alone, monkeypatch):
+def test_alone_and_in_a_busy_preempted_batch_give_the_same_tokens(mode, llm, alone,
+                                                                  monkeypatch):
     busy = make_llm(preemption_mode=mode, max_num_batched_tokens=16, num_pages=20,
                     token_buckets=(16,), seq_buckets=(4, 16))
     preempted = []
@@ -86,7 +87,10 @@ def test_alone_and_in_a_busy_preempted_batch_give_the_same_tokens(mode, alone, m
                         lambda victim, plan: (preempted.append(victim.request_id),
                                               original(victim, plan))[1])
     filler, filler_params = mixed_requests(n=12, seed=3, max_prompt=60, max_out=40)
-    feats = requests()
+    extras = [(PROMPTS[2], params(0, logprobs=5)),
+              (PROMPTS[1], params(1, temperature=0.8, seed=9, n=2))]
+    alone = alone + [llm.generate([p], sp, use_tqdm=False)[0] for p, sp in extras]
+    feats = requests() + extras
     # The featured requests arrive last: the latest arrivals are the preemption victims.
     prompts = filler + [p for p, _ in feats]
     sps = filler_params + [sp for _, sp in feats]
@@ -94,7 +98,9 @@ def test_alone_and_in_a_busy_preempted_batch_give_the_same_tokens(mode, alone, m
         outs = busy.generate(prompts, sps, use_tqdm=False)[len(filler):]
     featured = {o.request_id for o in outs}
     assert len(featured & set(preempted)) > 2, "featured requests were meant to be preempted"
-    differ = [i for i, (a, b) in enumerate(zip(outs, alone)) if a.token_ids != b.token_ids]
+    differ = [i for i, (a, b) in enumerate(zip(outs, alone))
+              if [c.token_ids for c in a.outputs] != [c.token_ids for c in b.outputs]]
+    assert [list(t) for t in outs[-2].top_logprobs] == [list(t) for t in alone[-2].top_logprobs]
     assert not differ, f"featured requests {differ} differ from their solo runs"
     assert compiles.count == 0, "serving compiled something after warm-up"
     assert sched.processor_slots.num_assigned == 0, "processor slots leaked"

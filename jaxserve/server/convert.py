@@ -13,7 +13,8 @@ from jaxserve.server.pb import jaxserve_pb2 as pb
 
 _OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
                              "ignore_eos", "presence_penalty", "frequency_penalty",
-                             "repetition_penalty", "min_tokens", "n")
+                             "repetition_penalty", "min_tokens", "n",
+                             "include_stop_str_in_output", "skip_special_tokens")
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 FINISH_REASON_NAMES = {value: name for name, value in FINISH_REASONS.items()}
 
@@ -101,7 +102,9 @@ def sampling_to_proto(params: SamplingParams | None) -> pb.SamplingParams:
                             frequency_penalty=params.frequency_penalty,
                             repetition_penalty=params.repetition_penalty,
                             logit_bias=dict(params.logit_bias), min_tokens=params.min_tokens,
-                            bad_words=list(params.bad_words), n=params.n)
+                            bad_words=list(params.bad_words), n=params.n,
+                            include_stop_str_in_output=params.include_stop_str_in_output,
+                            skip_special_tokens=params.skip_special_tokens)
     if params.seed is not None:
         msg.seed = params.seed
     if params.allowed_token_ids is not None:
