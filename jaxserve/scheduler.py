@@ -10,8 +10,10 @@ rows to verify, carried as plan-level data (StepPlan.drafts); update() keeps onl
 tokens, gives back the KV slots of rejected ones and caches only accepted ones. With `kv_window`
 (every layer of every model sharing the page tables has a sliding window: reusable_window), a
 request's pages wholly before the window are given back after each step, and a swap moves only
-the pages still in the window. Plain Python: no jax, no device arrays, no text (stop strings are
-the engine's job, through finish()).
+the pages still in the window. The samples of an n > 1 request wait until sample 0 has
+computed the prompt, then share its pages (PageManager.fork). Requests using logits processors
+hold a ProcessorSlots row while running, and no step speculates while any is in the engine.
+Plain Python: no jax, no device arrays, no text (stop strings are the engine's job, finish()).
 """
 
 from __future__ import annotations
