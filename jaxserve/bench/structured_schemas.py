@@ -113,7 +113,7 @@ REGEXES: dict[str, str] = {
     "date": r"20[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])",
     "ipv4": r"((25[0-5]|2[0-4][0-9]|1?[0-9]?[0-9])\.){3}(25[0-5]|2[0-4][0-9]|1?[0-9]?[0-9])",
     "yes_no": r"(yes|no)",
-    "word_list": r"[a-z]+(, [a-z]+){0,3}",
+    "word_list": r"[a-z]{1,10}(, [a-z]{1,10}){0,3}",
 }
 
 CHOICES: dict[str, list[str]] = {
@@ -121,11 +121,13 @@ CHOICES: dict[str, list[str]] = {
     "colour": ["red", "green", "blue", "dark blue"],
 }
 
-# Lark grammar (llguidance's grammar syntax): a tiny arithmetic expression language
+# Lark grammar (llguidance's grammar syntax): arithmetic, nesting and lengths bounded so that
+# every output ends whatever the logits
 ARITHMETIC_LARK = r"""
 start: expr
-expr: term (("+" | "-") term)*
-term: factor (("*" | "/") factor)*
-factor: NUMBER | "(" expr ")"
+expr: term (("+" | "-") term){0,3}
+term: factor (("*" | "/") factor){0,2}
+factor: NUMBER | "(" inner ")"
+inner: NUMBER (("+" | "-" | "*" | "/") NUMBER){0,3}
 NUMBER: /[0-9]{1,3}/
 """
