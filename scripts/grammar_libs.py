@@ -8,7 +8,10 @@ logits through the mask (argmax of masked logits, like greedy constrained decodi
 masks measured are the ones a real decode would need. Measurement only: nothing in jaxserve
 imports this script.
 
-    python scripts/grammar_libs.py [--lib llguidance|xgrammar] [--steps 64]
+    python scripts/grammar_libs.py [--lib llguidance|xgrammar|jaxserve.structured] [--steps N]
+
+JSON whitespace is bounded the same way for both (at most 16 characters per gap), as
+jaxserve.structured does: unbounded whitespace lets random logits pad forever.
 """
 
 from __future__ import annotations
@@ -58,7 +61,8 @@ class Llg:
         self.executor = llg.LLExecutor(2)
 
     def compile(self, schema):
-        grammar = self.llg.LLMatcher.grammar_from_json_schema(schema)
+        grammar = self.llg.LLMatcher.grammar_from_json_schema(
+            schema, defaults={"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,16}"})
         matcher = self.llg.LLMatcher(self.tok, grammar, log_level=0)
         assert not matcher.is_error(), matcher.get_error()
         return grammar
@@ -97,7 +101,7 @@ class Xgr:
             xgr, "BatchGrammarMatcher") else None
 
     def compile(self, schema):
-        return self.compiler.compile_json_schema(json.dumps(schema))
+        return self.compiler.compile_json_schema(json.dumps(schema), max_whitespace_cnt=16)
 
     def matcher(self, grammar):
         return self.xgr.GrammarMatcher(grammar)
@@ -120,6 +124,39 @@ class Xgr:
 
     def done(self, m):
         return m.is_terminated()
+
+
+class Ours:
+    """jaxserve.structured: GrammarCompiler + GrammarMatcher + fill_batch (llguidance inside)."""
+
+    name = "jaxserve.structured"
+
+    def __init__(self, tok):
+        from jaxserve.structured import compiler, matcher, params
+        self.params, self.matcher_mod = params, matcher
+        self.compiler = compiler.GrammarCompiler(tok, cache_size=1)
+        self.vocab = tok.vocab_size
+
+    def compile(self, schema):
+        return self.compiler.get(self.params.StructuredOutputs(json=schema))
+
+    def matcher(self, grammar):
+        return grammar.new_matcher()
+
+    def alloc(self, n):
+        return np.zeros((n, self.matcher_mod.bitmask_words(self.vocab)), dtype=np.int32)
+
+    def fill(self, m, out, i):
+        m.fill_bitmask(out[i])
+
+    def fill_batch(self, ms, out):
+        self.matcher_mod.fill_batch(ms, out[:len(ms)])
+
+    def accept(self, m, t):
+        assert m.accept([t])
+
+    def done(self, m):
+        return m.is_stopped()
 
 
 def as_numpy(mask):
@@ -156,10 +193,10 @@ def measure(lib_name: str, steps: int) -> dict:
     from jaxserve.bench.structured_schemas import JSON_SCHEMAS
     tok = load_tokenizer()
     rss0 = rss_mib()
-    __import__(lib_name)
+    __import__("llguidance" if lib_name == "jaxserve.structured" else lib_name)
     rss_import = rss_mib()
     t0 = time.perf_counter()
-    lib = (Llg if lib_name == "llguidance" else Xgr)(tok)
+    lib = {"llguidance": Llg, "xgrammar": Xgr, "jaxserve.structured": Ours}[lib_name](tok)
     tokenizer_s = time.perf_counter() - t0
     rss_tok = rss_mib()
     compile_ms = {}
@@ -195,13 +232,13 @@ def measure(lib_name: str, steps: int) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lib", choices=("llguidance", "xgrammar"))
+    ap.add_argument("--lib", choices=("llguidance", "xgrammar", "jaxserve.structured"))
     ap.add_argument("--steps", type=int, default=400)
     args = ap.parse_args()
     if args.lib:
         print(json.dumps(measure(args.lib, args.steps)))
         return
-    for lib in ("llguidance", "xgrammar"):
+    for lib in ("llguidance", "xgrammar", "jaxserve.structured"):
         out = subprocess.run([sys.executable, __file__, "--lib", lib, "--steps", str(args.steps)],
                              capture_output=True, text=True)
         print(out.stdout.strip() or out.stderr[-2000:])
