@@ -44,6 +44,7 @@ def test_json_object_false_with_another_kind_is_fine():
 @pytest.mark.parametrize("kwargs, field", [
     (dict(json="{not json"), "structured_outputs.json is not valid JSON"),
     (dict(json=[1, 2]), "structured_outputs.json must be a JSON schema"),
+    (dict(json={"a": object()}), "structured_outputs.json is not JSON-serializable"),
     (dict(regex=""), "structured_outputs.regex must be a non-empty string"),
     (dict(regex=3), "structured_outputs.regex must be a non-empty string"),
     (dict(grammar=""), "structured_outputs.grammar must be a non-empty string"),
@@ -62,6 +63,13 @@ def test_schema_as_text_or_dict_in_any_key_order_shares_one_key():
     b = StructuredOutputs(json='{"required": ["x"], "type": "object"}')
     assert a.key == b.key and a == b and hash(a) == hash(b)
     assert a.json == {"type": "object", "required": ["x"]}, "json text is parsed"
+
+
+def test_callers_dict_mutated_later_does_not_change_the_constraint():
+    schema = {"type": "object"}
+    so = StructuredOutputs(json=schema)
+    schema["type"] = "string"
+    assert so.json == {"type": "object"} and so.key == 'json:{"type":"object"}'
 
 
 def test_kinds_with_the_same_text_have_different_keys():

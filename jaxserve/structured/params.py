@@ -31,6 +31,7 @@ class StructuredOutputs:
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    _key: str = dataclasses.field(init=False, repr=False, compare=False, default="")
 
     def __post_init__(self):
         chosen = [k for k in KINDS if (getattr(self, k) is not False if k == "json_object"
@@ -51,6 +52,7 @@ class StructuredOutputs:
                                              f"string")
         if self.choice is not None:
             object.__setattr__(self, "choice", _choice(self.choice))
+        object.__setattr__(self, "_key", self._canonical_key())
 
     @property
     def kind(self) -> str:
@@ -64,6 +66,9 @@ class StructuredOutputs:
     def key(self) -> str:
         """Canonical text of the constraint: equal constraints (a schema as a dict or as text,
         keys in any order) share one key, so they share one compiled grammar."""
+        return self._key
+
+    def _canonical_key(self) -> str:
         if self.json is not None:
             return "json:" + jsonlib.dumps(self.json, sort_keys=True, separators=(",", ":"),
                                            ensure_ascii=False)
@@ -113,8 +118,14 @@ def _schema(value: Any) -> dict | bool:
             value = jsonlib.loads(value)
         except jsonlib.JSONDecodeError as e:
             raise StructuredOutputsError(f"structured_outputs.json is not valid JSON: {e}") from e
-    if isinstance(value, bool) or isinstance(value, dict):
+    if isinstance(value, bool):
         return value
+    if isinstance(value, dict):
+        try:  # a private copy: the caller mutating its dict must not change the key
+            return jsonlib.loads(jsonlib.dumps(value))
+        except (TypeError, ValueError) as e:
+            raise StructuredOutputsError(f"structured_outputs.json is not JSON-serializable: "
+                                         f"{e}") from e
     raise StructuredOutputsError(f"structured_outputs.json must be a JSON schema (an object), "
                                  f"not {type(value).__name__}")
 
