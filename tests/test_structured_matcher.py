@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from model_fixtures import real_default_model
 
 from jaxserve.bench.structured_schemas import JSON_SCHEMAS
@@ -194,3 +196,23 @@ def test_fill_batch_rejects_a_wrong_width(compiler):
     m = compiler.get(PERSON).new_matcher()
     with pytest.raises(ValueError, match="bitmask must be"):
         fill_batch([m], np.zeros((1, m.num_words + 1), dtype=np.int32))
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1), steps=st.integers(1, 30), back=st.integers(0, 30))
+def test_rollback_after_any_walk_restores_the_mask_of_that_point(compiler, seed, steps, back):
+    """Walk `steps` allowed tokens chosen at random, roll back `back` of them: the mask is the
+    one seen when the walk was there."""
+    rng = np.random.default_rng(seed)
+    m = compiler.get(StructuredOutputs(json=JSON_SCHEMAS["order"])).new_matcher()
+    masks = [mask_of(m)]
+    for _ in range(steps):
+        if m.is_terminated():
+            break
+        choices = np.nonzero(allowed(masks[-1], m.vocab_size))[0]
+        assert m.accept([int(rng.choice(choices))])
+        masks.append(mask_of(m))
+    back = min(back, m.num_accepted)
+    m.rollback(back)
+    assert np.array_equal(mask_of(m), masks[len(masks) - 1 - back])
