@@ -27,23 +27,24 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-@functools.lru_cache(maxsize=8)
-def _known_ids(num_known: int, vocab_size: int) -> np.ndarray:
-    """int32 [ceil(vocab_size / 32)]: bits set for ids < num_known (and < vocab_size)."""
+def _pack(allowed_ids, vocab_size: int) -> np.ndarray:
+    """A read-only bitmask row with the bits of `allowed_ids` (an index or slice) set."""
     bits = np.zeros(bitmask_words(vocab_size) * 32, dtype=np.uint8)
-    bits[:min(num_known, vocab_size)] = 1
+    bits[allowed_ids] = 1
     words = np.packbits(bits, bitorder="little").view(np.int32)
     words.flags.writeable = False
     return words
+
+
+@functools.lru_cache(maxsize=8)
+def _known_ids(num_known: int, vocab_size: int) -> np.ndarray:
+    """Bits set for the ids both the tokenizer and the model have."""
+    return _pack(slice(0, min(num_known, vocab_size)), vocab_size)
 
 
 @functools.lru_cache(maxsize=8)
 def _eos_row(eos_ids: tuple[int, ...], vocab_size: int) -> np.ndarray:
-    bits = np.zeros(bitmask_words(vocab_size) * 32, dtype=np.uint8)
-    bits[[t for t in eos_ids if t < vocab_size]] = 1
-    words = np.packbits(bits, bitorder="little").view(np.int32)
-    words.flags.writeable = False
-    return words
+    return _pack([t for t in eos_ids if t < vocab_size], vocab_size)
 
 
 @functools.lru_cache(maxsize=1)
@@ -167,25 +168,34 @@ def fill_batch(matchers: Sequence[GrammarMatcher | None], out: np.ndarray, *,
         _check_rows(out, first.num_words)
     out[:] = -1
     has_mask = np.zeros(out.shape[0], dtype=bool)
-    if first is None:
-        return has_mask
-    if drafts is None:
-        if len(matchers) > out.shape[0]:
-            raise ValueError(f"{len(matchers)} matchers for {out.shape[0]} bitmask rows")
-        live = [(m, i) for i, m in enumerate(matchers) if m is not None]
-        direct = [(m, i) for m, i in live if m._ll_words == m.num_words
-                  and not m.is_terminated()]
-        if len(direct) > 1:  # llguidance fills rows in parallel on its own threads
-            _executor().unsafe_compute_mask_ptr([(m._m, i) for m, i in direct], out.ctypes.data,
-                                                out.shape[1] * 4, out.shape[0])
-            for m, i in direct:
-                out[i] &= m._known
-        done = {i for _, i in direct} if len(direct) > 1 else set()
-        for m, i in live:
-            if i not in done:
-                m.fill_bitmask(out[i])
-            has_mask[i] = True
-        return has_mask
+    if first is not None and drafts is None:
+        _fill_rows(matchers, out, has_mask)
+    elif first is not None:
+        _fill_draft_rows(matchers, drafts, out, has_mask)
+    return has_mask
+
+
+def _fill_rows(matchers, out, has_mask) -> None:
+    if len(matchers) > out.shape[0]:
+        raise ValueError(f"{len(matchers)} matchers for {out.shape[0]} bitmask rows")
+    live = [(m, i) for i, m in enumerate(matchers) if m is not None]
+    # full-width, unfinished rows: llguidance fills them in parallel on its own threads
+    parallel = [(m, i) for m, i in live if m._ll_words == m.num_words and not m.is_terminated()]
+    if len(parallel) < 2:
+        parallel = []
+    if parallel:
+        _executor().unsafe_compute_mask_ptr([(m._m, i) for m, i in parallel], out.ctypes.data,
+                                            out.shape[1] * 4, out.shape[0])
+        for m, i in parallel:
+            out[i] &= m._known
+    filled = {i for _, i in parallel}
+    for m, i in live:
+        if i not in filled:
+            m.fill_bitmask(out[i])
+        has_mask[i] = True
+
+
+def _fill_draft_rows(matchers, drafts, out, has_mask) -> None:
     if len(drafts) != len(matchers) or out.shape[0] % len(matchers):
         raise ValueError(f"{len(matchers)} matchers, {len(drafts)} draft lists and "
                          f"{out.shape[0]} rows: need rows = matchers * (k + 1)")
@@ -194,13 +204,11 @@ def fill_batch(matchers: Sequence[GrammarMatcher | None], out: np.ndarray, *,
         if m is None:
             continue
         draft = [int(t) for t in draft][:rows_per - 1]
-        num_valid = m.num_valid(draft)
+        walk = min(m.num_valid(draft), len(draft))  # drafts up to the first one rejected
         base = i * rows_per
         m.fill_bitmask(out[base])
-        has_mask[base] = True
-        for j in range(min(num_valid, len(draft))):
+        for j in range(walk):
             m.accept([draft[j]])
             m.fill_bitmask(out[base + j + 1])
-            has_mask[base + j + 1] = True
-        m.rollback(min(num_valid, len(draft)))
-    return has_mask
+        has_mask[base:base + walk + 1] = True
+        m.rollback(walk)
