@@ -13,7 +13,7 @@ from model_fixtures import real_default_model
 
 from jaxserve.bench.structured_schemas import JSON_SCHEMAS
 from jaxserve.structured.compiler import GrammarCompiler
-from jaxserve.structured.matcher import bitmask_words, fill_batch
+from jaxserve.structured.matcher import bitmask_words, fill_batch, fill_draft_rows
 from jaxserve.structured.params import StructuredOutputs
 
 PERSON = StructuredOutputs(json=JSON_SCHEMAS["person"])
@@ -216,3 +216,23 @@ def test_rollback_after_any_walk_restores_the_mask_of_that_point(compiler, seed,
     back = min(back, m.num_accepted)
     m.rollback(back)
     assert np.array_equal(mask_of(m), masks[len(masks) - 1 - back])
+
+
+def test_fill_draft_rows_takes_any_row_layout(compiler, tokenizer):
+    tokens = encode(tokenizer, PERSON_TEXT)
+    a, b = (compiler.get(PERSON).new_matcher() for _ in range(2))
+    out = np.zeros((7, a.num_words), dtype=np.int32)
+    # a verifies 1 draft at rows 0-1, b verifies 3 at rows 3-6; row 2 belongs to no one
+    has_mask = fill_draft_rows([(a, tokens[:1], 0), (b, tokens[:3], 3)], out)
+    assert has_mask.tolist() == [True, True, False, True, True, True, True]
+    ref = compiler.get(PERSON).new_matcher()
+    expected = [mask_of(ref)]
+    for t in tokens[:3]:
+        ref.accept([t])
+        expected.append(mask_of(ref))
+    assert np.array_equal(out[0], expected[0]) and np.array_equal(out[1], expected[1])
+    for j in range(4):
+        assert np.array_equal(out[3 + j], expected[j]), f"b's row {j} differs"
+    assert (out[2] == -1).all()
+    with pytest.raises(ValueError, match="past the 7 rows"):
+        fill_draft_rows([(a, tokens[:3], 5)], out)

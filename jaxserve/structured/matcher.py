@@ -1,5 +1,6 @@
 """GrammarMatcher: one request's position in its grammar, and the allowed-token bitmask of the
-next step; `fill_batch` writes one step's bitmasks for a batch.
+next step; `fill_batch` writes one step's bitmasks for a batch, `fill_draft_rows` those of
+speculative verification rows.
 
 A bitmask row is int32 [ceil(vocab_size / 32)] over the model's vocabulary, bit `t % 32` of word
 `t // 32` set when token t is allowed (llguidance's and xgrammar's layout, which the compiled
@@ -200,15 +201,30 @@ def _fill_draft_rows(matchers, drafts, out, has_mask) -> None:
         raise ValueError(f"{len(matchers)} matchers, {len(drafts)} draft lists and "
                          f"{out.shape[0]} rows: need rows = matchers * (k + 1)")
     rows_per = out.shape[0] // len(matchers)
-    for i, (m, draft) in enumerate(zip(matchers, drafts)):
-        if m is None:
-            continue
-        draft = [int(t) for t in draft][:rows_per - 1]
+    entries = [(m, list(d)[:rows_per - 1], i * rows_per)
+               for i, (m, d) in enumerate(zip(matchers, drafts)) if m is not None]
+    has_mask |= fill_draft_rows(entries, out)
+
+
+def fill_draft_rows(entries: Sequence[tuple[GrammarMatcher, Sequence[int], int]],
+                    out: np.ndarray) -> np.ndarray:
+    """Speculative verification rows in any layout: for each (matcher, drafts, first_row), row
+    first_row + j gets the mask after accepting drafts[:j], for j up to the first draft the
+    grammar rejects (that row's mask refuses it) or len(drafts). Other rows are -1 with
+    has_mask False; returns has_mask bool [R]. Matchers end in the state they started in."""
+    has_mask = np.zeros(out.shape[0], dtype=bool)
+    if entries:
+        _check_rows(out, entries[0][0].num_words)
+    out[:] = -1
+    for m, draft, first in entries:
+        draft = [int(t) for t in draft]
+        if first + len(draft) >= out.shape[0]:
+            raise ValueError(f"rows {first}..{first + len(draft)} past the {out.shape[0]} rows")
         walk = min(m.num_valid(draft), len(draft))  # drafts up to the first one rejected
-        base = i * rows_per
-        m.fill_bitmask(out[base])
+        m.fill_bitmask(out[first])
         for j in range(walk):
             m.accept([draft[j]])
-            m.fill_bitmask(out[base + j + 1])
-        has_mask[base:base + walk + 1] = True
+            m.fill_bitmask(out[first + j + 1])
+        has_mask[first:first + walk + 1] = True
         m.rollback(walk)
+    return has_mask
