@@ -61,3 +61,12 @@ def test_maybe_apply_bitmask_equals_apply_bitmask(any_mask):
         has_mask[:] = False
     got = np.asarray(jax.jit(maybe_apply_bitmask)(logits, bitmask, has_mask))
     np.testing.assert_array_equal(got, numpy_apply(logits, bitmask, has_mask))
+
+
+def test_host_flag_false_skips_the_mask_whatever_has_mask_says():
+    """any_mask is the host's word for the whole batch: False means no row is constrained."""
+    logits, bitmask, has_mask = random_case(4, 96, seed=2)
+    got = np.asarray(jax.jit(maybe_apply_bitmask)(logits, bitmask, has_mask, np.bool_(False)))
+    np.testing.assert_array_equal(got, logits)
+    got = np.asarray(jax.jit(maybe_apply_bitmask)(logits, bitmask, has_mask, np.bool_(True)))
+    np.testing.assert_array_equal(got, numpy_apply(logits, bitmask, has_mask))

@@ -33,9 +33,9 @@ def apply_bitmask(logits: jax.Array, bitmask: jax.Array, has_mask: jax.Array) ->
     return jnp.where(keep, logits, jnp.asarray(-jnp.inf, logits.dtype))
 
 
-def maybe_apply_bitmask(logits: jax.Array, bitmask: jax.Array,
-                        has_mask: jax.Array) -> jax.Array:
-    """apply_bitmask, skipped by lax.cond when no row has a mask (the unconstrained batch pays
-    one reduction over S booleans)."""
-    return jax.lax.cond(jnp.any(has_mask), apply_bitmask, lambda l, b, h: l,
-                        logits, bitmask, has_mask)
+def maybe_apply_bitmask(logits: jax.Array, bitmask: jax.Array, has_mask: jax.Array,
+                        any_mask: jax.Array | None = None) -> jax.Array:
+    """apply_bitmask, skipped by lax.cond when no row has a mask. any_mask: bool[] computed on
+    the host (default: jnp.any(has_mask) on the device)."""
+    any_mask = jnp.any(has_mask) if any_mask is None else any_mask
+    return jax.lax.cond(any_mask, apply_bitmask, lambda l, b, h: l, logits, bitmask, has_mask)
