@@ -156,14 +156,16 @@ def _walked(compiler, tokenizer, so, text):
     return m
 
 
+@pytest.mark.parametrize("parallel", [False, True])
 def test_fill_batch_rows_match_single_masks_and_rows_without_a_matcher_are_open(compiler,
-                                                                                  tokenizer):
+                                                                                  tokenizer,
+                                                                                  parallel):
     matchers = [_walked(compiler, tokenizer, PERSON, '{"name": "A'), None,
                 _walked(compiler, tokenizer, PERSON, '{"name": "Ada", "age": 3'),
                 _walked(compiler, tokenizer, StructuredOutputs(choice=["red", "green"]), "gr")]
     singles = [None if m is None else mask_of(m) for m in matchers]
     out = np.zeros((6, matchers[0].num_words), dtype=np.int32)
-    has_mask = fill_batch(matchers, out)
+    has_mask = fill_batch(matchers, out, parallel=parallel)
     assert has_mask.tolist() == [True, False, True, True, False, False]
     for i, single in enumerate(singles):
         if single is not None:

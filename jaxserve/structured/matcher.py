@@ -154,7 +154,8 @@ def _check_rows(out: np.ndarray, num_words: int) -> None:
 
 
 def fill_batch(matchers: Sequence[GrammarMatcher | None], out: np.ndarray, *,
-               drafts: Sequence[Sequence[int]] | None = None) -> np.ndarray:
+               drafts: Sequence[Sequence[int]] | None = None,
+               parallel: bool = False) -> np.ndarray:
     """One step's bitmasks into `out` (int32 [R, W]); returns has_mask bool [R].
 
     Without drafts, row i is matcher i's next-token mask (R >= len(matchers)). With drafts
@@ -162,7 +163,8 @@ def fill_batch(matchers: Sequence[GrammarMatcher | None], out: np.ndarray, *,
     i*(k+1) + j hold matcher i's mask after accepting drafts[i][:j]; rows past the first draft
     the grammar rejects, or past the drafts given, have no mask. Rows without a matcher or a
     mask are filled with -1 (all allowed) and flagged False. Matchers end in the state they
-    started in.
+    started in. parallel: rows filled on llguidance's own threads (measured on the 2-core dev
+    machine with 16 JSON requests: 0.42-0.64 ms a step, against 0.38-0.41 ms in a loop).
     """
     first = next((m for m in matchers if m is not None), None)
     if first is not None:
@@ -170,26 +172,27 @@ def fill_batch(matchers: Sequence[GrammarMatcher | None], out: np.ndarray, *,
     out[:] = -1
     has_mask = np.zeros(out.shape[0], dtype=bool)
     if first is not None and drafts is None:
-        _fill_rows(matchers, out, has_mask)
+        _fill_rows(matchers, out, has_mask, parallel)
     elif first is not None:
         _fill_draft_rows(matchers, drafts, out, has_mask)
     return has_mask
 
 
-def _fill_rows(matchers, out, has_mask) -> None:
+def _fill_rows(matchers, out, has_mask, parallel: bool) -> None:
     if len(matchers) > out.shape[0]:
         raise ValueError(f"{len(matchers)} matchers for {out.shape[0]} bitmask rows")
     live = [(m, i) for i, m in enumerate(matchers) if m is not None]
-    # full-width, unfinished rows: llguidance fills them in parallel on its own threads
-    parallel = [(m, i) for m, i in live if m._ll_words == m.num_words and not m.is_terminated()]
-    if len(parallel) < 2:
-        parallel = []
-    if parallel:
-        _executor().unsafe_compute_mask_ptr([(m._m, i) for m, i in parallel], out.ctypes.data,
+    # full-width, unfinished rows can be filled by llguidance on its own threads
+    threaded = [(m, i) for m, i in live
+                if m._ll_words == m.num_words and not m.is_terminated()] if parallel else []
+    if len(threaded) > 1:
+        _executor().unsafe_compute_mask_ptr([(m._m, i) for m, i in threaded], out.ctypes.data,
                                             out.shape[1] * 4, out.shape[0])
-        for m, i in parallel:
+        for m, i in threaded:
             out[i] &= m._known
-    filled = {i for _, i in parallel}
+    else:
+        threaded = []
+    filled = {i for _, i in threaded}
     for m, i in live:
         if i not in filled:
             m.fill_bitmask(out[i])
