@@ -157,8 +157,10 @@ class Engine:
         start = time.perf_counter()
         plan = self.scheduler.schedule()
         result = self.runner.execute(plan)
+        prompt = None if result.prompt_ids is None else (result.prompt_ids,
+                                                          result.prompt_logprobs)
         events = self.scheduler.update(plan, result.token_ids, result.logprobs, result.top_ids,
-                                       result.top_logprobs)
+                                       result.top_logprobs, prompt)
         self.num_steps += 1
         outputs = self._process(events)
         self._publish_stats()

@@ -134,6 +134,9 @@ class OutputProcessor:
         c.text += c.new_text
         if request.sample_index == 0:
             out.num_cached_tokens = request.num_cached_tokens
+            if (request.sampling.prompt_logprobs is not None and out.prompt_logprobs is None
+                    and (event.new_token_ids or reason is not None)):
+                out.prompt_logprobs = [None] + list(request.prompt_logprobs)
         if reason is not None:
             c.finish_reason = reason.value
             if event.error:

@@ -50,6 +50,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     time_to_first_token: float | None = None  # arrival to the first token of any sample
     latency: float | None = None    # arrival to finish, seconds (set when finished)
+    # sampling.prompt_logprobs = k: per prompt position None (the first), then {token id:
+    # logprob} of the prompt token there and the k most likely; set with the first tokens
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     # ---- the first sample's fields (the only sample, unless n > 1) ------------------------
     @property

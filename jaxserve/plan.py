@@ -58,6 +58,11 @@ class ScheduledChunk:
     start_position: int            # position of token_ids[0]
     page_table: tuple[int, ...]    # the request's pages, in order
     sampling: SamplingRow | None   # None: a prefill chunk that is not the last one
+    # prompt_logprobs = k: rows from prompt_logprob_first_row on report the log-probability of
+    # the prompt token that follows them (prompt_logprob_next, in order) and k alternatives
+    prompt_logprobs: int = 0
+    prompt_logprob_first_row: int = 0
+    prompt_logprob_next: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

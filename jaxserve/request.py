@@ -72,6 +72,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
     n: int = 1
+    prompt_logprobs: int | None = None         # per prompt token: its logprob and k alternatives
     include_stop_str_in_output: bool = False   # the stop string that ended the text stays in it
     skip_special_tokens: bool = True           # special tokens are left out of the text
 
@@ -136,6 +137,10 @@ class SamplingParams:
             bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list of token ids >= 0")
         if any(not isinstance(w, str) or not w for w in self.bad_words):
             bad("bad_words", self.bad_words, "non-empty strings")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            bad("prompt_logprobs", self.prompt_logprobs,
+                f"None or an integer in [0, {MAX_LOGPROBS}]")
         if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
             bad("n", self.n, f"an integer in [1, {MAX_N}]")
 
@@ -169,6 +174,8 @@ class Request:
     # pages it shares once sample 0 has prefilled them
     sample_index: int = 0
     shares_prompt_of: str | None = None
+    # sampling.prompt_logprobs: {token id: logprob} for prompt positions 1, 2, ... so far
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_seq: int = 0           # tie-break: earlier arrival wins
     output_token_ids: list[int] = field(default_factory=list)

@@ -25,9 +25,10 @@ import numpy as np
 from jaxserve.batching import make_batching_policy
 from jaxserve.engine_info import EngineStats
 from jaxserve.page_manager import PageManager
-from jaxserve.plan import DraftRows, SamplingRow, ScheduledChunk, StepPlan, SwapIn, SwapOut
+from jaxserve.plan import DraftRows, ScheduledChunk, StepPlan, SwapIn, SwapOut
 from jaxserve.processor_slots import ProcessorSlots
 from jaxserve.request import FinishReason, Request, RequestStatus, TokenEvent
+from jaxserve.step_rows import build_chunk, prompt_logprob_entries, top_logprob_pairs
 from jaxserve.swap_space import HostSwapSpace
 
 
@@ -250,12 +251,14 @@ class Scheduler:
         tokens, rid = request.all_token_ids, request.request_id
         source = self.requests.get(request.shares_prompt_of or "")
         num_prompt = len(request.prompt_token_ids)
+        if request.sampling.prompt_logprobs is not None and request.sample_index == 0:
+            tokens = ()  # every prompt position's logits are needed: no cached prefix
         if (source is not None and self.pages.has_request(source.request_id)
                 and source.num_computed_tokens >= num_prompt):
             num_shared = (num_prompt - 1) // self.pages.page_size * self.pages.page_size
         else:
             source, num_shared = None, len(self.pages.lookup_prefix(tokens)) * self.pages.page_size
-        num_new = len(tokens) - num_shared
+        num_new = request.num_tokens - num_shared
         if num_new > budget and not self.enable_chunked_prefill:
             return None
         num_new = min(num_new, budget)
@@ -313,30 +316,28 @@ class Scheduler:
                                          request.num_computed_tokens - self.kv_window + 1)
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
-        start = request.num_computed_tokens
-        end = start + num_new
-        sampling = None
-        if end == request.num_tokens:
-            sp = request.sampling
-            sampling = SamplingRow(sp.temperature, sp.top_k, sp.top_p, sp.min_p, request.seed,
-                                   len(request.output_token_ids), sp.top_logprobs,
-                                   self.processor_slots.row(request))
-        return ScheduledChunk(request.request_id, tuple(request.all_token_ids[start:end]), start,
-                              tuple(self.pages.page_table(request.request_id)), sampling)
+        return build_chunk(request, num_new, self.pages.page_table(request.request_id),
+                           self.processor_slots)
 
     # ---- results ---------------------------------------------------------------------
-    def update(self, plan: StepPlan, token_ids, logprobs, top_ids=None,
-               top_logprobs=None) -> list[TokenEvent]:
+    def update(self, plan: StepPlan, token_ids, logprobs, top_ids=None, top_logprobs=None,
+               prompt=None) -> list[TokenEvent]:
         """Apply one step's sampled tokens (index i belongs to plan.chunks[i]).
 
         token_ids[i] is one token, or (speculative steps) a row of tokens: the accepted drafts,
         then the target's own next token, then -1 padding. logprobs[i] has the same shape.
-        top_ids[i] / top_logprobs[i] (plain steps): the most likely alternatives, best first."""
-        events, verified = [], []
+        top_ids[i] / top_logprobs[i] (plain steps): the most likely alternatives, best first.
+        prompt: (ids, logprobs) [T, 1 + K] per token row (the next prompt token's, then the
+        alternatives), when a chunk reports prompt logprobs."""
+        events, verified, next_row = [], [], 0  # next_row: the chunk's rows end there
         for i, chunk in enumerate(plan.chunks):
+            next_row += chunk.num_tokens
             request = self.requests.get(chunk.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished (aborted) while the step ran
+            if chunk.prompt_logprob_next:
+                request.prompt_logprobs.extend(
+                    prompt_logprob_entries(chunk, next_row - chunk.num_tokens, prompt))
             request.num_computed_tokens += chunk.num_tokens
             if chunk.sampling is None:
                 self.pages.commit(request.request_id,
@@ -369,9 +370,8 @@ class Scheduler:
             else:
                 self._release_window(request)
             top = ()
-            if chunk.sampling.top_logprobs and new_tokens:
-                k = chunk.sampling.top_logprobs
-                top = (tuple(zip(top_ids[i][:k].tolist(), top_logprobs[i][:k].tolist())),)
+            if new_tokens and chunk.sampling.top_logprobs:  # plain steps only
+                top = top_logprob_pairs(chunk, top_ids[i], top_logprobs[i])
             events.append(TokenEvent(request.request_id, tuple(new_tokens), tuple(new_logprobs),
                                      reason, new_top_logprobs=top))
         if self.speculation is not None:
@@ -394,4 +394,5 @@ class Scheduler:
 def _plain_only(request: Request) -> bool:
     """Whether only plain steps compute this request (speculative verification applies no
     logits processor and reports no alternatives)."""
-    return request.sampling.uses_processors or request.sampling.top_logprobs > 0
+    sp = request.sampling
+    return sp.uses_processors or sp.top_logprobs > 0 or sp.prompt_logprobs is not None

@@ -74,15 +74,18 @@ class SamplingInputs:
     banned: np.ndarray              # [S, MAX_BANNED] i32 tokens masked this step (-1: none)
     any_processors: np.ndarray      # [] bool: False skips every processor
     any_top_logprobs: np.ndarray    # [] bool: False skips the top-k of the log-probabilities
+    # prompt_logprobs: per token row, the prompt token that follows it (-1: not such a row)
+    prompt_next_token: np.ndarray   # [T] i32
+    any_prompt_logprobs: np.ndarray  # [] bool: False skips the logits of every row
 
     @classmethod
-    def empty(cls, s: int) -> "SamplingInputs":
+    def empty(cls, s: int, t: int) -> "SamplingInputs":
         return cls(np.zeros(s, np.float32), np.zeros(s, np.int32), np.ones(s, np.float32),
                    np.zeros(s, np.float32), np.zeros(s, np.uint32), np.zeros(s, np.int32),
                    np.zeros((), np.bool_), np.zeros(s, np.int32), np.zeros(s, np.float32),
                    np.zeros(s, np.float32), np.ones(s, np.float32), np.zeros(s, np.bool_),
                    np.full((s, MAX_BANNED), -1, np.int32), np.zeros((), np.bool_),
-                   np.zeros((), np.bool_))
+                   np.zeros((), np.bool_), np.full(t, -1, np.int32), np.zeros((), np.bool_))
 
 
 @dataclass
@@ -101,7 +104,8 @@ class StepInputs:
     @classmethod
     def empty(cls, t: int, s: int, p: int) -> "StepInputs":
         """All-padding inputs of bucket (t, s): also what warm-up compiles and runs."""
-        return cls(ModelInputs.empty(t, s), AttentionMetadata.empty(s, p), SamplingInputs.empty(s))
+        return cls(ModelInputs.empty(t, s), AttentionMetadata.empty(s, p),
+                   SamplingInputs.empty(s, t))
 
 
 @dataclass

@@ -364,7 +364,7 @@ def test_processors_and_top_logprobs_cross_the_wire_as_offline(served, small_llm
                             logit_bias={40: 3.0, 41: -5.0}, min_tokens=2,
                             allowed_token_ids=list(range(30, 100)), bad_words=["zz"],
                             include_stop_str_in_output=True, skip_special_tokens=False,
-                            **GREEDY)
+                            prompt_logprobs=2, **GREEDY)
     assert convert.sampling_from_proto(convert.sampling_to_proto(params)) == params
     old = convert.sampling_from_proto(pb.SamplingParams(logprobs=True))
     assert old.logprobs == 0 and not old.uses_processors, "an old client's request is unchanged"
@@ -372,6 +372,7 @@ def test_processors_and_top_logprobs_cross_the_wire_as_offline(served, small_llm
     want = small_llm.generate(["abc"], params, use_tqdm=False)[0]  # the same tiny model
     assert result.token_ids == want.token_ids and set(result.token_ids) <= set(range(30, 100))
     assert len(result.top_logprobs) == 8
+    assert [list(e) for e in result.prompt_logprobs] == [list(e) for e in want.prompt_logprobs[1:]]
     assert [list(t) for t in result.top_logprobs] == [list(t) for t in want.top_logprobs]
     np.testing.assert_allclose([v for t in result.top_logprobs for v in t.values()],
                                [v for t in want.top_logprobs for v in t.values()], rtol=1e-6)

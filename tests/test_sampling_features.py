@@ -195,3 +195,28 @@ def test_aborting_an_n_request_aborts_every_sample(llm):
     while engine.has_unfinished():
         engine.step()
     assert_idle_and_no_leak(llm)
+
+
+def test_prompt_logprobs_equal_transformers_through_chunks_preemption_and_a_cached_prefix():
+    from tiny_models import hf_logits, hf_model, tiny_model
+
+    model = hf_model(*tiny_model())
+    busy = make_llm(max_num_batched_tokens=16, num_pages=12, token_buckets=(16,),
+                    seq_buckets=(4, 16))
+    shared = list(range(5, 40))
+    prompts = [shared + [50, 51, 52], shared + [60, 61]]  # the second finds the first cached
+    sp = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
+    filler, filler_params = mixed_requests(n=6, seed=8, max_prompt=40, max_out=30)
+    outs = busy.generate(prompts + filler, [sp, sp] + filler_params, use_tqdm=False)
+    assert busy.engine.scheduler.num_preemptions > 0, "meant to force preemption"
+    for prompt, out in zip(prompts, outs):
+        logits = hf_logits(model, prompt).astype(np.float64)
+        logsm = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(
+            -1, keepdims=True)) - logits.max(-1, keepdims=True)
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        for p in range(len(prompt) - 1):
+            entry = out.prompt_logprobs[p + 1]
+            assert abs(entry[prompt[p + 1]] - logsm[p, prompt[p + 1]]) < 1e-4, p
+            best = np.argsort(-logsm[p])[:3]
+            assert set(best) <= set(entry) and len(entry) <= 4
+    assert_idle_and_no_leak(busy)

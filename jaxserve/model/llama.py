@@ -98,8 +98,11 @@ class Llama(nnx.Module):
         self.rope_factors = tuple(rope.attention_factor(scaling) for _, scaling in ropes)
 
     def __call__(self, inputs: ModelInputs, metadata: AttentionMetadata,
-                 kv: tuple[jax.Array, jax.Array], attention: PagedAttention):
-        """Returns (logits [R, V] float32, updated kv). K/V pages: [L, N, page_size, Hkv, Dh].
+                 kv: tuple[jax.Array, jax.Array], attention: PagedAttention, *,
+                 return_hidden: bool = False):
+        """Returns (logits [R, V] float32, updated kv), and with return_hidden the last layer's
+        output of every row [T, D] too (model.logits of it: every row's logits). K/V pages:
+        [L, N, page_size, Hkv, Dh].
 
         The attention backend prepares its per-step metadata once here, before the layer loop;
         every layer then reads the same prepared object."""
@@ -161,10 +164,18 @@ class Llama(nnx.Module):
                 x, k_pages, v_pages = layer(x, k_pages, v_pages, jnp.int32(i),
                                             weights.as_dict(), self.kinds[i])
 
-        h = norm(x[inputs.logits_indices], self.final_norm[...])
+        logits = self.logits(x[inputs.logits_indices])
+        if return_hidden:
+            return logits, (k_pages, v_pages), x
+        return logits, (k_pages, v_pages)
+
+    def logits(self, x):
+        """The final norm and head (and final soft-cap) of hidden rows [R, D] -> [R, V] f32."""
+        cfg = self.config
+        h = layers.rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, cfg.family.norm_plus_one)
         head = self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]
         logits = jnp.dot(h, head, preferred_element_type=jnp.float32)
-        return layers.soft_cap(logits, cfg.final_logit_softcap), (k_pages, v_pages)
+        return layers.soft_cap(logits, cfg.final_logit_softcap)
 
 
 def init_kv_cache(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32,

@@ -28,7 +28,7 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
     p = buckets.max_pages_per_request
     b = StepInputs.empty(t, s, p)
     m, a, sp = b.model, b.attention, b.sampling
-    row, any_processors, any_top = 0, False, False
+    row, any_processors, any_top, any_prompt = 0, False, False, False
     for i, chunk in enumerate(chunks):
         n = chunk.num_tokens
         pos = np.arange(chunk.start_position, chunk.kv_len, dtype=np.int32)
@@ -52,6 +52,11 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
             if sr.processors is not None:
                 _fill_processors(sp, i, sr.processors)
                 any_processors = True
+        if chunk.prompt_logprob_next:
+            first = row + chunk.prompt_logprob_first_row
+            sp.prompt_next_token[first:first + len(chunk.prompt_logprob_next)] = \
+                chunk.prompt_logprob_next
+            any_prompt = True
         row += n
     num_seqs = len(chunks)
     a.num_decode_seqs[...] = next((i for i, c in enumerate(chunks) if c.num_tokens != 1),
@@ -64,6 +69,7 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
     sp.any_sampling[...] = bool(np.any(sp.temperature[:num_seqs] > 0))
     sp.any_processors[...] = any_processors
     sp.any_top_logprobs[...] = any_top
+    sp.any_prompt_logprobs[...] = any_prompt
     return b
 
 

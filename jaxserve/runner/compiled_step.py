@@ -5,7 +5,8 @@ or a tuple of them), the KV arrays (donated, so XLA updates them in place) and o
 dataclass (step_inputs.py). CompiledStep owns its jit, the bucket table, one executable per
 bucket, ahead-of-time warm-up (trace serially, compile on a small thread pool, run each once),
 the "no compiled step for this bucket" error (serving never compiles) and the run with its
-asynchronous device-to-host copy of `out`. Its KV caches (DeviceKV, which apply swaps) may be
+asynchronous device-to-host copy of `out` (of out[0] when `out` is a tuple: the rest is
+fetched only by the steps that need it). Its KV caches (DeviceKV, which apply swaps) may be
 shared with other CompiledSteps over the same cache; the runner that owns the caches applies
 each plan's swaps once per cache. The model runner and the speculative runner are built from
 CompiledSteps; neither decides what runs.
@@ -75,6 +76,6 @@ class CompiledStep:
                                f"compiled: {sorted(self._executables)} (warmup() compiles them)")
         out, kv = exe(self.state, self.kv, inputs)
         self._set_kv(kv)
-        if out is not None:
-            out.copy_to_host_async()
+        if out is not None:  # a tuple: its first array is every step's; the rest on demand
+            (out[0] if isinstance(out, tuple) else out).copy_to_host_async()
         return out

@@ -29,7 +29,7 @@ from jaxserve.runner import logits_processors
 from jaxserve.runner.kv_cache import DeviceKV
 from jaxserve.runner.logits_processors import ProcessorState
 from jaxserve.runner.protocol import StepResult
-from jaxserve.runner.sampler import sample, top_logprobs
+from jaxserve.runner.sampler import prompt_logprobs, sample, top_logprobs
 from jaxserve.runner.tensor_parallel import Placement
 from jaxserve.step_inputs import StepInputs
 
@@ -79,16 +79,21 @@ def unpack(packed: np.ndarray, num_chunks: int, with_top: bool = False) -> StepR
 
 
 def plain_step(graphdef, attention, state, kv, inputs: StepInputs):
-    """forward -> logits processors -> sample (+ top-k logprobs). kv: (KV pages, processor
-    state). Returns (packed [2, S, 1 + K] i32, kv)."""
+    """forward -> logits processors -> sample (+ top-k logprobs, + prompt logprobs). kv: (KV
+    pages, processor state). Returns ((packed [2, S, 1 + K] i32, prompt [2, T, 1 + K] i32),
+    kv); the prompt part is fetched only by steps that asked for it."""
     kv_pages, processors = kv
     model = nnx.merge(graphdef, state)
-    logits, kv_pages = model(inputs.model, inputs.attention, kv_pages, attention)
+    logits, kv_pages, hidden = model(inputs.model, inputs.attention, kv_pages, attention,
+                                     return_hidden=True)
     sp = inputs.sampling
     logits = logits_processors.apply_if_any(logits, sp, processors)
     tokens, logprobs = sample(logits, sp)
     processors = logits_processors.record_if_any(processors, sp, tokens)
-    return pack(tokens, logprobs, top_logprobs(logits, sp)), (kv_pages, processors)
+    packed = pack(tokens, logprobs, top_logprobs(logits, sp))
+    prompt_ids, prompt_lps = prompt_logprobs(model, hidden, sp)
+    prompt = jnp.stack([prompt_ids, jax.lax.bitcast_convert_type(prompt_lps, jnp.int32)])
+    return (packed, prompt), (kv_pages, processors)
 
 
 class ModelRunner:
@@ -157,4 +162,9 @@ class ModelRunner:
         if not plan.chunks:
             return StepResult(np.zeros(0, np.int32), np.zeros(0, np.float32))
         inputs = build_step_inputs(plan, self.buckets, self.page_size)
-        return unpack(np.asarray(self.step.run(inputs)), len(plan.chunks), with_top=True)
+        packed, prompt = self.step.run(inputs)
+        result = unpack(np.asarray(packed), len(plan.chunks), with_top=True)
+        if inputs.sampling.any_prompt_logprobs:
+            prompt = np.asarray(prompt)
+            result.prompt_ids, result.prompt_logprobs = prompt[0], prompt[1].view(np.float32)
+        return result

@@ -27,6 +27,10 @@ class StepResult:
     # (zeros when no row asked); None from speculative steps (which never carry such rows).
     top_ids: np.ndarray | None = None
     top_logprobs: np.ndarray | None = None
+    # Steps with prompt-logprob rows: [T, 1 + K] per token row (the next prompt token, then
+    # the alternatives), None otherwise.
+    prompt_ids: np.ndarray | None = None
+    prompt_logprobs: np.ndarray | None = None
 
 
 class Runner(Protocol):

@@ -74,3 +74,25 @@ def top_logprobs(logits, sampling: SamplingInputs):
                 jnp.zeros((num_rows, MAX_TOP_LOGPROBS), jnp.float32))
 
     return jax.lax.cond(sampling.any_top_logprobs, top, none, logits)
+
+
+def prompt_logprobs(model, hidden, sampling: SamplingInputs):
+    """Per token row, the log-probability of the prompt token that follows it, then the
+    MAX_TOP_LOGPROBS most likely tokens': (ids [T, 1 + K] i32, logprobs [T, 1 + K] f32); zeros,
+    without computing any row's logits, when no row asked. hidden: the model's last layer
+    output of every row [T, D] (model.logits gives their logits)."""
+    num_rows = hidden.shape[0]
+    nxt = sampling.prompt_next_token
+
+    def rows(h):
+        logprobs = jax.nn.log_softmax(model.logits(h), axis=-1)
+        values, ids = jax.lax.top_k(logprobs, MAX_TOP_LOGPROBS)
+        own = jnp.take_along_axis(logprobs, jnp.maximum(nxt, 0)[:, None], axis=-1)
+        return (jnp.concatenate([nxt[:, None], ids.astype(jnp.int32)], axis=1),
+                jnp.concatenate([own, values], axis=1))
+
+    def none(h):
+        return (jnp.zeros((num_rows, 1 + MAX_TOP_LOGPROBS), jnp.int32),
+                jnp.zeros((num_rows, 1 + MAX_TOP_LOGPROBS), jnp.float32))
+
+    return jax.lax.cond(sampling.any_prompt_logprobs, rows, none, hidden)

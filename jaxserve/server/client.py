@@ -47,6 +47,8 @@ class GenerateResult:
     finish_reason: str | None = None       # "stop" or "length"
     usage: pb.Usage | None = None
     text_deltas: list[str] = field(default_factory=list)
+    # prompt_logprobs: per prompt position from the second, {token id: logprob}, own first
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
     # n > 1: every sample, by index (samples[0] is this result itself)
     samples: dict[int, "GenerateResult"] = field(default_factory=dict)
 
@@ -95,6 +97,8 @@ class JaxServeClient:
                                            for top in response.top_logprobs)
                 if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                     sample.finish_reason = convert.FINISH_REASON_NAMES[response.finish_reason]
+                result.prompt_logprobs.extend(dict(zip(e.token_ids, e.logprobs))
+                                              for e in response.prompt_logprobs)
                 if response.HasField("usage"):
                     result.usage = response.usage
         except grpc.RpcError as exc:

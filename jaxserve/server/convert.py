@@ -14,7 +14,8 @@ from jaxserve.server.pb import jaxserve_pb2 as pb
 _OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
                              "ignore_eos", "presence_penalty", "frequency_penalty",
                              "repetition_penalty", "min_tokens", "n",
-                             "include_stop_str_in_output", "skip_special_tokens")
+                             "include_stop_str_in_output", "skip_special_tokens",
+                             "prompt_logprobs")
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 FINISH_REASON_NAMES = {value: name for name, value in FINISH_REASONS.items()}
 
@@ -78,6 +79,10 @@ def responses_from_output(out, with_logprobs: bool,
         if finishing:
             response.finish_reason = FINISH_REASONS[c.finish_reason]
             reported.add(c.index)
+        if out.prompt_logprobs is not None and -1 not in reported:
+            reported.add(-1)  # -1: the prompt's logprobs were sent
+            for entry in out.prompt_logprobs[1:]:
+                response.prompt_logprobs.add(token_ids=list(entry), logprobs=list(entry.values()))
         messages.append(response)
     if out.finished and messages:
         usage = messages[-1].usage
@@ -105,6 +110,8 @@ def sampling_to_proto(params: SamplingParams | None) -> pb.SamplingParams:
                             bad_words=list(params.bad_words), n=params.n,
                             include_stop_str_in_output=params.include_stop_str_in_output,
                             skip_special_tokens=params.skip_special_tokens)
+    if params.prompt_logprobs is not None:
+        msg.prompt_logprobs = params.prompt_logprobs
     if params.seed is not None:
         msg.seed = params.seed
     if params.allowed_token_ids is not None:

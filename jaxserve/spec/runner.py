@@ -110,9 +110,9 @@ class SpeculativeRunner:
         def plain_step(shape):
             inputs = StepInputs.empty(*shape, p)
             if self.sync is None:
-                return lambda: np.asarray(self.base.step.run(inputs))
+                return lambda: np.asarray(self.base.step.run(inputs)[0])
             return lambda: (self.sync.run(inputs), self.draft_cache.arrays[0].block_until_ready(),
-                            np.asarray(self.base.step.run(inputs)))
+                            np.asarray(self.base.step.run(inputs)[0]))
 
         def spec_step(shape):
             inputs = empty_spec_inputs(*shape, p, self.k, self.with_draft_model)

@@ -1,0 +1,59 @@
+"""What one scheduled request's rows carry into a step, and what their results give back.
+
+`build_chunk` lays out a request's next tokens as a ScheduledChunk: its sampling row (settings,
+top-k logprobs, its logits-processor slot) when the chunk ends at the request's last token, and
+the prompt positions whose prompt logprobs the chunk reports. `prompt_logprob_entries` and
+`top_logprob_pairs` read those rows' results. Plain Python for the scheduler: no jax, no
+scheduling decisions, no page accounting.
+"""
+
+from __future__ import annotations
+
+from jaxserve.plan import SamplingRow, ScheduledChunk
+from jaxserve.processor_slots import ProcessorSlots
+from jaxserve.request import Request
+
+
+def build_chunk(request: Request, num_new: int, page_table: list[int],
+                processor_slots: ProcessorSlots) -> ScheduledChunk:
+    """The request's next num_new tokens, from num_computed_tokens on."""
+    sp, start = request.sampling, request.num_computed_tokens
+    end = start + num_new
+    sampling = None
+    if end == request.num_tokens:
+        sampling = SamplingRow(sp.temperature, sp.top_k, sp.top_p, sp.min_p, request.seed,
+                               len(request.output_token_ids), sp.top_logprobs,
+                               processor_slots.row(request))
+    k, first, nxt = 0, 0, ()
+    if sp.prompt_logprobs is not None and request.sample_index == 0:
+        # positions p < len(prompt) - 1 not reported yet (a recompute skips those that were)
+        p0 = max(start, len(request.prompt_logprobs))
+        p1 = min(end, len(request.prompt_token_ids) - 1)
+        if p0 < p1:
+            k, first = sp.prompt_logprobs, p0 - start
+            nxt = tuple(request.prompt_token_ids[p0 + 1:p1 + 1])
+    return ScheduledChunk(request.request_id, tuple(request.all_token_ids[start:end]), start,
+                          tuple(page_table), sampling, k, first, nxt)
+
+
+def prompt_logprob_entries(chunk: ScheduledChunk, first_row: int,
+                           prompt) -> list[dict[int, float]]:
+    """{token id: logprob} per prompt position the chunk reported: the prompt token's own, then
+    its k alternatives. first_row: the chunk's first row in the step; prompt: (ids, logprobs)
+    [T, 1 + K] of every row."""
+    start = first_row + chunk.prompt_logprob_first_row
+    stop, k = start + len(chunk.prompt_logprob_next), chunk.prompt_logprobs
+    entries = []
+    for token, ids, lps in zip(chunk.prompt_logprob_next, prompt[0][start:stop],
+                               prompt[1][start:stop]):
+        entry = {token: float(lps[0])}
+        entry.update(zip(ids[1:1 + k].tolist(), lps[1:1 + k].tolist()))
+        entries.append(entry)
+    return entries
+
+
+def top_logprob_pairs(chunk: ScheduledChunk, top_ids, top_logprobs) -> tuple:
+    """The sampled token's k = sampling.top_logprobs alternatives as ((id, logprob), ...),
+    best first, for the event. top_ids / top_logprobs: the chunk's result row."""
+    k = chunk.sampling.top_logprobs
+    return (tuple(zip(top_ids[:k].tolist(), top_logprobs[:k].tolist())),)
