@@ -14,19 +14,11 @@ from typing import Callable
 from jaxserve.async_engine import EngineDeadError
 from jaxserve.engine import QueueFullError
 
-# Parameters the engine cannot honour yet, each with a test for the values it does honour. The
-# sampling issue (n, top-k logprobs, penalties, logit_bias) and structured output
-# (response_format) remove their entries here when the engine learns them. The sampled token's
-# own logprob is supported: completions logprobs=0, chat logprobs=true without top_logprobs.
+# Parameters the engine cannot honour yet, each with a test for the values it does honour.
+# Structured output (response_format) removes its entry here when it lands; best_of > 1 (the
+# best of several samples by cumulative logprob) and suffix (insertion) are not planned.
 UNSUPPORTED: dict[str, Callable[[object], bool]] = {
-    "n": lambda v: v == 1,
     "best_of": lambda v: v in (None, 1),
-    "logprobs": lambda v: v is None or isinstance(v, bool) or v == 0,
-    "top_logprobs": lambda v: v in (None, 0),
-    "presence_penalty": lambda v: v == 0,
-    "frequency_penalty": lambda v: v == 0,
-    "repetition_penalty": lambda v: v == 1,
-    "logit_bias": lambda v: not v,
     "response_format": lambda v: v is None or v.type == "text",
     "suffix": lambda v: v is None,
 }
@@ -79,6 +71,16 @@ def check_supported(request) -> None:
                               f"(only the default is)", name)
     if getattr(request, "top_logprobs", None) and not request.logprobs:
         raise bad_request("top_logprobs is set, so logprobs must be true", "top_logprobs")
-    if getattr(request, "echo", False) and request.logprobs is not None:
-        raise bad_request("echo with logprobs asks for prompt logprobs, which this server "
-                          "does not compute yet: drop echo or logprobs", "logprobs")
+
+
+def logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias (token ids as JSON object keys, so strings) -> token id -> bias."""
+    out = {}
+    for key, value in (bias or {}).items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise bad_request(f"logit_bias key {key!r} is not a token id: keys must be "
+                              f"integer token ids (as strings, e.g. \"50256\")",
+                              "logit_bias") from None
+    return out

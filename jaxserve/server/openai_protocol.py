@@ -3,7 +3,11 @@
 Requests validate types and ranges (the limits are in the schema, so /openapi.json documents
 them and a bad value is a 400 naming the field and its limit); unknown fields are refused, so a
 parameter jaxserve does not know is never silently ignored. Parameters it knows but cannot honour
-yet are modelled here and refused in openai_errors.UNSUPPORTED. Plain data: no engine, no I/O.
+yet are modelled here and refused in openai_errors.UNSUPPORTED. Besides OpenAI's parameters,
+vLLM's extra sampling ones (top_k, min_p, min_tokens, repetition_penalty, allowed_token_ids,
+bad_words, include_stop_str_in_output, skip_special_tokens, ignore_eos, stop_token_ids,
+return_token_ids) are accepted, as a vLLM client sends them in `extra_body`. Plain data: no
+engine, no I/O.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from __future__ import annotations
 from typing import Annotated, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from jaxserve.request import MAX_LOGPROBS, MAX_N
 
 
 def _unicode(value: str) -> str:
@@ -51,11 +57,17 @@ class _SamplingFields(_Strict):
     stop: StopStrings | None = None
     stop_token_ids: list[NonNegativeInt] | None = None
     ignore_eos: bool = False
-    n: Annotated[int, Field(ge=1, le=128)] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=1e3)] = 1.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0  # 1: off
+    # token id (as a string, as OpenAI's JSON has it) -> bias added to its logit
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    min_tokens: NonNegativeInt = 0  # EOS and stop_token_ids masked until this many tokens
+    allowed_token_ids: Annotated[list[NonNegativeInt], Field(min_length=1)] | None = None
+    bad_words: list[NonEmptyText] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -68,7 +80,7 @@ class CompletionRequest(_SamplingFields):
                   TokenIds,
                   Annotated[list[TokenIds], Field(min_length=1)]]
     echo: bool = False
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     best_of: Annotated[int, Field(ge=1, le=128)] | None = None
     suffix: str | None = None
 
@@ -93,7 +105,7 @@ class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -130,11 +142,12 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """The sampled tokens' logprobs (top alternatives are not computed yet: None)."""
+    """Per token: its text, logprob, top alternatives {text: logprob} (logprobs=k > 0; None for
+    0) and where its text starts. An echoed prompt's first token has no logprob (None)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None = None
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int]
 
 

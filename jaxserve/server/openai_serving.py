@@ -23,7 +23,7 @@ from jaxserve.request import SamplingParams
 from jaxserve.server import openai_protocol as api
 from jaxserve.server.chat_prompt import render_chat, with_chat_template
 from jaxserve.server.openai_errors import (OpenAIError, bad_request, check_supported,
-                                           error_for_exception)
+                                           error_for_exception, logit_bias)
 from jaxserve.server.openai_stream import (SSE_DONE, EventStream, chat_logprobs,
                                            completion_logprobs, final, finish_reason, merged,
                                            sse, usage)
@@ -58,7 +58,8 @@ class OpenAIServing:
                               f"[0, {vocab})", field)
 
     def _params(self, request, prompt_len: int, field: str, max_tokens: int | None,
-                default_max_tokens: int | None) -> SamplingParams:
+                default_max_tokens: int | None, logprobs: int | None,
+                prompt_logprobs: int | None = None) -> SamplingParams:
         max_field = ("max_completion_tokens" if getattr(request, "max_completion_tokens", None)
                      is not None else "max_tokens")
         limit, context = self.max_tokens_total, self.info.max_model_len
@@ -77,14 +78,21 @@ class OpenAIServing:
                               f"(max_model_len {context}), so {max_field} must be at most "
                               f"{limit - prompt_len}", max_field)
         top_k = request.top_k if request.top_k not in (None, -1) else 0
-        kwargs = dict(temperature=request.temperature, top_p=request.top_p, min_p=request.min_p,
-                      seed=request.seed)
+        optional = dict(temperature=request.temperature, top_p=request.top_p,
+                        min_p=request.min_p, seed=request.seed)
         try:
             return SamplingParams(
                 max_tokens=max_tokens, top_k=top_k, stop=request.stop or (),
                 stop_token_ids=tuple(request.stop_token_ids or ()), ignore_eos=request.ignore_eos,
-                logprobs=request.logprobs is not None and request.logprobs is not False,
-                **{k: v for k, v in kwargs.items() if v is not None})
+                n=request.n, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                presence_penalty=request.presence_penalty,
+                frequency_penalty=request.frequency_penalty,
+                repetition_penalty=request.repetition_penalty,
+                logit_bias=logit_bias(request.logit_bias), min_tokens=request.min_tokens,
+                allowed_token_ids=request.allowed_token_ids, bad_words=request.bad_words or (),
+                include_stop_str_in_output=request.include_stop_str_in_output,
+                skip_special_tokens=request.skip_special_tokens,
+                **{k: v for k, v in optional.items() if v is not None})
         except ValueError as exc:
             raise error_for_exception(exc) from None
 
@@ -136,54 +144,78 @@ class OpenAIServing:
 
     # ---- /v1/completions -----------------------------------------------------------------------
     async def completions(self, request: api.CompletionRequest):
-        """An api.Completion, or (streaming) an async iterator of SSE event strings."""
+        """An api.Completion, or (streaming) an async iterator of SSE event strings. Prompt p's
+        sample i is choice p * n + i, as in vLLM."""
         self.check_model(request.model)
         check_supported(request)
         prompts, texts = await self._in_thread(self._completion_prompts, request.prompt)
+        prompt_logprobs = request.logprobs if request.echo else None
         params = [self._params(request, len(ids), "prompt", request.max_tokens,
-                               DEFAULT_COMPLETION_MAX_TOKENS) for ids in prompts]
+                               DEFAULT_COMPLETION_MAX_TOKENS, request.logprobs, prompt_logprobs)
+                  for ids in prompts]
         request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         started = await self._start(request_id, prompts, params, "prompt")
-        echoes = [""] * len(prompts)
+        echoes = [None] * len(prompts)
         if request.echo:
             echoes = [t if t is not None else await self._in_thread(self.tokenizer.decode, ids)
                       for t, ids in zip(texts, prompts)]
-        if request.stream:
-            return EventStream(self._completion_stream(request, request_id, created,
-                                                       started, echoes), started)
-        outs = await asyncio.gather(*(final(f, s) for f, s in started))
-        choices = [api.CompletionChoice(
-            index=i, text=echoes[i] + out.text, finish_reason=finish_reason(out),
-            logprobs=None if request.logprobs is None else completion_logprobs(
-                self.tokenizer, out.token_ids, out.logprobs, 0),
-            token_ids=out.token_ids if request.return_token_ids else None,
-            prompt_token_ids=out.prompt_token_ids if request.return_token_ids else None)
-            for i, out in enumerate(outs)]
-        return api.Completion(**self._header(request_id, "text_completion", created),
-                              choices=choices, usage=usage(outs))
-
-    async def _completion_stream(self, request, request_id, created, started, echoes):
         header = self._header(request_id, "text_completion", created)
+        if request.stream:
+            return EventStream(self._completion_stream(request, header, started, echoes),
+                               started)
+        outs = await asyncio.gather(*(final(f, s) for f, s in started))
+        choices = [api.CompletionChoice(**self._completion_choice(
+            request, out, sample, p, echoes[p], 0, delta=False))
+            for p, out in enumerate(outs) for sample in out.outputs]
+        return api.Completion(**header, choices=choices, usage=usage(outs))
+
+    def _completion_choice(self, request, out, sample, prompt_index: int, echo: str | None,
+                           offset: int, delta: bool) -> dict:
+        """One sample's choice (delta: only this step's part); echo: the prompt text to put
+        before it, or None; offset: where its text starts in the choice's whole text."""
+        if delta:
+            ids, text = sample.new_token_ids, sample.new_text
+            lps, tops = sample.new_logprobs, sample.new_top_logprobs
+        else:
+            ids, text, lps, tops = sample.token_ids, sample.text, sample.logprobs, \
+                sample.top_logprobs
+        choice = {"index": prompt_index * request.n + sample.index, "text": (echo or "") + text,
+                  "logprobs": None, "finish_reason": finish_reason(sample, out)}
+        if request.logprobs is not None:
+            prompt = (out.prompt_token_ids, out.prompt_logprobs) \
+                if echo is not None and out.prompt_logprobs is not None else None
+            choice["logprobs"] = completion_logprobs(
+                self.tokenizer, (ids, lps or [], tops if request.logprobs else None),
+                offset + len(echo or ""), prompt)
+        if request.return_token_ids:
+            choice["token_ids"] = ids
+            if not delta:
+                choice["prompt_token_ids"] = out.prompt_token_ids
+        return choice
+
+    async def _completion_stream(self, request, header, started, echoes):
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        finals, offsets = [], [len(e) for e in echoes]
+        finals, offsets, done = [], {}, set()  # per choice index: text sent so far; finished
         try:
             async with contextlib.aclosing(merged(started)) as outs:
-                async for i, out in outs:
-                    text, echoes[i] = echoes[i] + out.new_text, ""
-                    if not (text or out.new_token_ids or out.finished):
-                        continue
-                    choice = {"index": i, "text": text, "logprobs": None,
-                              "finish_reason": finish_reason(out)}
-                    if request.logprobs is not None:
-                        choice["logprobs"] = completion_logprobs(
-                            self.tokenizer, out.new_token_ids, out.new_logprobs, offsets[i])
-                        offsets[i] += len(out.new_text)
-                    if request.return_token_ids:
-                        choice["token_ids"] = out.new_token_ids
-                    chunk = dict(header, choices=[choice])
-                    if include_usage:
-                        chunk["usage"] = None
-                    yield sse(chunk)
+                async for p, out in outs:
+                    for sample in out.outputs:
+                        index = p * request.n + sample.index
+                        if index in done:
+                            continue
+                        reason = finish_reason(sample, out)
+                        if not (sample.new_text or sample.new_token_ids or reason):
+                            continue
+                        echo = echoes[p] if index not in offsets else None
+                        choice = self._completion_choice(request, out, sample, p, echo,
+                                                         offsets.get(index, 0), delta=True)
+                        offsets[index] = offsets.get(index, 0) + len(choice["text"])
+                        if reason:
+                            done.add(index)
+                        chunk = dict(header, choices=[choice])
+                        if include_usage:
+                            chunk["usage"] = None
+                        yield sse(chunk)
                     if out.finished:
                         finals.append(out)
         except Exception as exc:
@@ -200,49 +232,63 @@ class OpenAIServing:
         check_supported(request)
         ids = await self._in_thread(self.chat_prompt, request)
         max_tokens = request.max_completion_tokens or request.max_tokens
-        params = self._params(request, len(ids), "messages", max_tokens, None)
+        params = self._params(request, len(ids), "messages", max_tokens, None,
+                              (request.top_logprobs or 0) if request.logprobs else None)
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         started = await self._start(request_id, [ids], [params], "messages")
+        header = self._header(request_id, "chat.completion", created)
         if request.stream:
-            return EventStream(self._chat_stream(request, request_id, created, started),
-                               started)
+            header["object"] = "chat.completion.chunk"
+            return EventStream(self._chat_stream(request, header, started), started)
         out = await final(*started[0])
-        choice = api.ChatChoice(
-            index=0, message=api.AssistantMessage(content=out.text),
-            finish_reason=finish_reason(out), logprobs=chat_logprobs(
-                self.tokenizer, out.token_ids, out.logprobs) if request.logprobs else None,
-            token_ids=out.token_ids if request.return_token_ids else None)
-        return api.ChatCompletion(
-            **self._header(request_id, "chat.completion", created), choices=[choice],
-            usage=usage([out]), prompt_token_ids=ids if request.return_token_ids else None)
+        choices = [api.ChatChoice(
+            index=sample.index, message=api.AssistantMessage(content=sample.text),
+            finish_reason=finish_reason(sample, out),
+            logprobs=self._chat_logprobs(request, sample.token_ids, sample.logprobs,
+                                         sample.top_logprobs),
+            token_ids=sample.token_ids if request.return_token_ids else None)
+            for sample in out.outputs]
+        return api.ChatCompletion(**header, choices=choices, usage=usage([out]),
+                                  prompt_token_ids=ids if request.return_token_ids else None)
 
-    async def _chat_stream(self, request, request_id, created, started):
-        header = self._header(request_id, "chat.completion.chunk", created)
+    def _chat_logprobs(self, request, token_ids, logprobs, tops) -> dict | None:
+        if not request.logprobs:
+            return None
+        return chat_logprobs(self.tokenizer, token_ids, logprobs or [],
+                             tops if request.top_logprobs else None)
+
+    async def _chat_stream(self, request, header, started):
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
 
-        def chunk(delta: dict, reason=None, out=None) -> str:
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-            if request.logprobs and out is not None:
-                choice["logprobs"] = chat_logprobs(self.tokenizer, out.new_token_ids,
-                                                   out.new_logprobs)
+        def chunk(index: int, delta: dict, reason=None, sample=None) -> str:
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            if sample is not None:
+                choice["logprobs"] = self._chat_logprobs(
+                    request, sample.new_token_ids, sample.new_logprobs, sample.new_top_logprobs)
             if request.return_token_ids:
-                choice["token_ids"] = out.new_token_ids if out is not None else []
+                choice["token_ids"] = sample.new_token_ids if sample is not None else []
             body = dict(header, choices=[choice])
             if include_usage:
                 body["usage"] = None
             return sse(body)
 
-        yield chunk({"role": "assistant", "content": ""})
-        last = None
+        for index in range(request.n):
+            yield chunk(index, {"role": "assistant", "content": ""})
+        last, done = None, set()
         try:
             async with contextlib.aclosing(merged(started)) as outs:
                 async for _, out in outs:
-                    reason = finish_reason(out)
-                    if out.new_text or out.new_token_ids:
-                        yield chunk({"content": out.new_text}, out=out)
+                    for sample in out.outputs:
+                        if sample.index in done:
+                            continue
+                        reason = finish_reason(sample, out)
+                        if sample.new_text or sample.new_token_ids:
+                            yield chunk(sample.index, {"content": sample.new_text}, sample=sample)
+                        if reason:
+                            done.add(sample.index)
+                            yield chunk(sample.index, {}, reason)
                     if out.finished:
                         last = out
-                        yield chunk({}, reason)
         except Exception as exc:
             yield sse(error_for_exception(exc).body())
         else:

@@ -1,10 +1,12 @@
-"""Engine output streams -> OpenAI pieces: SSE events, usage, finish reasons, sampled logprobs.
+"""Engine output streams -> OpenAI pieces: SSE events, usage, finish reasons, logprobs.
 
 Helpers of OpenAIServing (openai_serving.py): `rest` and `merged` walk one or several
 AsyncEngine.generate streams and always close them (so a request whose client went away is
-aborted), `usage`, `finish_reason` and the two logprobs shapes (completions: tokens /
-token_logprobs / text_offset; chat: content entries with token, logprob, bytes) read finished
-RequestOutputs. No engine calls beyond iterating the streams, no HTTP.
+aborted); `usage`, `finish_reason` and the two logprobs shapes (completions: tokens /
+token_logprobs / top_logprobs {text: logprob} / text_offset, echoed prompt tokens included;
+chat: content entries with token, logprob, bytes and top_logprobs entries of the same shape)
+read RequestOutputs and their samples (CompletionOutputs). No engine calls beyond iterating the
+streams, no HTTP.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import contextlib
 import json
 from typing import AsyncIterator
 
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.server.openai_errors import OpenAIError
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -26,18 +28,19 @@ def sse(obj) -> str:
 
 
 def usage(outs: list[RequestOutput]) -> dict:
+    """Each prompt counted once, every sample's output tokens counted (as vLLM and OpenAI)."""
     prompt = sum(len(o.prompt_token_ids) for o in outs)
-    completion = sum(len(o.token_ids) for o in outs)
+    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}}
 
 
-def finish_reason(out: RequestOutput) -> str | None:
-    """stop / length; an aborted or failed request is an error, not a reason."""
-    if not out.finished or out.finish_reason in ("stop", "length"):
-        return out.finish_reason
-    if out.finish_reason == "abort":
+def finish_reason(sample: CompletionOutput, out: RequestOutput) -> str | None:
+    """A sample's stop / length; an aborted or failed request is an error, not a reason."""
+    if sample.finish_reason in (None, "stop", "length"):
+        return sample.finish_reason
+    if sample.finish_reason == "abort":
         raise OpenAIError(503, f"request {out.request_id} was aborted by the server",
                           None, "service_unavailable")
     raise OpenAIError(500, out.error or "the request failed in the engine", None,
@@ -111,24 +114,63 @@ class EventStream:
             await stream.aclose()
 
 
-# ---- sampled-token logprobs (no top-k alternatives yet: see openai_errors.UNSUPPORTED) ----------
+# ---- logprobs ------------------------------------------------------------------------------------
 def _pieces(tokenizer, token_ids) -> list[str]:
     """Each token's own text (a byte-level token cut inside a character decodes to U+FFFD)."""
     return [tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
 
 
-def completion_logprobs(tokenizer, token_ids, logprobs, text_offset: int) -> dict:
-    """OpenAI's completions logprobs for these tokens; text_offset: where the first starts."""
-    pieces, offsets = _pieces(tokenizer, token_ids), []
-    for piece in pieces:
-        offsets.append(text_offset)
-        text_offset += len(piece)
-    return {"tokens": pieces, "token_logprobs": [float(x) for x in logprobs],
-            "top_logprobs": None, "text_offset": offsets}
+def _ranked(top: dict[int, float]) -> list[tuple[int, float]]:
+    return sorted(top.items(), key=lambda item: -item[1])
 
 
-def chat_logprobs(tokenizer, token_ids, logprobs) -> dict:
-    """OpenAI's chat logprobs for these tokens (top_logprobs empty: only the sampled token)."""
-    return {"content": [{"token": piece, "logprob": float(lp),
-                         "bytes": list(piece.encode("utf-8")), "top_logprobs": []}
-                        for piece, lp in zip(_pieces(tokenizer, token_ids), logprobs)]}
+def _text_top(tokenizer, top: dict[int, float]) -> dict[str, float]:
+    """{token id: logprob} -> {token text: logprob}; two ids of one text keep the likelier."""
+    out: dict[str, float] = {}
+    for piece, (_, lp) in zip(_pieces(tokenizer, [t for t, _ in _ranked(top)]), _ranked(top)):
+        out.setdefault(piece, float(lp))
+    return out
+
+
+def completion_logprobs(tokenizer, sample_delta: tuple, text_offset: int,
+                        echo: tuple | None = None) -> dict:
+    """OpenAI's completions logprobs. sample_delta: (token ids, their logprobs, their top
+    {id: logprob} dicts or None); text_offset: where the first token's text starts. echo:
+    (prompt ids, RequestOutput.prompt_logprobs) when the prompt is echoed before them (its
+    offsets start at 0, its first token has no logprob)."""
+    token_ids, logprobs, tops = sample_delta
+    ids, token_lps, top_out, offsets = [], [], [], []
+    if echo is not None:
+        prompt_ids, prompt_lps = echo
+        ids += prompt_ids
+        token_lps += [None if e is None else float(e[t]) for t, e in zip(prompt_ids, prompt_lps)]
+        top_out += [None if e is None else _text_top(tokenizer, e) for e in prompt_lps]
+    ids += token_ids
+    token_lps += [float(x) for x in logprobs]
+    top_out += [_text_top(tokenizer, t) for t in tops] if tops is not None else []
+    pieces = _pieces(tokenizer, ids)
+    offset = 0 if echo is not None else text_offset
+    for i, piece in enumerate(pieces):
+        if echo is not None and i == len(echo[0]):
+            offset = text_offset
+        offsets.append(offset)
+        offset += len(piece)
+    return {"tokens": pieces, "token_logprobs": token_lps,
+            "top_logprobs": top_out if tops is not None else None, "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer, token_ids, logprobs, tops) -> dict:
+    """OpenAI's chat logprobs for these tokens; tops: per token {id: logprob} of the
+    top_logprobs alternatives, or None (top_logprobs empty: only the sampled token)."""
+    def entry(piece, lp) -> dict:
+        return {"token": piece, "logprob": float(lp), "bytes": list(piece.encode("utf-8"))}
+
+    content = []
+    for i, (piece, lp) in enumerate(zip(_pieces(tokenizer, token_ids), logprobs)):
+        alternatives = []
+        if tops is not None:
+            ranked = _ranked(tops[i])
+            alternatives = [entry(p, a) for p, (_, a) in
+                            zip(_pieces(tokenizer, [t for t, _ in ranked]), ranked)]
+        content.append({**entry(piece, lp), "top_logprobs": alternatives})
+    return {"content": content}
