@@ -1,7 +1,8 @@
 """The OpenAI HTTP API: one `run_server` process (gRPC + HTTP, tests/http_server_main.py) driven
 by the official openai client and raw httpx: greedy output equals the offline LLM token for
 token, streams concatenate to the full text, usage is exact, bad input is a 4xx naming the
-field, and every KV page is free afterwards (read through /metrics, never the scheduler).
+field, and every KV page is free afterwards (read through /metrics, never the scheduler). The
+sampling features (n, top-k logprobs, penalties, logit_bias) are test_http_sampling.py's.
 """
 
 from __future__ import annotations
@@ -139,13 +140,6 @@ def test_chat_streamed_and_not_equal_the_template_prompt_offline(server, client,
     assert chunks[-1].usage.completion_tokens == 8
 
 
-def test_n_and_top_k_logprobs_are_refused_until_the_engine_supports_them(client):
-    for kwargs, param in ((dict(n=2), "n"), (dict(logprobs=1), "logprobs")):
-        with pytest.raises(openai.BadRequestError) as info:
-            client.completions.create(model=MODEL, prompt="x", max_tokens=2, **kwargs)
-        assert info.value.body["param"] == param, info.value.body
-
-
 def offline_logprobs(offline, prompt_ids, max_tokens):
     from jaxserve import SamplingParams
     out = offline.generate([prompt_ids], SamplingParams(
@@ -234,12 +228,13 @@ BAD = [  # (path, json body / raw bytes / chunks, header overrides, status, fiel
     (COMP, {**C, "suffix": "y"}, None, 400, "suffix"),
     (COMP, {**C, "best_of": 2}, None, 400, "best_of"),
     (COMP, {**C, "logprobs": 21}, None, 400, "logprobs"),
-    (COMP, {**C, "logprobs": 2}, None, 400, "logprobs"),  # top-k alternatives: not yet
-    (COMP, {**C, "logprobs": 0, "echo": True}, None, 400, "logprobs"),  # prompt logprobs
-    (COMP, {**C, "presence_penalty": 0.5}, None, 400, "presence_penalty"),
-    (COMP, {**C, "frequency_penalty": 1}, None, 400, "frequency_penalty"),
-    (COMP, {**C, "repetition_penalty": 1.2}, None, 400, "repetition_penalty"),
-    (COMP, {**C, "logit_bias": {"5": 3}}, None, 400, "logit_bias"),
+    (COMP, {**C, "n": 65}, None, 400, "n"),
+    (COMP, {**C, "min_tokens": 20, "max_tokens": 4}, None, 400, "min_tokens"),
+    (COMP, {**C, "presence_penalty": 3}, None, 400, "presence_penalty"),
+    (COMP, {**C, "frequency_penalty": -2.5}, None, 400, "frequency_penalty"),
+    (COMP, {**C, "repetition_penalty": 0}, None, 400, "repetition_penalty"),
+    (COMP, {**C, "logit_bias": {"x": 3}}, None, 400, "logit_bias"),
+    (COMP, {**C, "logit_bias": {"5": 500}}, None, 400, "logit_bias"),
     (COMP, {**C, "bogus": 1}, None, 400, "bogus"),
     (COMP, {"model": "gpt-4", "prompt": "x"}, None, 404, "model"),
     (COMP, {"model": 5, "prompt": "x"}, None, 400, "model"),
@@ -254,9 +249,10 @@ BAD = [  # (path, json body / raw bytes / chunks, header overrides, status, fiel
         {"type": "image_url", "image_url": {"url": "x"}}]}]}, None, 400, "messages[0].content"),
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x" * 3000}]}, None, 400,
      "messages"),  # over max_model_len
-    (CHAT, {**H, "logprobs": True, "top_logprobs": 3}, None, 400, "top_logprobs"),
+    (CHAT, {**H, "logprobs": True, "top_logprobs": 21}, None, 400, "top_logprobs"),
+    (CHAT, {**H, "top_logprobs": 3}, None, 400, "top_logprobs"),  # logprobs not true
     (CHAT, {**H, "top_logprobs": 0, "logprobs": "sure"}, None, 400, "logprobs"),
-    (CHAT, {**H, "n": 2}, None, 400, "n"),
+    (CHAT, {**H, "n": 0}, None, 400, "n"),
     (CHAT, {**H, "response_format": {"type": "json_object"}}, None, 400, "response_format"),
     (CHAT, {**H, "max_completion_tokens": 9999}, None, 400, "max_completion_tokens"),
     (CHAT, {**H, "continue_final_message": True}, None, 400, "continue_final_message"),
