@@ -190,6 +190,17 @@ def test_echo_with_logprobs_gives_the_prompt_tokens_their_offline_logprobs(clien
         assert_tops_equal(lps.top_logprobs[i], text_top(offline, want.prompt_logprobs[i]),
                           f"prompt token {i}")
     assert lps.token_logprobs[len(prompt_ids):] == pytest.approx(want.logprobs, abs=1e-4)
+    chunks = list(client.completions.create(model=MODEL, prompt="echo this", max_tokens=3,
+                                            logprobs=2, echo=True, temperature=0.0,
+                                            stream=True, extra_body=EXTRA))
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    streamed = [lp for c in chunks if c.choices[0].logprobs
+                for lp in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lps.token_logprobs[1:],
+                                                                 abs=1e-4)
+    offsets = [o for c in chunks if c.choices[0].logprobs
+               for o in c.choices[0].logprobs.text_offset]
+    assert offsets == lps.text_offset
 
 
 PROCESSORS = [
@@ -216,6 +227,25 @@ def test_penalties_and_logit_bias_change_greedy_output_exactly_as_offline(client
     plain = run_offline(offline, choice.model_extra["prompt_token_ids"], max_tokens=12,
                         temperature=0.0)
     assert want.token_ids != plain.token_ids, f"{body} changes the greedy output"
+
+
+def test_vllm_stop_and_text_parameters_give_the_offline_text(client, offline):
+    plain = client.completions.create(model=MODEL, prompt="stop here", max_tokens=16,
+                                      temperature=0.0, extra_body=EXTRA).choices[0]
+    text, prompt_ids = plain.text, plain.model_extra["prompt_token_ids"]
+    stop = next(text[i:i + 2] for i in range(len(text) // 2, len(text) - 1)
+                if text[i:i + 2].strip() and text.find(text[i:i + 2]) == i)
+    word = offline.tokenizer.decode(plain.model_extra["token_ids"][2:3]).strip() or "a"
+    for body in ({"stop": [stop], "include_stop_str_in_output": True},
+                 {"bad_words": [word]}, {"skip_special_tokens": False}):
+        r = client.completions.create(model=MODEL, prompt="stop here", max_tokens=16,
+                                      temperature=0.0, extra_body={**EXTRA, **body})
+        want = run_offline(offline, prompt_ids, max_tokens=16, temperature=0.0, **body)
+        assert r.choices[0].text == want.text, body
+        assert r.choices[0].model_extra["token_ids"] == want.token_ids, body
+    r = client.completions.create(model=MODEL, prompt="stop here", max_tokens=16, stop=[stop],
+                                  temperature=0.0, extra_body={"include_stop_str_in_output": True})
+    assert r.choices[0].text == text[:text.index(stop) + len(stop)], (stop, text)
 
 
 INVALID = [  # (path, body additions, field named)
