@@ -126,10 +126,19 @@ def _ranked(top: dict[int, float]) -> list[tuple[int, float]]:
 
 def _text_top(tokenizer, top: dict[int, float]) -> dict[str, float]:
     """{token id: logprob} -> {token text: logprob}; two ids of one text keep the likelier."""
+    ranked = _ranked(top)
     out: dict[str, float] = {}
-    for piece, (_, lp) in zip(_pieces(tokenizer, [t for t, _ in _ranked(top)]), _ranked(top)):
+    for piece, (_, lp) in zip(_pieces(tokenizer, [t for t, _ in ranked]), ranked):
         out.setdefault(piece, float(lp))
     return out
+
+
+def _offsets(pieces: list[str], start: int) -> list[int]:
+    offsets = []
+    for piece in pieces:
+        offsets.append(start)
+        start += len(piece)
+    return offsets
 
 
 def completion_logprobs(tokenizer, sample_delta: tuple, text_offset: int,
@@ -139,24 +148,21 @@ def completion_logprobs(tokenizer, sample_delta: tuple, text_offset: int,
     (prompt ids, RequestOutput.prompt_logprobs) when the prompt is echoed before them (its
     offsets start at 0, its first token has no logprob)."""
     token_ids, logprobs, tops = sample_delta
-    ids, token_lps, top_out, offsets = [], [], [], []
+    pieces = _pieces(tokenizer, token_ids)
+    token_lps = [float(x) for x in logprobs]
+    top_out = None if tops is None else [_text_top(tokenizer, t) for t in tops]
+    offsets = _offsets(pieces, text_offset)
     if echo is not None:
         prompt_ids, prompt_lps = echo
-        ids += prompt_ids
-        token_lps += [None if e is None else float(e[t]) for t, e in zip(prompt_ids, prompt_lps)]
-        top_out += [None if e is None else _text_top(tokenizer, e) for e in prompt_lps]
-    ids += token_ids
-    token_lps += [float(x) for x in logprobs]
-    top_out += [_text_top(tokenizer, t) for t in tops] if tops is not None else []
-    pieces = _pieces(tokenizer, ids)
-    offset = 0 if echo is not None else text_offset
-    for i, piece in enumerate(pieces):
-        if echo is not None and i == len(echo[0]):
-            offset = text_offset
-        offsets.append(offset)
-        offset += len(piece)
-    return {"tokens": pieces, "token_logprobs": token_lps,
-            "top_logprobs": top_out if tops is not None else None, "text_offset": offsets}
+        prompt_pieces = _pieces(tokenizer, prompt_ids)
+        pieces, offsets = prompt_pieces + pieces, _offsets(prompt_pieces, 0) + offsets
+        token_lps = [None if e is None else float(e[t])
+                     for t, e in zip(prompt_ids, prompt_lps)] + token_lps
+        if top_out is not None:
+            top_out = [None if e is None else _text_top(tokenizer, e)
+                       for e in prompt_lps] + top_out
+    return {"tokens": pieces, "token_logprobs": token_lps, "top_logprobs": top_out,
+            "text_offset": offsets}
 
 
 def chat_logprobs(tokenizer, token_ids, logprobs, tops) -> dict:
