@@ -64,6 +64,10 @@ class AsyncEngine:
             raise EngineDeadError(f"engine stopped: {self.error!r}")
         request = self.engine.make_request(prompt, params, request_id=request_id,
                                            priority=priority, prompt_token_ids=prompt_token_ids)
+        if request.sampling.structured_outputs is not None:
+            # An invalid schema / regex / grammar raises its ValueError here, before queueing.
+            await asyncio.wrap_future(
+                self.engine.grammars.submit(request.sampling.structured_outputs))
         rid = request.request_id
         stream: asyncio.Queue = asyncio.Queue()
         with self._lock:

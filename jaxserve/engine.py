@@ -49,6 +49,8 @@ class Engine:
         self.info = parts.info
         self._outputs = OutputProcessor(self.tokenizer, self.scheduler.finish)
         self._pending_events: list[TokenEvent] = []
+        self.grammars = None        # a GrammarCompiler, made by the first structured request
+        self._awaiting_grammar: list[Request] = []  # samples whose grammar is compiling
         self._arrivals = itertools.count()
         self._seed_rng = random.Random(self.config.seed)
         self.num_steps = 0
@@ -61,6 +63,8 @@ class Engine:
         if not self._closed:
             self._closed = True
             self.runner.close()
+            if self.grammars is not None:
+                self.grammars.close()
 
     def __enter__(self) -> "Engine":
         return self
@@ -104,6 +108,8 @@ class Engine:
             if bad:
                 raise ValueError(f"{name} contains token id {bad[0]}, outside the vocabulary "
                                  f"[0, {vocab})")
+        if params.structured_outputs is not None:
+            self._grammar_compiler().submit(params.structured_outputs)  # compiles off-thread
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
         return Request(request_id or uuid.uuid4().hex, ids, params, seed,
                        eos_token_ids=tuple(self.tokenizer.eos_token_ids), priority=priority,
@@ -126,6 +132,8 @@ class Engine:
         for sample in samples:
             sample.arrival_seq, sample.arrival_time = seq, now
         self._outputs.add(samples)
+        if request.sampling.structured_outputs is not None:
+            self._awaiting_grammar.extend(samples)
         for sample in samples:
             event = self.scheduler.add(sample)
             if event is not None:
@@ -153,8 +161,39 @@ class Engine:
         return self.scheduler.has_unfinished() or bool(self._pending_events)
 
     # ---- the loop -----------------------------------------------------------------------
+    def _grammar_compiler(self):
+        if self.grammars is None:
+            from jaxserve.structured.compiler import GrammarCompiler
+            if not hasattr(self.tokenizer, "backend"):
+                raise ValueError("structured_outputs needs a Hugging Face `tokenizers` "
+                                 "tokenizer; this model's tokenizer is not one")
+            self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+        return self.grammars
+
+    def _attach_grammars(self) -> None:
+        """Each sample whose grammar has compiled gets its own matcher, and may be scheduled;
+        one whose grammar failed (or timed out) finishes with the error."""
+        waiting = []
+        for sample in self._awaiting_grammar:
+            if sample.is_finished:
+                continue
+            try:
+                compiled = self.grammars.check(sample.sampling.structured_outputs)
+            except (ValueError, TimeoutError) as exc:
+                if self.scheduler.finish(sample.request_id, FinishReason.ERROR):
+                    self._pending_events.append(TokenEvent(
+                        sample.request_id, (), (), FinishReason.ERROR, str(exc)))
+                continue
+            if compiled is None:
+                waiting.append(sample)
+            else:
+                sample.grammar = compiled.new_matcher()
+        self._awaiting_grammar = waiting
+
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
+        if self._awaiting_grammar:
+            self._attach_grammars()
         plan = self.scheduler.schedule()
         result = self.runner.execute(plan)
         prompt = None if result.prompt_ids is None else (result.prompt_ids,

@@ -47,6 +47,8 @@ class SamplingRow:
     output_index: int  # which output token this is: keys derive from (seed, output_index)
     top_logprobs: int = 0                    # alternatives to report (sampling.logprobs = k)
     processors: ProcessorRow | None = None   # None: no logits processor changes this row
+    # structured output: the allowed next tokens, int32 [ceil(V / 32)] bitmask words as bytes
+    grammar_bitmask: bytes | None = None
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from jaxserve.structured.params import StructuredOutputs
+
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"        # EOS, a stop token id or a stop string
@@ -75,6 +77,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None         # per prompt token: its logprob and k alternatives
     include_stop_str_in_output: bool = False   # the stop string that ended the text stays in it
     skip_special_tokens: bool = True           # special tokens are left out of the text
+    # the output must match a JSON schema, regex, choice or grammar (a dict is accepted)
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -88,6 +92,9 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids",
                                tuple(int(t) for t in self.allowed_token_ids))
+        if isinstance(self.structured_outputs, dict):
+            object.__setattr__(self, "structured_outputs",
+                               StructuredOutputs(**self.structured_outputs))
         if isinstance(self.bad_words, str):
             object.__setattr__(self, "bad_words", (self.bad_words,))
         object.__setattr__(self, "bad_words", tuple(self.bad_words))
@@ -141,6 +148,9 @@ class SamplingParams:
                                                  or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             bad("prompt_logprobs", self.prompt_logprobs,
                 f"None or an integer in [0, {MAX_LOGPROBS}]")
+        if self.structured_outputs is not None and self.ignore_eos:
+            bad("ignore_eos", True, "false with structured_outputs (a complete output ends "
+                "with EOS)")
         if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
             bad("n", self.n, f"an integer in [1, {MAX_N}]")
 
@@ -154,6 +164,13 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty
                     or self.repetition_penalty != 1.0 or self.logit_bias or self.min_tokens
                     or self.allowed_token_ids is not None or self.bad_words)
+
+    @property
+    def needs_plain_steps(self) -> bool:
+        """Whether only plain steps compute this request: speculative verification applies no
+        logits processor or grammar and reports no alternatives or prompt logprobs."""
+        return (self.uses_processors or self.top_logprobs > 0 or self.prompt_logprobs is not None
+                or self.structured_outputs is not None)
 
     @property
     def top_logprobs(self) -> int:
@@ -176,6 +193,9 @@ class Request:
     shares_prompt_of: str | None = None
     # sampling.prompt_logprobs: {token id: logprob} for prompt positions 1, 2, ... so far
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # sampling.structured_outputs: the request's GrammarMatcher once its grammar compiled
+    # (jaxserve/structured/matcher.py); it has accepted every output token
+    grammar: object = None
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_seq: int = 0           # tie-break: earlier arrival wins
     output_token_ids: list[int] = field(default_factory=list)

@@ -77,7 +77,7 @@ class Scheduler:
         needed = self.pages.num_pages_for(total)
         capacity = self.pages.num_pages - 1
         self.requests[request.request_id] = request
-        self._num_plain_only += _plain_only(request)
+        self._num_plain_only += request.sampling.needs_plain_steps
         if needed > capacity:
             request.error = (f"request needs {needed} KV pages ({total} tokens) but the page "
                              f"pool holds {capacity}; lower max_tokens or the prompt length")
@@ -117,7 +117,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         if self.requests.pop(request.request_id, None) is not None:
-            self._num_plain_only -= _plain_only(request)
+            self._num_plain_only -= request.sampling.needs_plain_steps
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped or self._held)
@@ -222,15 +222,18 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, scheduled, budget: int) -> int:
-        new_batch = []
-        while (self.waiting and (budget > 0 or self.batching.admits_whole_batch)
+        new_batch, index = [], 0
+        while (index < len(self.waiting) and (budget > 0 or self.batching.admits_whole_batch)
                and len(self.running) < self.max_num_seqs):
-            request = self.waiting[0]
+            request = self.waiting[index]
+            if request.sampling.structured_outputs is not None and request.grammar is None:
+                index += 1  # its grammar is still compiling: the others go on without it
+                continue
             tokens = request.all_token_ids
             got = self._admit_pages(request, budget)
             if got is None:
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(index)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = got
             request.num_computed_tokens = got
@@ -356,6 +359,9 @@ class Scheduler:
                 reason = self._stop_reason(request, token)
                 if reason is not None:
                     break  # a stop inside an accepted run: drop the tokens after it
+            if request.grammar is not None and not request.grammar.accept(new_tokens):
+                request.error = f"the grammar refused sampled tokens {new_tokens}"
+                reason = FinishReason.ERROR  # never expected: the step masked them
             num_draft = plan.num_drafts_of(chunk.request_id)
             if num_draft:
                 verified.append((num_draft, num_emitted - 1))
@@ -372,8 +378,9 @@ class Scheduler:
             top = ()
             if new_tokens and chunk.sampling.top_logprobs:  # plain steps only
                 top = top_logprob_pairs(chunk, top_ids[i], top_logprobs[i])
-            events.append(TokenEvent(request.request_id, tuple(new_tokens), tuple(new_logprobs),
-                                     reason, new_top_logprobs=top))
+            events.append(TokenEvent(
+                request.request_id, tuple(new_tokens), tuple(new_logprobs), reason,
+                request.error if reason == FinishReason.ERROR else None, top))
         if self.speculation is not None:
             self.speculation.record_step(verified)
         return events
@@ -390,9 +397,3 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
-
-def _plain_only(request: Request) -> bool:
-    """Whether only plain steps compute this request (speculative verification applies no
-    logits processor and reports no alternatives)."""
-    sp = request.sampling
-    return sp.uses_processors or sp.top_logprobs > 0 or sp.prompt_logprobs is not None

@@ -77,15 +77,20 @@ class SamplingInputs:
     # prompt_logprobs: per token row, the prompt token that follows it (-1: not such a row)
     prompt_next_token: np.ndarray   # [T] i32
     any_prompt_logprobs: np.ndarray  # [] bool: False skips the logits of every row
+    # structured output: allowed next tokens, W = ceil(V / 32) bitmask words per row
+    grammar_bitmask: np.ndarray     # [S, W] i32
+    has_grammar: np.ndarray         # [S] bool: the row's bitmask applies
+    any_grammar: np.ndarray         # [] bool: False skips unpacking bitmasks
 
     @classmethod
-    def empty(cls, s: int, t: int) -> "SamplingInputs":
+    def empty(cls, s: int, t: int, w: int = 1) -> "SamplingInputs":
         return cls(np.zeros(s, np.float32), np.zeros(s, np.int32), np.ones(s, np.float32),
                    np.zeros(s, np.float32), np.zeros(s, np.uint32), np.zeros(s, np.int32),
                    np.zeros((), np.bool_), np.zeros(s, np.int32), np.zeros(s, np.float32),
                    np.zeros(s, np.float32), np.ones(s, np.float32), np.zeros(s, np.bool_),
                    np.full((s, MAX_BANNED), -1, np.int32), np.zeros((), np.bool_),
-                   np.zeros((), np.bool_), np.full(t, -1, np.int32), np.zeros((), np.bool_))
+                   np.zeros((), np.bool_), np.full(t, -1, np.int32), np.zeros((), np.bool_),
+                   np.full((s, w), -1, np.int32), np.zeros(s, np.bool_), np.zeros((), np.bool_))
 
 
 @dataclass
@@ -102,10 +107,11 @@ class StepInputs:
         return self.model.token_ids.shape[0], self.attention.kv_lens.shape[0]
 
     @classmethod
-    def empty(cls, t: int, s: int, p: int) -> "StepInputs":
-        """All-padding inputs of bucket (t, s): also what warm-up compiles and runs."""
+    def empty(cls, t: int, s: int, p: int, w: int = 1) -> "StepInputs":
+        """All-padding inputs of bucket (t, s): also what warm-up compiles and runs. w: bitmask
+        words per row (ceil(V / 32) for steps that apply grammars)."""
         return cls(ModelInputs.empty(t, s), AttentionMetadata.empty(s, p),
-                   SamplingInputs.empty(s, t))
+                   SamplingInputs.empty(s, t, w))
 
 
 @dataclass

@@ -1,13 +1,16 @@
 """What one scheduled request's rows carry into a step, and what their results give back.
 
 `build_chunk` lays out a request's next tokens as a ScheduledChunk: its sampling row (settings,
-top-k logprobs, its logits-processor slot) when the chunk ends at the request's last token, and
+top-k logprobs, its logits-processor slot, its grammar's bitmask) when the chunk ends at the
+request's last token, and
 the prompt positions whose prompt logprobs the chunk reports. `prompt_logprob_entries` and
 `top_logprob_pairs` read those rows' results. Plain Python for the scheduler: no jax, no
 scheduling decisions, no page accounting.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from jaxserve.plan import SamplingRow, ScheduledChunk
 from jaxserve.processor_slots import ProcessorSlots
@@ -21,9 +24,14 @@ def build_chunk(request: Request, num_new: int, page_table: list[int],
     end = start + num_new
     sampling = None
     if end == request.num_tokens:
+        bitmask = None
+        if request.grammar is not None:  # the tokens its grammar allows next
+            row = np.empty(request.grammar.num_words, np.int32)
+            request.grammar.fill_bitmask(row)
+            bitmask = row.tobytes()
         sampling = SamplingRow(sp.temperature, sp.top_k, sp.top_p, sp.min_p, request.seed,
                                len(request.output_token_ids), sp.top_logprobs,
-                               processor_slots.row(request))
+                               processor_slots.row(request), bitmask)
     k, first, nxt = 0, 0, ()
     if sp.prompt_logprobs is not None and request.sample_index == 0:
         # positions p < len(prompt) - 1 not reported yet (a recompute skips those that were)

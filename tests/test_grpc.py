@@ -387,3 +387,18 @@ def test_n_samples_stream_by_index_as_offline(served, small_llm):
     assert all(result.samples[i].finish_reason == "length" for i in range(3))
     assert result.usage.completion_tokens == 18
     wait_until_idle(served.engine)
+
+
+def test_structured_outputs_cross_the_wire_and_need_a_real_tokenizer(served):
+    from jaxserve.server import convert
+    from jaxserve.structured.params import StructuredOutputs
+
+    for so in (StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "integer"}}}),
+               StructuredOutputs(regex="a+b"), StructuredOutputs(choice=["x", "y z"]),
+               StructuredOutputs(grammar='start: "a"'), StructuredOutputs(json_object=True)):
+        params = SamplingParams(structured_outputs=so)
+        assert convert.sampling_from_proto(convert.sampling_to_proto(params)) == params
+    with pytest.raises(JaxServeError) as error:  # the tiny model's toy tokenizer has no vocab
+        served.client.generate_text("abc", SamplingParams(structured_outputs={"regex": "a"}))
+    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "structured_outputs" in error.value.details

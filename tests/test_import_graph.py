@@ -12,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = {"step_inputs", "plan", "request", "engine_info", "outputs", "config", "page_manager",
-        "swap_space", "batching", "detokenizer"}
+        "swap_space", "batching", "detokenizer", "structured"}
 
 
 def module_graph() -> dict[str, set[str]]:

@@ -17,16 +17,17 @@ from jaxserve.step_inputs import SamplingInputs, StepInputs
 
 def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
                       chunks: list[ScheduledChunk] | None = None,
-                      shape: tuple[int, int] | None = None) -> StepInputs:
+                      shape: tuple[int, int] | None = None, mask_words: int = 1) -> StepInputs:
     """chunks: the rows to lay out (default plan.chunks; speculation passes them with their
-    draft rows appended); shape: a fixed (T, S) bucket instead of the smallest that fits."""
+    draft rows appended); shape: a fixed (T, S) bucket instead of the smallest that fits;
+    mask_words: grammar bitmask words per row (the step's compiled width)."""
     chunks = plan.chunks if chunks is None else chunks
     padding = plan.static_padding if plan.chunks else None
     num_finished = 0 if padding is None else padding.num_finished_slots
     num_rows = sum(c.num_tokens for c in chunks) + plan.num_padding_rows
     t, s = shape or buckets.select(num_rows, len(chunks) + num_finished)
     p = buckets.max_pages_per_request
-    b = StepInputs.empty(t, s, p)
+    b = StepInputs.empty(t, s, p, mask_words)
     m, a, sp = b.model, b.attention, b.sampling
     row, any_processors, any_top, any_prompt = 0, False, False, False
     for i, chunk in enumerate(chunks):
@@ -52,6 +53,9 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
             if sr.processors is not None:
                 _fill_processors(sp, i, sr.processors)
                 any_processors = True
+            if sr.grammar_bitmask is not None:
+                sp.grammar_bitmask[i] = np.frombuffer(sr.grammar_bitmask, np.int32)
+                sp.has_grammar[i] = True
         if chunk.prompt_logprob_next:
             first = row + chunk.prompt_logprob_first_row
             sp.prompt_next_token[first:first + len(chunk.prompt_logprob_next)] = \
@@ -70,6 +74,7 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
     sp.any_processors[...] = any_processors
     sp.any_top_logprobs[...] = any_top
     sp.any_prompt_logprobs[...] = any_prompt
+    sp.any_grammar[...] = bool(sp.has_grammar.any())
     return b
 
 

@@ -2,8 +2,8 @@
 the logits processors' state).
 
 It turns a StepPlan into StepInputs (runner/batch.py) and one call of its CompiledStep
-(forward -> logits processors -> sample, KV and processor state donated), and returns plain
-numpy results. Every (tokens, requests)
+(forward -> logits processors -> grammar bitmasks -> sample, KV and processor state donated),
+and returns plain numpy results. Every (tokens, requests)
 bucket is compiled ahead of time; a shape outside the table raises instead of compiling. It
 never decides what runs: that is the scheduler's job. runner/protocol.py declares what every
 runner (plain, speculative, multi-host leader / follower) offers the engine.
@@ -26,6 +26,7 @@ from jaxserve.runner.batch import build_step_inputs
 from jaxserve.runner.buckets import BucketTable
 from jaxserve.runner.compiled_step import CompiledStep
 from jaxserve.runner import logits_processors
+from jaxserve.runner.grammar_mask import maybe_apply_bitmask
 from jaxserve.runner.kv_cache import DeviceKV
 from jaxserve.runner.logits_processors import ProcessorState
 from jaxserve.runner.protocol import StepResult
@@ -88,6 +89,7 @@ def plain_step(graphdef, attention, state, kv, inputs: StepInputs):
                                      return_hidden=True)
     sp = inputs.sampling
     logits = logits_processors.apply_if_any(logits, sp, processors)
+    logits = maybe_apply_bitmask(logits, sp.grammar_bitmask, sp.has_grammar, sp.any_grammar)
     tokens, logprobs = sample(logits, sp)
     processors = logits_processors.record_if_any(processors, sp, tokens)
     packed = pack(tokens, logprobs, top_logprobs(logits, sp))
@@ -124,8 +126,10 @@ class ModelRunner:
         self.attention = self.placement.attention(attention_impl, page_size)
         step = functools.partial(plain_step, self.graphdef, self.attention)
         p = self.buckets.max_pages_per_request
+        self.mask_words = -(-model_config.vocab_size // 32)  # grammar bitmask words per row
         self.step = CompiledStep("step", step, state, (self.cache, self.processors),
-                                 self.buckets, lambda shape: StepInputs.empty(*shape, p),
+                                 self.buckets,
+                                 lambda shape: StepInputs.empty(*shape, p, self.mask_words),
                                  **self.placement.jit_shardings(processor_state=True))
 
     def new_cache(self, placement: Placement) -> DeviceKV:
@@ -161,7 +165,8 @@ class ModelRunner:
         self.processors.apply_inits(plan)
         if not plan.chunks:
             return StepResult(np.zeros(0, np.int32), np.zeros(0, np.float32))
-        inputs = build_step_inputs(plan, self.buckets, self.page_size)
+        inputs = build_step_inputs(plan, self.buckets, self.page_size,
+                                   mask_words=self.mask_words)
         packed, prompt = self.step.run(inputs)
         result = unpack(np.asarray(packed), len(plan.chunks), with_top=True)
         if inputs.sampling.any_prompt_logprobs:

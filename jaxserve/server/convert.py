@@ -8,7 +8,10 @@ for the client. Pure functions: no engine state, no gRPC calls, no status codes.
 
 from __future__ import annotations
 
+import json
+
 from jaxserve.request import SamplingParams
+from jaxserve.structured.params import StructuredOutputs
 from jaxserve.server.pb import jaxserve_pb2 as pb
 
 _OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
@@ -31,9 +34,34 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         kwargs["logprobs"] = 0 if msg.logprobs else None
     if msg.HasField("allowed_token_ids"):
         kwargs["allowed_token_ids"] = tuple(msg.allowed_token_ids.ids)
+    if msg.HasField("structured_outputs"):
+        kwargs["structured_outputs"] = _structured_from_proto(msg.structured_outputs)
     return SamplingParams(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
                           logit_bias=dict(msg.logit_bias), bad_words=tuple(msg.bad_words),
                           **kwargs)
+
+
+def _structured_from_proto(msg: pb.StructuredOutputs) -> StructuredOutputs:
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("structured_outputs is set but holds no constraint: set one of "
+                         "json_schema, regex, choice, grammar, json_object")
+    if kind == "json_schema":
+        return StructuredOutputs(json=msg.json_schema)
+    if kind == "choice":
+        return StructuredOutputs(choice=list(msg.choice.options))
+    return StructuredOutputs(**{kind: getattr(msg, kind)})
+
+
+def _structured_to_proto(so: StructuredOutputs, msg: pb.StructuredOutputs) -> None:
+    if so.json is not None:
+        msg.json_schema = json.dumps(so.json)
+    elif so.choice is not None:
+        msg.choice.options.extend(so.choice)
+    elif so.json_object:
+        msg.json_object = True
+    else:
+        setattr(msg, so.kind, getattr(so, so.kind))
 
 
 def chat_prompt(tokenizer, chat: pb.Chat) -> tuple[str, list[int]]:
@@ -112,6 +140,8 @@ def sampling_to_proto(params: SamplingParams | None) -> pb.SamplingParams:
                             skip_special_tokens=params.skip_special_tokens)
     if params.prompt_logprobs is not None:
         msg.prompt_logprobs = params.prompt_logprobs
+    if params.structured_outputs is not None:
+        _structured_to_proto(params.structured_outputs, msg.structured_outputs)
     if params.seed is not None:
         msg.seed = params.seed
     if params.allowed_token_ids is not None:

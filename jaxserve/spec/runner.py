@@ -108,10 +108,12 @@ class SpeculativeRunner:
         max_tokens, max_seqs = buckets.token_buckets[-1], buckets.seq_buckets[-1]
 
         def plain_step(shape):
-            inputs = StepInputs.empty(*shape, p)
+            inputs = self.base.step.empty_inputs(shape)
             if self.sync is None:
                 return lambda: np.asarray(self.base.step.run(inputs)[0])
-            return lambda: (self.sync.run(inputs), self.draft_cache.arrays[0].block_until_ready(),
+            sync_inputs = self.sync.empty_inputs(shape)
+            return lambda: (self.sync.run(sync_inputs),
+                            self.draft_cache.arrays[0].block_until_ready(),
                             np.asarray(self.base.step.run(inputs)[0]))
 
         def spec_step(shape):
