@@ -127,10 +127,21 @@ class ModelRunner:
         step = functools.partial(plain_step, self.graphdef, self.attention)
         p = self.buckets.max_pages_per_request
         self.mask_words = -(-model_config.vocab_size // 32)  # grammar bitmask words per row
+        self._unused_bitmasks: dict[int, jax.Array] = {}
         self.step = CompiledStep("step", step, state, (self.cache, self.processors),
                                  self.buckets,
                                  lambda shape: StepInputs.empty(*shape, p, self.mask_words),
                                  **self.placement.jit_shardings(processor_state=True))
+
+    def _unused_bitmask(self, num_seqs: int) -> jax.Array:
+        """A device-resident [S, W] bitmask for steps without grammars (kept per S bucket)."""
+        cached = self._unused_bitmasks.get(num_seqs)
+        if cached is None:
+            zeros = np.zeros((num_seqs, self.mask_words), np.int32)
+            sharding = self.placement.replicated
+            cached = jnp.asarray(zeros) if sharding is None else jax.device_put(zeros, sharding)
+            self._unused_bitmasks[num_seqs] = cached
+        return cached
 
     def new_cache(self, placement: Placement) -> DeviceKV:
         """A zeroed KV cache for placement's model over this runner's page pool."""
@@ -150,6 +161,8 @@ class ModelRunner:
         return self.cache.num_host_swapped
 
     def warmup(self, progress: bool = True) -> None:
+        for num_seqs in self.buckets.seq_buckets:  # made (and placed) before serving
+            self._unused_bitmask(num_seqs)
         self.step.warmup(progress)
         self.cache.warmup()
         self.processors.warmup()
@@ -167,6 +180,8 @@ class ModelRunner:
             return StepResult(np.zeros(0, np.int32), np.zeros(0, np.float32))
         inputs = build_step_inputs(plan, self.buckets, self.page_size,
                                    mask_words=self.mask_words)
+        if not inputs.sampling.any_grammar:  # no upload of an unused [S, W] bitmask
+            inputs.sampling.grammar_bitmask = self._unused_bitmask(inputs.shape[1])
         packed, prompt = self.step.run(inputs)
         result = unpack(np.asarray(packed), len(plan.chunks), with_top=True)
         if inputs.sampling.any_prompt_logprobs:
