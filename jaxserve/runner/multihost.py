@@ -85,7 +85,27 @@ def _touches_runner(plan: StepPlan) -> bool:
     return bool(plan.chunks or plan.swap_out or plan.swap_in or plan.dropped_swaps)
 
 
-class LeaderRunner:
+class _Wrapping:
+    """The Runner members a leader or follower passes straight to the runner it wraps."""
+
+    runner: object
+
+    @property
+    def buckets(self):
+        return self.runner.buckets
+
+    @property
+    def num_host_swapped(self) -> int:
+        return self.runner.num_host_swapped
+
+    def warmup(self, progress: bool = True) -> None:
+        self.runner.warmup(progress)
+
+    def wait(self) -> None:
+        self.runner.wait()
+
+
+class LeaderRunner(_Wrapping):
     """Process 0's Runner: sends each plan to the followers, then runs it itself; close()
     (the engine's, at the end of the command) sends stop.
 
@@ -106,20 +126,6 @@ class LeaderRunner:
         self._closed = threading.Event()
         threading.Thread(target=self._keep_alive, args=(keepalive_s,), daemon=True,
                          name="jaxserve-keepalive").start()
-
-    @property
-    def buckets(self):
-        return self.runner.buckets
-
-    @property
-    def num_host_swapped(self) -> int:
-        return self.runner.num_host_swapped
-
-    def warmup(self, progress: bool = True) -> None:
-        self.runner.warmup(progress)
-
-    def wait(self) -> None:
-        self.runner.wait()
 
     def close(self) -> None:
         self.stop_followers()
@@ -152,27 +158,12 @@ class LeaderRunner:
                     self._last_sent = time.monotonic()
 
 
-
-class FollowerRunner:
+class FollowerRunner(_Wrapping):
     """A non-zero process's Runner: it runs process 0's plans (follow), and never plans."""
 
     def __init__(self, runner, channel: PlanChannel | None = None):
         self.runner = runner
         self.channel = channel or PlanChannel()
-
-    @property
-    def buckets(self):
-        return self.runner.buckets
-
-    @property
-    def num_host_swapped(self) -> int:
-        return self.runner.num_host_swapped
-
-    def warmup(self, progress: bool = True) -> None:
-        self.runner.warmup(progress)
-
-    def wait(self) -> None:
-        self.runner.wait()
 
     def close(self) -> None:
         self.runner.close()
