@@ -1,9 +1,11 @@
 """Engine: the synchronous serving loop. step() = schedule -> execute -> update.
 
-It validates and tokenizes requests and turns the scheduler's token events into RequestOutputs
-with text (stop strings applied), keeping one record per request in flight. Its parts (model,
-page pool, scheduler, runner) are wired by engine_builder.build_engine. It is single-threaded:
-callers on other threads go through AsyncEngine. It never touches device arrays itself.
+It validates and tokenizes requests, fans an n > 1 request out into its samples, starts the
+compile of a structured request's grammar (off-thread) and gives each sample its matcher once
+ready, and turns the scheduler's token events into RequestOutputs with text (output_processor:
+one record per request and per sample). Its parts (model, page pool, scheduler, runner) are
+wired by engine_builder.build_engine. It is single-threaded: callers on other threads go
+through AsyncEngine. It never touches device arrays itself.
 """
 
 from __future__ import annotations
