@@ -47,8 +47,10 @@ class SamplingRow:
     output_index: int  # which output token this is: keys derive from (seed, output_index)
     top_logprobs: int = 0                    # alternatives to report (sampling.logprobs = k)
     processors: ProcessorRow | None = None   # None: no logits processor changes this row
-    # structured output: the allowed next tokens, int32 [ceil(V / 32)] bitmask words as bytes
+    # structured output: the allowed next tokens, int32 [ceil(V / 32)] bitmask words as bytes;
+    # speculative steps: then those after each draft (None after one the grammar refuses)
     grammar_bitmask: bytes | None = None
+    grammar_draft_bitmasks: tuple[bytes | None, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -165,12 +165,12 @@ class SamplingParams:
                     or self.repetition_penalty != 1.0 or self.logit_bias or self.min_tokens
                     or self.allowed_token_ids is not None or self.bad_words)
 
-    @property
-    def needs_plain_steps(self) -> bool:
+    def needs_plain_steps(self, host_drafts: bool) -> bool:
         """Whether only plain steps compute this request: speculative verification applies no
-        logits processor or grammar and reports no alternatives or prompt logprobs."""
+        logits processor and reports no alternatives or prompt logprobs; it masks a grammar only
+        where the host proposes the drafts (host_drafts: n-gram), not a draft model's."""
         return (self.uses_processors or self.top_logprobs > 0 or self.prompt_logprobs is not None
-                or self.structured_outputs is not None)
+                or (self.structured_outputs is not None and not host_drafts))
 
     @property
     def top_logprobs(self) -> int:

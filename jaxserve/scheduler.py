@@ -64,9 +64,8 @@ class Scheduler:
         self._held: dict[str, list[Request]] = {}
         self._dropped_swaps: list[str] = []
         self.processor_slots = ProcessorSlots(max_num_seqs + 1)
-        # Requests only plain steps compute (logits processors, top logprobs): while any is
-        # in the engine, no step speculates.
-        self._num_plain_only = 0
+        self._num_plain_only = 0  # requests only plain steps compute: none speculates meanwhile
+        self._host_drafts = speculation is not None and speculation.method == "ngram"
         self.num_preemptions = 0
         self.num_swaps = 0
 
@@ -77,7 +76,7 @@ class Scheduler:
         needed = self.pages.num_pages_for(total)
         capacity = self.pages.num_pages - 1
         self.requests[request.request_id] = request
-        self._num_plain_only += request.sampling.needs_plain_steps
+        self._num_plain_only += request.sampling.needs_plain_steps(self._host_drafts)
         if needed > capacity:
             request.error = (f"request needs {needed} KV pages ({total} tokens) but the page "
                              f"pool holds {capacity}; lower max_tokens or the prompt length")
@@ -117,7 +116,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         if self.requests.pop(request.request_id, None) is not None:
-            self._num_plain_only -= request.sampling.needs_plain_steps
+            self._num_plain_only -= request.sampling.needs_plain_steps(self._host_drafts)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped or self._held)
@@ -154,7 +153,7 @@ class Scheduler:
             budget = self._schedule_waiting(scheduled, budget)
         plan.static_padding = self.batching.padding(budget, self.requests)
         scheduled.sort(key=lambda item: item[1] != 1)  # decode rows first
-        plan.chunks = [self._chunk(r, n) for r, n in scheduled]
+        plan.chunks = [self._chunk(r, n, plan) for r, n in scheduled]
         return plan
 
     def _schedule_running(self, plan: StepPlan, scheduled, budget: int) -> tuple[int, bool]:
@@ -318,9 +317,10 @@ class Scheduler:
         return self.pages.release_window(request.request_id,
                                          request.num_computed_tokens - self.kv_window + 1)
 
-    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+    def _chunk(self, request: Request, num_new: int, plan: StepPlan) -> ScheduledChunk:
+        drafts = plan.drafts.get(request.request_id)
         return build_chunk(request, num_new, self.pages.page_table(request.request_id),
-                           self.processor_slots)
+                           self.processor_slots, drafts.token_ids if drafts else ())
 
     # ---- results ---------------------------------------------------------------------
     def update(self, plan: StepPlan, token_ids, logprobs, top_ids=None, top_logprobs=None,

@@ -122,11 +122,16 @@ class VerifyInputs:
     row_j: np.ndarray             # [R] i32 index of the row within its request's rows
     row_draft: np.ndarray         # [R] i32 draft verified at the row (-1: none or on-device)
     row_device_draft: np.ndarray  # [R] bool: the draft model proposes this row's draft
+    # structured output: each row's allowed tokens (after the drafts before it), as SamplingInputs
+    grammar_bitmask: np.ndarray   # [R, W] i32
+    has_grammar: np.ndarray       # [R] bool
+    any_grammar: np.ndarray       # [] bool
 
     @classmethod
-    def empty(cls, r: int, s: int) -> "VerifyInputs":
+    def empty(cls, r: int, s: int, w: int = 1) -> "VerifyInputs":
         return cls(np.full(r, s, np.int32), np.zeros(r, np.int32), np.full(r, -1, np.int32),
-                   np.zeros(r, np.bool_))
+                   np.zeros(r, np.bool_), np.full((r, w), -1, np.int32), np.zeros(r, np.bool_),
+                   np.zeros((), np.bool_))
 
 
 @dataclass

@@ -18,20 +18,22 @@ from jaxserve.request import Request
 
 
 def build_chunk(request: Request, num_new: int, page_table: list[int],
-                processor_slots: ProcessorSlots) -> ScheduledChunk:
-    """The request's next num_new tokens, from num_computed_tokens on."""
+                processor_slots: ProcessorSlots, drafts: tuple[int, ...] = ()) -> ScheduledChunk:
+    """The request's next num_new tokens, from num_computed_tokens on. drafts: the host's
+    proposals verified after them (speculative steps), which its grammar masks too."""
     sp, start = request.sampling, request.num_computed_tokens
     end = start + num_new
     sampling = None
     if end == request.num_tokens:
-        bitmask = None
-        if request.grammar is not None:  # the tokens its grammar allows next
-            row = np.empty(request.grammar.num_words, np.int32)
-            request.grammar.fill_bitmask(row)
-            bitmask = row.tobytes()
+        masks: list[bytes | None] = [None]
+        if request.grammar is not None:  # the tokens its grammar allows next, and per draft
+            from jaxserve.structured.matcher import fill_draft_rows
+            rows = np.empty((len(drafts) + 1, request.grammar.num_words), np.int32)
+            has = fill_draft_rows([(request.grammar, drafts, 0)], rows)
+            masks = [row.tobytes() if ok else None for row, ok in zip(rows, has)]
         sampling = SamplingRow(sp.temperature, sp.top_k, sp.top_p, sp.min_p, request.seed,
                                len(request.output_token_ids), sp.top_logprobs,
-                               processor_slots.row(request), bitmask)
+                               processor_slots.row(request), masks[0], tuple(masks[1:]))
     k, first, nxt = 0, 0, ()
     if sp.prompt_logprobs is not None and request.sample_index == 0:
         # positions p < len(prompt) - 1 not reported yet (a recompute skips those that were)

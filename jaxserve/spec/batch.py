@@ -22,7 +22,9 @@ from jaxserve.step_inputs import (DraftInputs, SpecStepInputs, StepInputs, Verif
 
 
 def build_spec_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
-                      num_speculative_tokens: int, with_draft_model: bool) -> SpecStepInputs:
+                      num_speculative_tokens: int, with_draft_model: bool,
+                      mask_words: int = 1) -> SpecStepInputs:
+    """mask_words: grammar bitmask words per row (the compiled width)."""
     k = num_speculative_tokens
     num_rows = plan.num_tokens + plan.num_draft_tokens
     t, s = buckets.select(num_rows + plan.num_padding_rows, len(plan.chunks))
@@ -31,14 +33,15 @@ def build_spec_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
         d = plan.drafts.get(c.request_id)
         extra = () if d is None else (d.token_ids or (0,) * d.num_tokens)
         chunks.append(dataclasses.replace(c, token_ids=c.token_ids + extra))
-    step = build_step_inputs(plan, buckets, page_size, chunks=chunks, shape=(t, s))
+    step = build_step_inputs(plan, buckets, page_size, chunks=chunks, shape=(t, s),
+                             mask_words=mask_words)
     if step.sampling.any_processors or step.sampling.any_top_logprobs:
         # The scheduler never speculates while such a request is in the engine.
         raise ValueError("a speculative step carries logits processors or top logprobs; the "
                          "verification does not compute them")
     r = num_logit_rows(t, s, k)
     step.model.logits_indices = np.zeros(r, np.int32)  # [R] verification rows (padding: 0)
-    verify = VerifyInputs.empty(r, s)
+    verify = VerifyInputs.empty(r, s, mask_words)
     draft = DraftInputs.empty(t, s, buckets.max_pages_per_request, k)
     row = 0
     for i, chunk in enumerate(plan.chunks):
@@ -55,19 +58,25 @@ def build_spec_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
         else:
             verify.row_device_draft[row:row + n] = True
         draft.draft_rows[i, :n] = np.arange(last_real + 1, last_real + n + 1)
+        masks = (chunk.sampling.grammar_bitmask,) + chunk.sampling.grammar_draft_bitmasks
+        for j, mask in enumerate(masks[:n + 1]):
+            if mask is not None:
+                verify.grammar_bitmask[row + j] = np.frombuffer(mask, np.int32)
+                verify.has_grammar[row + j] = True
         row += n + 1
+    verify.any_grammar[...] = bool(verify.has_grammar.any())
     if not with_draft_model:
         return SpecStepInputs(step, verify, None)
-    scheduled = build_step_inputs(plan, buckets, page_size, shape=(t, s))
+    scheduled = build_step_inputs(plan, buckets, page_size, shape=(t, s), mask_words=mask_words)
     draft.model, draft.attention = scheduled.model, scheduled.attention
     return SpecStepInputs(step, verify, draft)
 
 
 def empty_spec_inputs(t: int, s: int, p: int, num_speculative_tokens: int,
-                      with_draft_model: bool) -> SpecStepInputs:
+                      with_draft_model: bool, mask_words: int = 1) -> SpecStepInputs:
     """All-padding inputs of bucket (t, s): what warm-up compiles, runs and times."""
     k, r = num_speculative_tokens, num_logit_rows(t, s, num_speculative_tokens)
-    step = StepInputs.empty(t, s, p)
+    step = StepInputs.empty(t, s, p, mask_words)
     step.model.logits_indices = np.zeros(r, np.int32)
     draft = DraftInputs.empty(t, s, p, k) if with_draft_model else None
-    return SpecStepInputs(step, VerifyInputs.empty(r, s), draft)
+    return SpecStepInputs(step, VerifyInputs.empty(r, s, mask_words), draft)

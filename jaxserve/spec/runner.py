@@ -45,7 +45,8 @@ class SpeculativeRunner:
         self.with_draft_model = draft is not None
         self.draft_cache = None  # a draft model's own paged KV cache, when it has one
         self.sync = None
-        empty = lambda shape: empty_spec_inputs(*shape, p, k, self.with_draft_model)  # noqa: E731
+        w = base.mask_words
+        empty = lambda shape: empty_spec_inputs(*shape, p, k, self.with_draft_model, w)  # noqa: E731
         if draft is None:
             fn = functools.partial(step.ngram_step, base.graphdef, base.attention, k)
             self.verify = CompiledStep("speculative verify", fn, base.state, (base.cache,),
@@ -117,7 +118,7 @@ class SpeculativeRunner:
                             np.asarray(self.base.step.run(inputs)[0]))
 
         def spec_step(shape):
-            inputs = empty_spec_inputs(*shape, p, self.k, self.with_draft_model)
+            inputs = self.verify.empty_inputs(shape)
             return lambda: np.asarray(self.verify.run(inputs))
 
         pairs = {}
@@ -150,5 +151,5 @@ class SpeculativeRunner:
             return self.base.execute(plan)
         self.base.cache.apply_swaps(plan)
         inputs = build_spec_inputs(plan, self.buckets, self.base.page_size, self.k,
-                                   self.with_draft_model)
+                                   self.with_draft_model, self.base.mask_words)
         return unpack(np.asarray(self.verify.run(inputs)), len(plan.chunks))

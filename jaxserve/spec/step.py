@@ -16,6 +16,7 @@ import dataclasses
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxserve.runner.grammar_mask import maybe_apply_bitmask
 from jaxserve.spec import draft, rejection
 from jaxserve.step_inputs import SpecStepInputs, StepInputs, VerifyInputs
 
@@ -26,6 +27,8 @@ def _verify(graphdef, attention, k, state, kv, step: StepInputs, verify: VerifyI
     num_req = step.attention.kv_lens.shape[0]
     model = nnx.merge(graphdef, state)
     logits, kv = model(step.model, step.attention, kv, attention)  # [R, V]
+    logits = maybe_apply_bitmask(logits, verify.grammar_bitmask, verify.has_grammar,
+                                 verify.any_grammar)  # a draft its grammar refuses: -inf
     seq = jnp.minimum(verify.row_seq, num_req - 1)  # padding rows borrow request 0's settings
     accepted, tokens, logprobs = rejection.verify_rows(
         logits, verify.row_draft, draft_probs, sp.temperature[seq], sp.top_k[seq],
