@@ -1,13 +1,15 @@
 """Run `run_server` (gRPC + OpenAI HTTP) with a tiny model that has a real tokenizer, for tests.
 
     python tests/http_server_main.py [--api-key KEY] [--max-queued-requests N]
-        [--step-delay-ms MS] [engine overrides]
+        [--step-delay-ms MS] [--model tiny-bpe|fixtures] [engine overrides]
 
 The model is the tiny random Llama with the tiny byte-level BPE vocabulary and ChatML template
 of model_fixtures (so chat templates, special tokens and --chat-template behave as with a real
-model); engine shapes are conftest.SMALL_ENGINE's. Both ports are free ones, logged on stderr as
-"gRPC server listening on HOST:PORT" and "HTTP (OpenAI API) server listening on http://...".
-Exits with run_server's return code. It serves nothing but the tiny random model.
+model); `--model fixtures` serves model_fixtures.random_model() over the same vocabulary instead
+(the model test_structured_engine constrains offline); engine shapes are conftest.SMALL_ENGINE's.
+Both ports are free ones, logged on stderr as "gRPC server listening on HOST:PORT" and "HTTP
+(OpenAI API) server listening on http://...". Exits with run_server's return code. It serves
+nothing but a tiny random model.
 `server_process(*args)` runs it for a test module: started, serving, its stderr kept read.
 """
 
@@ -28,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from conftest import SMALL_ENGINE  # noqa: E402  (needs the path set above)
-from model_fixtures import tiny_tokenizer  # noqa: E402
+from model_fixtures import random_model, tiny_tokenizer  # noqa: E402
 from tiny_models import TinyLoaded, tiny_model  # noqa: E402
 
 from jaxserve.config import EngineConfig  # noqa: E402
@@ -40,6 +42,12 @@ def tiny_bpe_loaded(seed: int = 0) -> TinyLoaded:
     """The tiny Llama over the tiny BPE vocabulary (the offline oracle builds the same one)."""
     tokenizer = tiny_tokenizer()
     return TinyLoaded(*tiny_model(seed, vocab_size=tokenizer.vocab_size), tokenizer=tokenizer)
+
+
+def fixtures_loaded(seed: int = 0) -> TinyLoaded:
+    """model_fixtures.random_model over the tiny BPE vocabulary (`--model fixtures`)."""
+    config, params = random_model(seed=seed)
+    return TinyLoaded(config, params, tokenizer=tiny_tokenizer())
 
 
 @dataclass
@@ -116,6 +124,7 @@ def main() -> int:
     parser.add_argument("--max-queued-requests", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--seq-buckets", type=int, nargs="+", default=None)
+    parser.add_argument("--model", choices=("tiny-bpe", "fixtures"), default="tiny-bpe")
     parser.add_argument("--step-delay-ms", type=float, default=0.0,
                         help="sleep before every engine step (keeps requests in flight long "
                              "enough for drain and disconnect tests)")
@@ -133,7 +142,8 @@ def main() -> int:
     http = HttpSettings(port=0, api_key=args.api_key, served_model_name=args.served_model_name,
                         max_body_bytes=args.max_body_bytes)
     return run_server(config, host="127.0.0.1", port=0, shutdown_timeout=args.shutdown_timeout,
-                      loaded=tiny_bpe_loaded(), http=http)
+                      loaded=fixtures_loaded() if args.model == "fixtures" else tiny_bpe_loaded(),
+                      http=http)
 
 
 if __name__ == "__main__":

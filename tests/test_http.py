@@ -253,7 +253,9 @@ BAD = [  # (path, json body / raw bytes / chunks, header overrides, status, fiel
     (CHAT, {**H, "top_logprobs": 3}, None, 400, "top_logprobs"),  # logprobs not true
     (CHAT, {**H, "top_logprobs": 0, "logprobs": "sure"}, None, 400, "logprobs"),
     (CHAT, {**H, "n": 0}, None, 400, "n"),
-    (CHAT, {**H, "response_format": {"type": "json_object"}}, None, 400, "response_format"),
+    (CHAT, {**H, "response_format": {"type": "json_schema"}}, None, 400, "response_format"),
+    (CHAT, {**H, "response_format": {"type": "xml"}}, None, 400, "response_format.type"),
+    (COMP, {**C, "guided_regex": "("}, None, 400, "guided_regex"),
     (CHAT, {**H, "max_completion_tokens": 9999}, None, 400, "max_completion_tokens"),
     (CHAT, {**H, "continue_final_message": True}, None, 400, "continue_final_message"),
     (CHAT, {"model": "gpt-4", "messages": M}, None, 404, "model"),

@@ -14,12 +14,10 @@ from typing import Callable
 from jaxserve.async_engine import EngineDeadError
 from jaxserve.engine import QueueFullError
 
-# Parameters the engine cannot honour yet, each with a test for the values it does honour.
-# Structured output (response_format) removes its entry here when it lands; best_of > 1 (the
-# best of several samples by cumulative logprob) and suffix (insertion) are not planned.
+# Parameters the engine cannot honour, each with a test for the values it does honour: best_of
+# > 1 (the best of several samples by cumulative logprob) and suffix (insertion) are not planned.
 UNSUPPORTED: dict[str, Callable[[object], bool]] = {
     "best_of": lambda v: v in (None, 1),
-    "response_format": lambda v: v is None or v.type == "text",
     "suffix": lambda v: v is None,
 }
 RETRY_AFTER_S = 1
@@ -45,10 +43,15 @@ def bad_request(message: str, param: str | None) -> OpenAIError:
     return OpenAIError(400, message, param)
 
 
-def error_for_exception(exc: BaseException, prompt_field: str = "prompt") -> OpenAIError:
-    """Map what AsyncEngine.generate / make_request / SamplingParams raise to an HTTP error."""
+def error_for_exception(exc: BaseException, prompt_field: str = "prompt",
+                        constraint_field: str | None = None) -> OpenAIError:
+    """Map what AsyncEngine.generate / make_request / SamplingParams raise to an HTTP error.
+    constraint_field: the request's output-constraint field, which a grammar that does not
+    compile (or this model's tokenizer refusing constraints) is a 400 naming."""
     if isinstance(exc, OpenAIError):
         return exc
+    if constraint_field is not None and _is_constraint_error(exc):
+        return bad_request(f"{constraint_field}: {exc}", constraint_field)
     if isinstance(exc, QueueFullError):
         return OpenAIError(429, str(exc), None, "rate_limit_error",
                            {"Retry-After": str(RETRY_AFTER_S)})
@@ -62,6 +65,13 @@ def error_for_exception(exc: BaseException, prompt_field: str = "prompt") -> Ope
     raise exc
 
 
+def _is_constraint_error(exc: BaseException) -> bool:
+    from jaxserve.structured.compiler import GrammarTimeoutError, InvalidGrammarError
+    from jaxserve.structured.params import StructuredOutputsError
+    return (isinstance(exc, (InvalidGrammarError, GrammarTimeoutError, StructuredOutputsError))
+            or isinstance(exc, ValueError) and str(exc).startswith("structured_outputs"))
+
+
 def check_supported(request) -> None:
     for name, honoured in UNSUPPORTED.items():
         if name in type(request).model_fields and not honoured(getattr(request, name)):
@@ -71,6 +81,9 @@ def check_supported(request) -> None:
                               f"(only the default is)", name)
     if getattr(request, "top_logprobs", None) and not request.logprobs:
         raise bad_request("top_logprobs is set, so logprobs must be true", "top_logprobs")
+    if request.prompt_logprobs is not None and request.stream:
+        raise bad_request("prompt_logprobs is not available with stream=true (as in vLLM): "
+                          "request it without streaming", "prompt_logprobs")
 
 
 def logit_bias(bias: dict[str, float] | None) -> dict[int, float]:

@@ -4,10 +4,12 @@ Requests validate types and ranges (the limits are in the schema, so /openapi.js
 them and a bad value is a 400 naming the field and its limit); unknown fields are refused, so a
 parameter jaxserve does not know is never silently ignored. Parameters it knows but cannot honour
 yet are modelled here and refused in openai_errors.UNSUPPORTED. Besides OpenAI's parameters,
-vLLM's extra sampling ones (top_k, min_p, min_tokens, repetition_penalty, allowed_token_ids,
-bad_words, include_stop_str_in_output, skip_special_tokens, ignore_eos, stop_token_ids,
-return_token_ids) are accepted, as a vLLM client sends them in `extra_body`. Plain data: no
-engine, no I/O.
+vLLM's extra ones (top_k, min_p, min_tokens, repetition_penalty, allowed_token_ids, bad_words,
+include_stop_str_in_output, skip_special_tokens, ignore_eos, stop_token_ids, return_token_ids,
+prompt_logprobs, and the output constraints structured_outputs and guided_json / guided_regex /
+guided_choice / guided_grammar) are accepted, as a vLLM client sends them in `extra_body`.
+`constraint_fields` lists the output constraints a request sets and `structured_outputs` makes
+one a StructuredOutputs. Plain data: no engine, no I/O.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Annotated, Literal, Union
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from jaxserve.request import MAX_LOGPROBS, MAX_N
+from jaxserve.structured.params import StructuredOutputs
 
 
 def _unicode(value: str) -> str:
@@ -42,6 +45,31 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Strict):
+    """response_format.json_schema: the schema (OpenAI's name and strict are accepted; every
+    schema is enforced strictly)."""
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Strict):
+    """vLLM's structured_outputs extra: exactly one of these."""
+
+    json_schema: dict | bool | str | None = Field(None, alias="json")
+    regex: NonEmptyText | None = None
+    choice: Annotated[list[NonEmptyText], Field(min_length=1)] | None = None
+    grammar: NonEmptyText | None = None
+    json_object: bool | None = None
 
 
 class _SamplingFields(_Strict):
@@ -72,6 +100,15 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # vLLM's extension: token ids in each choice
+    # vLLM's extension: per prompt token its logprob and this many alternatives
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # Output constraints (at most one of these fields; constraint_fields lists the set ones)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict | bool | str | None = None
+    guided_regex: NonEmptyText | None = None
+    guided_choice: Annotated[list[NonEmptyText], Field(min_length=1)] | None = None
+    guided_grammar: NonEmptyText | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -96,19 +133,41 @@ class ChatMessage(_Strict):
     name: Text | None = None
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict | None = None
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+
+
+_GUIDED_KINDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+
+
+def constraint_fields(request: _SamplingFields) -> list[str]:
+    """The output-constraint fields the request sets (a response_format of type text is none)."""
+    found = []
+    if request.response_format is not None and request.response_format.type != "text":
+        found.append("response_format")
+    if request.structured_outputs is not None:
+        found.append("structured_outputs")
+    return found + [name for name in _GUIDED_KINDS if getattr(request, name) is not None]
+
+
+def structured_outputs(request: _SamplingFields, field: str) -> StructuredOutputs:
+    """The constraint that `field` (one of constraint_fields) sets; StructuredOutputsError if it
+    is malformed (its message names StructuredOutputs' field, e.g. structured_outputs.json)."""
+    if field == "response_format":
+        return StructuredOutputs.from_response_format(
+            request.response_format.model_dump(by_alias=True, exclude_none=True))
+    if field == "structured_outputs":
+        kwargs = request.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+        if kwargs.get("json_object") is False:
+            del kwargs["json_object"]
+        return StructuredOutputs(**kwargs)
+    return StructuredOutputs(**{_GUIDED_KINDS[field]: getattr(request, field)})
 
 
 class TokenizeCompletionRequest(_Strict):
@@ -151,6 +210,20 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob: rank is 1 for the likeliest token; None for a prompt token outside the
+    requested alternatives (the engine ranks only those)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt position None (the first), then {token id (as a string):
+# PromptLogprob}, the prompt token's entry first
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
@@ -158,6 +231,7 @@ class CompletionChoice(BaseModel):
     finish_reason: Literal["stop", "length"] | None
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension, per choice as in vLLM
 
 
 class Completion(BaseModel):
@@ -206,6 +280,7 @@ class ChatCompletion(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension, top-level as in vLLM
 
 
 class ModelCard(BaseModel):

@@ -8,6 +8,9 @@ routing, auth or health (http_server.py). Tokenizing and chat templating run on 
 never on the event loop. Every refusal is an OpenAIError with the HTTP status, a message naming
 the field and its limit, and the field itself (openai_errors.py, with the parameters refused until
 the engine learns them); walking engine streams, SSE, usage and logprobs are openai_stream.py's.
+Output constraints (response_format, vLLM's structured_outputs and guided_*: at most one) become
+SamplingParams.structured_outputs; AsyncEngine.generate compiles the grammar before queueing, so
+an invalid one is a 400 naming its field before any work is done.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from jaxserve.server.openai_errors import (OpenAIError, bad_request, check_suppo
                                            error_for_exception, logit_bias)
 from jaxserve.server.openai_stream import (SSE_DONE, EventStream, chat_logprobs,
                                            completion_logprobs, final, finish_reason, merged,
-                                           sse, usage)
+                                           prompt_logprobs, sse, usage)
+from jaxserve.structured.params import StructuredOutputs, StructuredOutputsError
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -57,9 +61,30 @@ class OpenAIServing:
             raise bad_request(f"{field} contains token id {bad}, outside the vocabulary "
                               f"[0, {vocab})", field)
 
+    @staticmethod
+    def constraint(request) -> tuple[StructuredOutputs | None, str | None]:
+        """The request's output constraint and the field that set it (None, None: none)."""
+        fields = api.constraint_fields(request)
+        if not fields:
+            return None, None
+        if len(fields) > 1:
+            raise bad_request(f"{' and '.join(fields)} are set together: constrain the output "
+                              f"with at most one of response_format (json_object or "
+                              f"json_schema), structured_outputs, guided_json, guided_regex, "
+                              f"guided_choice, guided_grammar", fields[1])
+        field = fields[0]
+        try:
+            return api.structured_outputs(request, field), field
+        except StructuredOutputsError as exc:
+            message = str(exc)
+            if field.startswith("guided_"):  # "structured_outputs.json" is guided_json here
+                message = message.replace(f"structured_outputs.{field[7:]}", field)
+            raise bad_request(f"{field} is invalid: {message}", field) from None
+
     def _params(self, request, prompt_len: int, field: str, max_tokens: int | None,
                 default_max_tokens: int | None, logprobs: int | None,
-                prompt_logprobs: int | None = None) -> SamplingParams:
+                prompt_logprobs: int | None = None,
+                structured_outputs: StructuredOutputs | None = None) -> SamplingParams:
         max_field = ("max_completion_tokens" if getattr(request, "max_completion_tokens", None)
                      is not None else "max_tokens")
         limit, context = self.max_tokens_total, self.info.max_model_len
@@ -92,6 +117,7 @@ class OpenAIServing:
                 allowed_token_ids=request.allowed_token_ids, bad_words=request.bad_words or (),
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 skip_special_tokens=request.skip_special_tokens,
+                structured_outputs=structured_outputs,
                 **{k: v for k, v in optional.items() if v is not None})
         except ValueError as exc:
             raise error_for_exception(exc) from None
@@ -124,7 +150,8 @@ class OpenAIServing:
 
     # ---- engine ------------------------------------------------------------------------------
     async def _start(self, request_id: str, prompts: list[list[int]],
-                     params: list[SamplingParams], prompt_field: str):
+                     params: list[SamplingParams], prompt_field: str,
+                     constraint_field: str | None = None):
         """Submit every prompt; (first output, stream) each, or one error for all (the
         submitted ones are aborted)."""
         streams = [self.async_engine.generate(None, p, request_id=f"{request_id}-{i}",
@@ -135,7 +162,7 @@ class OpenAIServing:
         if failed is not None:
             for stream in streams:
                 await stream.aclose()
-            raise error_for_exception(failed, prompt_field)
+            raise error_for_exception(failed, prompt_field, constraint_field)
         return list(zip(firsts, streams))
 
     def _header(self, request_id: str, kind: str, created: int) -> dict:
@@ -148,13 +175,17 @@ class OpenAIServing:
         sample i is choice p * n + i, as in vLLM."""
         self.check_model(request.model)
         check_supported(request)
+        constraint, constraint_field = self.constraint(request)
         prompts, texts = await self._in_thread(self._completion_prompts, request.prompt)
-        prompt_logprobs = request.logprobs if request.echo else None
+        num_prompt_lps = request.prompt_logprobs
+        if num_prompt_lps is None and request.echo:
+            num_prompt_lps = request.logprobs  # as vLLM: an echoed prompt gets logprobs' k
         params = [self._params(request, len(ids), "prompt", request.max_tokens,
-                               DEFAULT_COMPLETION_MAX_TOKENS, request.logprobs, prompt_logprobs)
+                               DEFAULT_COMPLETION_MAX_TOKENS, request.logprobs, num_prompt_lps,
+                               constraint)
                   for ids in prompts]
         request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        started = await self._start(request_id, prompts, params, "prompt")
+        started = await self._start(request_id, prompts, params, "prompt", constraint_field)
         echoes = [None] * len(prompts)
         if request.echo:
             echoes = [t if t is not None else await self._in_thread(self.tokenizer.decode, ids)
@@ -191,6 +222,10 @@ class OpenAIServing:
             choice["token_ids"] = ids
             if not delta:
                 choice["prompt_token_ids"] = out.prompt_token_ids
+        if request.prompt_logprobs is not None:  # never streamed (check_supported)
+            choice["prompt_logprobs"] = prompt_logprobs(
+                self.tokenizer, out.prompt_token_ids, out.prompt_logprobs,
+                request.prompt_logprobs)
         return choice
 
     async def _completion_stream(self, request, header, started, echoes):
@@ -230,12 +265,14 @@ class OpenAIServing:
         """An api.ChatCompletion, or (streaming) an async iterator of SSE event strings."""
         self.check_model(request.model)
         check_supported(request)
+        constraint, constraint_field = self.constraint(request)
         ids = await self._in_thread(self.chat_prompt, request)
         max_tokens = request.max_completion_tokens or request.max_tokens
         params = self._params(request, len(ids), "messages", max_tokens, None,
-                              (request.top_logprobs or 0) if request.logprobs else None)
+                              (request.top_logprobs or 0) if request.logprobs else None,
+                              request.prompt_logprobs, constraint)
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        started = await self._start(request_id, [ids], [params], "messages")
+        started = await self._start(request_id, [ids], [params], "messages", constraint_field)
         header = self._header(request_id, "chat.completion", created)
         if request.stream:
             header["object"] = "chat.completion.chunk"
@@ -248,8 +285,11 @@ class OpenAIServing:
                                          sample.top_logprobs),
             token_ids=sample.token_ids if request.return_token_ids else None)
             for sample in out.outputs]
-        return api.ChatCompletion(**header, choices=choices, usage=usage([out]),
-                                  prompt_token_ids=ids if request.return_token_ids else None)
+        return api.ChatCompletion(
+            **header, choices=choices, usage=usage([out]),
+            prompt_token_ids=ids if request.return_token_ids else None,
+            prompt_logprobs=prompt_logprobs(self.tokenizer, ids, out.prompt_logprobs,
+                                            request.prompt_logprobs))
 
     def _chat_logprobs(self, request, token_ids, logprobs, tops) -> dict | None:
         if not request.logprobs:

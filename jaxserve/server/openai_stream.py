@@ -4,9 +4,9 @@ Helpers of OpenAIServing (openai_serving.py): `rest` and `merged` walk one or se
 AsyncEngine.generate streams and always close them (so a request whose client went away is
 aborted); `usage`, `finish_reason` and the two logprobs shapes (completions: tokens /
 token_logprobs / top_logprobs {text: logprob} / text_offset, echoed prompt tokens included;
-chat: content entries with token, logprob, bytes and top_logprobs entries of the same shape)
-read RequestOutputs and their samples (CompletionOutputs). No engine calls beyond iterating the
-streams, no HTTP.
+chat: content entries with token, logprob, bytes and top_logprobs entries of the same shape;
+vLLM's prompt_logprobs) read RequestOutputs and their samples (CompletionOutputs). No engine
+calls beyond iterating the streams, no HTTP.
 """
 
 from __future__ import annotations
@@ -180,3 +180,26 @@ def chat_logprobs(tokenizer, token_ids, logprobs, tops) -> dict:
                             zip(_pieces(tokenizer, [t for t, _ in ranked]), ranked)]
         content.append({**entry(piece, lp), "top_logprobs": alternatives})
     return {"content": content}
+
+
+def prompt_logprobs(tokenizer, prompt_ids: list[int], entries, num_alternatives: int
+                    ) -> list[dict | None] | None:
+    """vLLM's prompt_logprobs from RequestOutput.prompt_logprobs (per position None, then
+    {token id: logprob}, the prompt token first, then the num_alternatives likeliest): per
+    position None or {str(token id): {logprob, rank, decoded_token}}. The alternatives rank
+    1, 2, ...; the prompt token has its rank when it is one of them, else None (it ranks
+    below them, and the engine does not say by how far)."""
+    if entries is None:
+        return None
+    out: list[dict | None] = []
+    for token, entry in zip(prompt_ids, entries):
+        if entry is None:
+            out.append(None)
+            continue
+        alternatives = [t for t in entry if t != token or len(entry) == num_alternatives]
+        ranks = {t: r for r, (t, _) in enumerate(
+            sorted(((t, entry[t]) for t in alternatives), key=lambda item: -item[1]), 1)}
+        out.append({str(t): {"logprob": max(float(lp), -9999.0), "rank": ranks.get(t),
+                             "decoded_token": piece}
+                    for (t, lp), piece in zip(entry.items(), _pieces(tokenizer, entry))})
+    return out
