@@ -188,3 +188,15 @@ def test_async_engine_refuses_an_invalid_grammar_before_queueing_and_serves_a_va
         engine.stop(timeout=10.0)
     assert out.finish_reason == "stop" and out.text in ("the sun", "sky")
     assert llm.engine.stats.num_waiting == 0
+
+
+def test_n_samples_with_penalties_each_follow_their_own_grammar_state(llm):
+    pattern = REGEXES["word_list"]
+    params = SamplingParams(max_tokens=80, temperature=1.0, seed=3, n=4, presence_penalty=0.8,
+                            logit_bias={40: 2.0}, structured_outputs={"regex": pattern})
+    out = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0]
+    assert len(out.outputs) == 4
+    for c in out.outputs:
+        assert c.finish_reason == "stop" and re.fullmatch(pattern, c.text), c.text
+    assert len({c.text for c in out.outputs}) > 1, "each sample has its own seed"
+    assert_idle_and_no_leak(llm)
