@@ -68,6 +68,11 @@ class CompiledStep:
         for x in inputs.values():
             self.run(x)
 
+    def input_shardings(self, shape: tuple[int, int]):
+        """The inputs pytree's shardings the bucket's executable was compiled for (under a
+        mesh XLA may shard an input, e.g. a bitmask over the vocabulary axis)."""
+        return self._executables[shape].input_shardings[0][2]
+
     def run(self, inputs):
         """Run the bucket's executable; `out` comes back with its host copy already started."""
         exe = self._executables.get(inputs.shape)

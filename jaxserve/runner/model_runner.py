@@ -127,21 +127,19 @@ class ModelRunner:
         step = functools.partial(plain_step, self.graphdef, self.attention)
         p = self.buckets.max_pages_per_request
         self.mask_words = -(-model_config.vocab_size // 32)  # grammar bitmask words per row
-        self._unused_bitmasks: dict[int, jax.Array] = {}
+        self._unused_bitmasks: dict[tuple[int, int], jax.Array] = {}
         self.step = CompiledStep("step", step, state, (self.cache, self.processors),
                                  self.buckets,
                                  lambda shape: StepInputs.empty(*shape, p, self.mask_words),
                                  **self.placement.jit_shardings(processor_state=True))
 
-    def _unused_bitmask(self, num_seqs: int) -> jax.Array:
-        """A device-resident [S, W] bitmask for steps without grammars (kept per S bucket)."""
-        cached = self._unused_bitmasks.get(num_seqs)
-        if cached is None:
-            zeros = np.zeros((num_seqs, self.mask_words), np.int32)
-            sharding = self.placement.replicated
-            cached = jnp.asarray(zeros) if sharding is None else jax.device_put(zeros, sharding)
-            self._unused_bitmasks[num_seqs] = cached
-        return cached
+    def _place_unused_bitmasks(self) -> None:
+        """A device-resident [S, W] bitmask per bucket, for steps without grammars, placed
+        where the bucket's executable wants it (after compiling, before serving)."""
+        for shape in self.buckets.shapes():
+            sharding = self.step.input_shardings(shape).sampling.grammar_bitmask
+            zeros = np.zeros((shape[1], self.mask_words), np.int32)
+            self._unused_bitmasks[shape] = jax.device_put(zeros, sharding)
 
     def new_cache(self, placement: Placement) -> DeviceKV:
         """A zeroed KV cache for placement's model over this runner's page pool."""
@@ -161,9 +159,8 @@ class ModelRunner:
         return self.cache.num_host_swapped
 
     def warmup(self, progress: bool = True) -> None:
-        for num_seqs in self.buckets.seq_buckets:  # made (and placed) before serving
-            self._unused_bitmask(num_seqs)
         self.step.warmup(progress)
+        self._place_unused_bitmasks()
         self.cache.warmup()
         self.processors.warmup()
 
@@ -181,7 +178,7 @@ class ModelRunner:
         inputs = build_step_inputs(plan, self.buckets, self.page_size,
                                    mask_words=self.mask_words)
         if not inputs.sampling.any_grammar:  # no upload of an unused [S, W] bitmask
-            inputs.sampling.grammar_bitmask = self._unused_bitmask(inputs.shape[1])
+            inputs.sampling.grammar_bitmask = self._unused_bitmasks[inputs.shape]
         packed, prompt = self.step.run(inputs)
         result = unpack(np.asarray(packed), len(plan.chunks), with_top=True)
         if inputs.sampling.any_prompt_logprobs:
