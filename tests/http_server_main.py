@@ -115,6 +115,16 @@ def server_process(*args: str):
         reader.join(timeout=5)
 
 
+def drained_server_url(*args: str):
+    """A module fixture's body: a server_process's URL, and on teardown the check that SIGTERM
+    drains it to exit 0 with no traceback in its log."""
+    with server_process(*args) as process:
+        yield process.url
+        process.proc.terminate()
+        assert process.proc.wait(timeout=60) == 0, "SIGTERM must drain and exit 0"
+        assert "Traceback" not in process.log, process.log[-3000:]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shutdown-timeout", type=float, default=30.0)

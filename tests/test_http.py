@@ -23,13 +23,9 @@ GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True, "return_token_ids
 
 @pytest.fixture(scope="module")
 def server():
-    from http_server_main import server_process
+    from http_server_main import drained_server_url
 
-    with server_process("--api-key", KEY) as process:
-        yield process.url
-        process.proc.terminate()
-        assert process.proc.wait(timeout=60) == 0, "SIGTERM must drain and exit 0"
-        assert "Traceback" not in process.log, process.log[-3000:]
+    yield from drained_server_url("--api-key", KEY)
 
 
 @pytest.fixture(scope="module")

@@ -35,13 +35,9 @@ JSON_TOKENS = 300  # a random model writes whitespace wherever JSON allows it
 
 @pytest.fixture(scope="module")
 def server():
-    from http_server_main import server_process
+    from http_server_main import drained_server_url
 
-    with server_process("--api-key", KEY, "--model", "fixtures") as process:
-        yield process.url
-        process.proc.terminate()
-        assert process.proc.wait(timeout=60) == 0, "SIGTERM must drain and exit 0"
-        assert "Traceback" not in process.log, process.log[-3000:]
+    yield from drained_server_url("--api-key", KEY, "--model", "fixtures")
 
 
 @pytest.fixture(scope="module")
