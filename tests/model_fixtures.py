@@ -36,6 +36,18 @@ def tiny_vocab() -> dict:
     }
 
 
+def write_tokenizer(writer: "gguf.GGUFWriter", vocab: dict) -> None:
+    """tiny_vocab()'s BPE tokenizer metadata (its chat template aside) into a GGUF writer."""
+    writer.add_tokenizer_model(vocab["tokenizer.ggml.model"])
+    writer.add_tokenizer_pre(vocab["tokenizer.ggml.pre"])
+    writer.add_token_list(vocab["tokenizer.ggml.tokens"])
+    writer.add_token_merges(vocab["tokenizer.ggml.merges"])
+    writer.add_token_types(vocab["tokenizer.ggml.token_type"])
+    writer.add_bos_token_id(vocab["tokenizer.ggml.bos_token_id"])
+    writer.add_eos_token_id(vocab["tokenizer.ggml.eos_token_id"])
+    writer.add_add_bos_token(vocab["tokenizer.ggml.add_bos_token"])
+
+
 def tiny_tokenizer() -> Tokenizer:
     return Tokenizer.from_gguf(tiny_vocab())
 
@@ -122,14 +134,7 @@ def write_gguf(path: Path, config: ModelConfig, params: dict, *, qtype: Q = Q.F3
     writer.add_rope_dimension_count(config.head_dim)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
-    writer.add_tokenizer_model(vocab["tokenizer.ggml.model"])
-    writer.add_tokenizer_pre(vocab["tokenizer.ggml.pre"])
-    writer.add_token_list(vocab["tokenizer.ggml.tokens"])
-    writer.add_token_merges(vocab["tokenizer.ggml.merges"])
-    writer.add_token_types(vocab["tokenizer.ggml.token_type"])
-    writer.add_bos_token_id(vocab["tokenizer.ggml.bos_token_id"])
-    writer.add_eos_token_id(vocab["tokenizer.ggml.eos_token_id"])
-    writer.add_add_bos_token(vocab["tokenizer.ggml.add_bos_token"])
+    write_tokenizer(writer, vocab)
     writer.add_chat_template(vocab["tokenizer.chat_template"])
     tensors = gguf_tensors(config, params) if tensors is None else tensors
     for name, w in tensors.items():

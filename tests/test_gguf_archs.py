@@ -23,7 +23,7 @@ from jaxserve.model.config import ModelConfig
 from jaxserve.model.gguf_loader import load_gguf
 from jaxserve.model.safetensors_loader import load_hf_directory
 from jaxserve.model.tokenizer import Tokenizer
-from model_fixtures import tiny_vocab
+from model_fixtures import tiny_vocab, write_tokenizer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -113,14 +113,7 @@ def write_converted_gguf(path, arch: str, config, state: dict, vocab: dict, *,
         assert head_dim == 16
     for key, value in (extra_metadata or {}).items():
         writer.add_uint32(key, value)
-    writer.add_tokenizer_model(vocab["tokenizer.ggml.model"])
-    writer.add_tokenizer_pre(vocab["tokenizer.ggml.pre"])
-    writer.add_token_list(vocab["tokenizer.ggml.tokens"])
-    writer.add_token_merges(vocab["tokenizer.ggml.merges"])
-    writer.add_token_types(vocab["tokenizer.ggml.token_type"])
-    writer.add_bos_token_id(vocab["tokenizer.ggml.bos_token_id"])
-    writer.add_eos_token_id(vocab["tokenizer.ggml.eos_token_id"])
-    writer.add_add_bos_token(vocab["tokenizer.ggml.add_bos_token"])
+    write_tokenizer(writer, vocab)
     for hf_name, w in state.items():
         if hf_name == "lm_head.weight" and c.tie_word_embeddings:
             continue  # tied: llama.cpp reuses token_embd

@@ -7,24 +7,12 @@ from __future__ import annotations
 import threading
 
 import pytest
-from model_fixtures import real_default_model
+from structured_fixtures import compiler, tokenizer  # noqa: F401  (fixtures)
 
 from jaxserve.bench.structured_schemas import ARITHMETIC_LARK, CHOICES, JSON_SCHEMAS, REGEXES
 from jaxserve.structured.compiler import (CompiledGrammar, GrammarCompiler, GrammarTimeoutError,
                                           InvalidGrammarError)
 from jaxserve.structured.params import StructuredOutputs
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return real_default_model().tokenizer
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer):
-    c = GrammarCompiler(tokenizer)
-    yield c
-    c.close()
 
 
 @pytest.mark.parametrize("name", sorted(JSON_SCHEMAS))

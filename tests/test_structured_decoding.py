@@ -13,28 +13,15 @@ import jax.numpy as jnp
 import jsonschema
 import numpy as np
 import pytest
-from model_fixtures import real_default_model
+from structured_fixtures import compiler, tokenizer  # noqa: F401  (fixtures)
 
 from jaxserve.bench.structured_schemas import ARITHMETIC_LARK, CHOICES, JSON_SCHEMAS, REGEXES
 from jaxserve.runner.grammar_mask import apply_bitmask
-from jaxserve.structured.compiler import GrammarCompiler
 from jaxserve.structured.matcher import fill_batch
 from jaxserve.structured.params import StructuredOutputs
 
 MAX_STEPS = 300
 ROWS = 16  # one batch shape for every test: one compile of the masked argmax
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return real_default_model().tokenizer
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer):
-    c = GrammarCompiler(tokenizer)
-    yield c
-    c.close()
 
 
 POOL = 97  # random logit rows drawn once; step t, row i reads row (31 t + 7 i) % POOL

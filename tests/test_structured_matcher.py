@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from model_fixtures import real_default_model
+from structured_fixtures import compiler, tokenizer  # noqa: F401  (fixtures)
 
 from jaxserve.bench.structured_schemas import JSON_SCHEMAS
 from jaxserve.structured.compiler import GrammarCompiler
@@ -18,18 +18,6 @@ from jaxserve.structured.params import StructuredOutputs
 
 PERSON = StructuredOutputs(json=JSON_SCHEMAS["person"])
 PERSON_TEXT = '{"name": "Ada Lovelace", "age": 36}'
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return real_default_model().tokenizer
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer):
-    c = GrammarCompiler(tokenizer)
-    yield c
-    c.close()
 
 
 def allowed(row: np.ndarray, vocab_size: int) -> np.ndarray:

@@ -85,17 +85,27 @@ async def run_load(address: str, messages: list[pb.GenerateRequest], send_offset
 
     try:
         await asyncio.gather(*(c.channel_ready() for c in channels))
-        start = time.perf_counter()
-        tasks = []
-        for i, offset in enumerate(send_offsets):
-            delay = start + float(offset) - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(send(i)))
-        outcomes = await asyncio.gather(*tasks)
-        end = time.perf_counter()
+        outcomes, start, end = await send_on_schedule(send, send_offsets)
     finally:
         await asyncio.gather(*(c.close() for c in channels))
+    return load_result(timelines, outcomes, start, end, send_offsets)
+
+
+async def send_on_schedule(send, send_offsets) -> tuple[list, float, float]:
+    """Start send(i) at offset i from now (seconds); (its outcomes in order, start, end)."""
+    start = time.perf_counter()
+    tasks = []
+    for i, offset in enumerate(send_offsets):
+        delay = start + float(offset) - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(send(i)))
+    outcomes = await asyncio.gather(*tasks)
+    return outcomes, start, time.perf_counter()
+
+
+def load_result(timelines, outcomes, start: float, end: float, send_offsets) -> "LoadResult":
+    """A LoadResult from (error, chunks) outcomes, one per request."""
     return LoadResult(timelines, [e for e, _ in outcomes], [c for _, c in outcomes],
                       end - start, start, [float(x) for x in send_offsets])
 

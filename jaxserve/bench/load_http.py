@@ -17,7 +17,7 @@ import logging
 import time
 
 from jaxserve.bench.datasets import ServeRequest
-from jaxserve.bench.load import LoadResult
+from jaxserve.bench.load import LoadResult, load_result, send_on_schedule
 from jaxserve.bench.stats import RequestTimeline
 
 PATHS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
@@ -108,17 +108,8 @@ async def run_load_http(base_url: str, path: str, bodies: list[dict], send_offse
             async with slots:
                 return await _one(http, path, bodies[i], timelines[i])
 
-        start = time.perf_counter()
-        tasks = []
-        for i, offset in enumerate(send_offsets):
-            delay = start + float(offset) - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(send(i)))
-        outcomes = await asyncio.gather(*tasks)
-        end = time.perf_counter()
-    return LoadResult(timelines, [e for e, _ in outcomes], [c for _, c in outcomes],
-                      end - start, start, [float(x) for x in send_offsets])
+        outcomes, start, end = await send_on_schedule(send, send_offsets)
+    return load_result(timelines, outcomes, start, end, send_offsets)
 
 
 def run_load_http_sync(*args, **kwargs) -> LoadResult:
