@@ -5,7 +5,8 @@ A backend is called in two phases, so that per-step work is done once and not in
 AttentionMetadata into what its kernels read (per-row request ids and positions for the
 reference path; block metadata for the Pallas kernels, once per distinct sliding window);
 `backend(q, k_pages, v_pages, layer, prepared, sm_scale=..., sliding_window=..., soft_cap=...)`
-then runs one layer. `auto` means Pallas on TPU/GPU and the reference on CPU.
+then runs one layer. `auto` is resolved per device by model/device_select.py: Pallas on TPU and
+Hopper GPUs, the reference elsewhere; an explicit `pallas` the device can't run is refused there.
 
 The Pallas backend splits the batch at `num_decode_seqs`: the leading one-row decode requests
 go through the paged decode kernel (split-KV where it pays), the rest through the ragged
@@ -22,9 +23,9 @@ from typing import Any, NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 
+from jaxserve.model import device_select
+from jaxserve.model.device_select import ATTENTION_IMPLS  # noqa: F401  (re-exported)
 from jaxserve.step_inputs import AttentionMetadata
-
-ATTENTION_IMPLS = ("auto", "reference", "pallas", "pallas-interpret")
 
 
 class PagedAttention(Protocol):
@@ -47,13 +48,13 @@ class AttentionShape:
 
 
 def resolve_attention_impl(impl: str, backend: str | None = None) -> str:
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"attention_impl must be one of {', '.join(ATTENTION_IMPLS)}, "
-                         f"got {impl!r}")
-    if impl != "auto":
-        return impl
-    backend = backend or jax.default_backend()
-    return "pallas" if backend in ("tpu", "gpu", "cuda", "rocm") else "reference"
+    """"auto" -> the implementation for the first device of `backend` (default: JAX's default
+    backend), logged once with the reason; an explicit one it can't run is a ValueError."""
+    device = device_select.DeviceDescription.current(backend)
+    chosen = device_select.select(attention_impl=impl, device=device)
+    device_select.log_choice("attention_impl", chosen.attention_impl, chosen.attention_reason,
+                             device)
+    return chosen.attention_impl
 
 
 def get_attention(impl: str, shape: AttentionShape) -> PagedAttention:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.model import device_select
 from jaxserve.model.config import ModelConfig
 from jaxserve.plan import StepPlan
 from jaxserve.runner.batch import build_step_inputs
@@ -38,9 +39,12 @@ log = logging.getLogger(__name__)
 
 
 def resolve_dtype(dtype: str, backend: str):
-    if dtype == "auto":
-        return jnp.float32 if backend == "cpu" else jnp.bfloat16
-    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[dtype]
+    """"auto" -> the dtype for the first device of `backend` (model/device_select.py), logged
+    once with the reason; an explicit one the device can't run natively is a ValueError."""
+    device = device_select.DeviceDescription.current(backend)
+    chosen = device_select.select(dtype=dtype, device=device)
+    device_select.log_choice("dtype", chosen.dtype, chosen.dtype_reason, device)
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[chosen.dtype]
 
 
 def resolve_layer_loop(layer_loop: str, backend: str) -> str:

@@ -1,0 +1,157 @@
+"""Which attention implementation and default dtype a device runs: one table, by platform,
+device kind and compute capability as JAX reports them.
+
+`select(attention_impl, dtype, device)` resolves "auto" for both fields from a
+DeviceDescription and checks an explicit choice against it, returning each answer with the
+reason, for the start-up log. An explicit choice the device can't run (the compiled Pallas
+kernel off Hopper, bfloat16 on a GPU without bfloat16 tensor cores) is a ValueError naming the
+field here, before anything reaches a compiler.
+
+This module must not import the kernels, compile anything or touch device arrays: a mocked
+DeviceDescription must get exactly the answer the real device gets (the tests rely on it).
+
+What JAX 0.10.2 offers, read from its source: Pallas' Mosaic GPU backend has two matmul
+primitives, `plgpu.wgmma` (sm_90a only) and `plgpu.tcgen05_mma` (Blackwell), and our kernel
+also needs TMA copies (sm_90+). Mosaic GPU's core library has a warp-level `mma.sync` op, but
+Pallas exposes no primitive for it, so there is no pre-Hopper Mosaic GPU kernel to write on this
+JAX. The Pallas Triton backend is still present (deprecated from JAX 0.11), but no kernel of
+ours is written for it. Pre-Hopper GPUs and Blackwell therefore take the XLA reference path.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+from jaxserve.config import DTYPES
+
+log = logging.getLogger(__name__)
+
+ATTENTION_IMPLS = ("auto", "reference", "pallas", "pallas-interpret")
+
+
+@dataclass(frozen=True)
+class DeviceDescription:
+    """What JAX says about the device a step runs on (the first device of its platform)."""
+
+    platform: str                    # "cpu" | "gpu" | "tpu" (JAX's cuda / rocm folded to gpu)
+    device_kind: str                 # e.g. "Tesla T4", "NVIDIA H100 80GB HBM3", "TPU v5 lite"
+    compute_capability: str | None = None  # GPUs only: "7.5" on NVIDIA, "gfx90a" on ROCm
+
+    @classmethod
+    def from_device(cls, device) -> "DeviceDescription":
+        platform = "gpu" if device.platform in ("cuda", "rocm") else device.platform
+        capability = getattr(device, "compute_capability", None)
+        return cls(platform, device.device_kind, None if capability is None else str(capability))
+
+    @classmethod
+    def current(cls, platform: str | None = None) -> "DeviceDescription":
+        """The first device of `platform` (default: JAX's default backend)."""
+        import jax
+        platform = "gpu" if platform in ("cuda", "rocm") else platform
+        return cls.from_device(jax.devices(platform)[0])
+
+    @property
+    def sm(self) -> tuple[int, int] | None:
+        """NVIDIA compute capability as (major, minor); None off NVIDIA GPUs."""
+        if self.platform != "gpu" or not self.compute_capability:
+            return None
+        major, _, minor = self.compute_capability.partition(".")
+        if not (major.isdigit() and minor.isdigit()):
+            return None  # ROCm reports a gfx name
+        return int(major), int(minor)
+
+    def __str__(self) -> str:
+        sm = self.sm
+        detail = f"sm_{sm[0]}{sm[1]}" if sm else self.compute_capability
+        return f"{self.device_kind} ({self.platform}{', ' + detail if detail else ''})"
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The attention implementation and dtype a step uses, and why."""
+
+    device: DeviceDescription
+    attention_impl: str      # "reference" | "pallas" | "pallas-interpret"
+    attention_reason: str
+    dtype: str               # "float32" | "bfloat16" | "float16"
+    dtype_reason: str
+
+    def describe(self) -> str:
+        return (f"device: {self.device}\nattention: {self.attention_impl} ({self.attention_reason})"
+                f"\ndtype: {self.dtype} ({self.dtype_reason})")
+
+
+def _kernel(device: DeviceDescription) -> tuple[bool, str]:
+    """(can the compiled Pallas kernel run here, why)."""
+    sm = device.sm
+    if device.platform == "tpu":
+        return True, "the Pallas TPU (Mosaic) kernels"
+    if device.platform == "cpu":
+        return False, "the compiled Pallas kernels need a TPU or a Hopper GPU"
+    if sm is None:
+        return False, "Mosaic GPU compiles only for NVIDIA GPUs"
+    if sm[0] == 9:
+        return True, "Hopper: the Mosaic GPU kernel (WGMMA, TMA)"
+    if sm[0] >= 10:
+        return False, ("the Mosaic GPU kernel is built on WGMMA, an sm_90a instruction newer "
+                       "GPUs lack (theirs is tcgen05, for which no kernel is written)")
+    return False, (f"sm_{sm[0]}{sm[1]} is before Hopper: the Mosaic GPU kernel needs WGMMA and "
+                   "TMA (sm_90), and this JAX's Pallas has no pre-Hopper Mosaic GPU matmul")
+
+
+def _default_dtype(device: DeviceDescription) -> tuple[str, str]:
+    sm = device.sm
+    if device.platform == "cpu":
+        return "float32", "the CPU reference precision"
+    if device.platform == "tpu":
+        return "bfloat16", "TPUs compute in bfloat16 natively"
+    if sm is None or sm >= (8, 0):
+        return "bfloat16", "bfloat16 tensor cores (sm_80+)" if sm else "bfloat16 on this GPU"
+    if sm >= (7, 0):
+        return "float16", (f"sm_{sm[0]}{sm[1]} has float16 but no bfloat16 tensor cores "
+                           "(sm_80+): bfloat16 would be emulated")
+    return "float32", f"sm_{sm[0]}{sm[1]} has no tensor cores (sm_70+) and slow float16"
+
+
+def _dtype_refusal(dtype: str, device: DeviceDescription) -> str | None:
+    sm = device.sm
+    if dtype == "bfloat16" and sm is not None and sm < (8, 0):
+        return ("no bfloat16 tensor cores before sm_80, so XLA would emulate it; use 'float16' "
+                "or 'float32'")
+    return None
+
+
+def select(attention_impl: str = "auto", dtype: str = "auto",
+           device: DeviceDescription | None = None) -> Selection:
+    """Resolve "auto" and check explicit choices for one device (default: the current one)."""
+    if attention_impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl must be one of {', '.join(ATTENTION_IMPLS)}, "
+                         f"got {attention_impl!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    device = device or DeviceDescription.current()
+    kernel_runs, kernel_reason = _kernel(device)
+    if attention_impl == "auto":
+        impl = "pallas" if kernel_runs else "reference"
+        impl_reason = kernel_reason
+    elif attention_impl == "pallas" and not kernel_runs:
+        raise ValueError(f"attention_impl='pallas' can't run on {device}: {kernel_reason}; "
+                         "use 'auto' or 'reference' ('pallas-interpret' to debug the kernel)")
+    else:
+        impl, impl_reason = attention_impl, "chosen explicitly"
+    if dtype == "auto":
+        dtype_name, dtype_reason = _default_dtype(device)
+    else:
+        refusal = _dtype_refusal(dtype, device)
+        if refusal:
+            raise ValueError(f"dtype={dtype!r} can't run natively on {device}: {refusal}")
+        dtype_name, dtype_reason = dtype, "chosen explicitly"
+    return Selection(device, impl, impl_reason, dtype_name, dtype_reason)
+
+
+@functools.lru_cache(maxsize=64)
+def log_choice(field: str, value: str, reason: str, device: DeviceDescription) -> None:
+    """Log one start-up choice once per process (runners and drafts resolve the same fields)."""
+    log.info("%s=%s on %s: %s", field, value, device, reason)

@@ -1,0 +1,125 @@
+"""The device selection table (jaxserve/model/device_select.py) with the device description
+mocked as JAX reports it, the refusal of an explicit choice the device can't run, and the two
+engine entry points (resolve_attention_impl, resolve_dtype) on this CPU."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import jax.numpy as jnp
+import pytest
+
+from jaxserve.model.attention import AttentionShape, get_attention, resolve_attention_impl
+from jaxserve.model.device_select import DeviceDescription, log_choice, select
+from jaxserve.runner.model_runner import resolve_dtype
+
+# (platform, device_kind, compute_capability) as jax.devices()[0] reports them
+DEVICES = {
+    "T4": DeviceDescription("gpu", "Tesla T4", "7.5"),
+    "L4": DeviceDescription("gpu", "NVIDIA L4", "8.9"),
+    "A100": DeviceDescription("gpu", "NVIDIA A100-SXM4-40GB", "8.0"),
+    "H100": DeviceDescription("gpu", "NVIDIA H100 80GB HBM3", "9.0"),
+    "TPU v5e": DeviceDescription("tpu", "TPU v5 lite"),
+    "TPU v6e": DeviceDescription("tpu", "TPU v6 lite"),
+    "CPU": DeviceDescription("cpu", "cpu"),
+}
+
+EXPECTED = {  # name -> (attention_impl, dtype) for "auto"
+    "T4": ("reference", "float16"),
+    "L4": ("reference", "bfloat16"),
+    "A100": ("reference", "bfloat16"),
+    "H100": ("pallas", "bfloat16"),
+    "TPU v5e": ("pallas", "bfloat16"),
+    "TPU v6e": ("pallas", "bfloat16"),
+    "CPU": ("reference", "float32"),
+}
+
+
+@pytest.mark.parametrize("name", list(DEVICES))
+def test_auto_picks_the_tables_attention_and_dtype(name):
+    chosen = select(device=DEVICES[name])
+    assert (chosen.attention_impl, chosen.dtype) == EXPECTED[name], \
+        f"{name}: got {chosen.attention_impl}, {chosen.dtype}:\n{chosen.describe()}"
+    assert chosen.attention_reason and chosen.dtype_reason, "every choice carries its reason"
+
+
+def test_a_pre_hopper_gpu_says_why_it_runs_the_reference():
+    chosen = select(device=DEVICES["T4"])
+    assert "sm_75" in chosen.attention_reason and "Hopper" in chosen.attention_reason
+    assert "bfloat16 would be emulated" in chosen.dtype_reason
+
+
+def test_blackwell_does_not_get_the_wgmma_kernel():
+    chosen = select(device=DeviceDescription("gpu", "NVIDIA B200", "10.0"))
+    assert (chosen.attention_impl, chosen.dtype) == ("reference", "bfloat16")
+    assert "WGMMA" in chosen.attention_reason
+
+
+def test_a_gpu_without_tensor_cores_gets_float32():
+    chosen = select(device=DeviceDescription("gpu", "Tesla P100-PCIE-16GB", "6.0"))
+    assert chosen.dtype == "float32", chosen.describe()
+
+
+def test_rocm_runs_the_reference_in_bfloat16():
+    chosen = select(device=DeviceDescription("gpu", "AMD Instinct MI250X", "gfx90a"))
+    assert (chosen.attention_impl, chosen.dtype) == ("reference", "bfloat16")
+
+
+@pytest.mark.parametrize("name", ["T4", "L4", "A100", "CPU"])
+def test_explicit_pallas_where_the_kernel_cannot_run_is_a_value_error(name):
+    with pytest.raises(ValueError, match=r"attention_impl='pallas' can't run on") as error:
+        select(attention_impl="pallas", device=DEVICES[name])
+    assert DEVICES[name].device_kind in str(error.value), "the error names the device"
+
+
+@pytest.mark.parametrize("name", ["H100", "TPU v5e", "TPU v6e"])
+def test_explicit_pallas_where_the_kernel_runs_is_kept(name):
+    assert select(attention_impl="pallas", device=DEVICES[name]).attention_impl == "pallas"
+
+
+def test_explicit_bfloat16_on_a_t4_is_a_value_error_naming_dtype():
+    with pytest.raises(ValueError, match=r"dtype='bfloat16' can't run natively on Tesla T4"):
+        select(dtype="bfloat16", device=DEVICES["T4"])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_explicit_float16_and_float32_on_a_t4_are_kept(dtype):
+    assert select(dtype=dtype, device=DEVICES["T4"]).dtype == dtype
+
+
+@pytest.mark.parametrize("name", list(DEVICES))
+def test_interpret_mode_and_reference_run_everywhere(name):
+    for impl in ("reference", "pallas-interpret"):
+        assert select(attention_impl=impl, device=DEVICES[name]).attention_impl == impl
+
+
+def test_unknown_names_are_value_errors_naming_the_field():
+    with pytest.raises(ValueError, match="attention_impl must be one of"):
+        select(attention_impl="flash", device=DEVICES["CPU"])
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        select(dtype="float8", device=DEVICES["CPU"])
+
+
+def test_description_reads_jax_device_attributes():
+    cuda = SimpleNamespace(platform="gpu", device_kind="Tesla T4", compute_capability="7.5")
+    assert DeviceDescription.from_device(cuda) == DEVICES["T4"]
+    assert DeviceDescription.from_device(SimpleNamespace(platform="cpu", device_kind="cpu")) \
+        == DEVICES["CPU"]
+    assert str(DEVICES["T4"]) == "Tesla T4 (gpu, sm_75)"
+
+
+def test_this_cpu_resolves_to_reference_and_float32_and_logs_why(caplog):
+    log_choice.cache_clear()  # each choice is logged once per process
+    with caplog.at_level(logging.INFO, logger="jaxserve.model.device_select"):
+        assert resolve_attention_impl("auto", "cpu") == "reference"
+        assert resolve_dtype("auto", "cpu") is jnp.float32
+    text = caplog.text
+    assert "attention_impl=reference on cpu (cpu)" in text, text
+    assert "dtype=float32 on cpu (cpu)" in text, text
+
+
+def test_explicit_pallas_on_this_cpu_fails_before_any_kernel_is_built():
+    shape = AttentionShape(group=2, num_kv_heads=2, page_size=16)
+    with pytest.raises(ValueError, match="attention_impl='pallas' can't run on cpu"):
+        get_attention("pallas", shape)
