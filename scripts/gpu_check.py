@@ -1,18 +1,22 @@
-"""GPU check of the Pallas paged-attention kernels: correctness, speed, then the engine bench.
+"""GPU check of the device selection and the attention paths it can run: correctness, speed,
+then the engine bench.
 
     python scripts/gpu_check.py [--hbm-gbps 4800] [--iters 20] [--bench-args "..."]
 
-On a GPU (JAX with its CUDA plugin) it builds a realistic bf16 batch (64 requests, 8 KV heads,
-32 query heads, head_dim 128, contexts up to 4k, shuffled page tables, two cache layers),
-checks paged_attention (decode) and ragged_paged_attention (decode rows plus prefill chunks)
-against pallas_kernels.reference (relative error ≤ 2e-2, no NaN), times kernel and reference
-(warm-up, then the median of --iters runs, each ended by block_until_ready) and prints the
-KV-read bandwidth each achieves next to the device's HBM bandwidth. Last it runs
-`jaxserve bench offline` with --attention-impl pallas and with reference, and prints both; if
-the CLI has no offline bench yet it says so and skips that part. Everything fits well inside
-10 minutes. Without a GPU it exits with status 2, unless --allow-cpu, which runs a tiny batch
-with the kernels in interpret mode (the Mosaic GPU simulator when JAX has it) and no engine
-bench: a smoke test of this script, not a measurement.
+On a GPU (JAX with its CUDA plugin) it prints what jaxserve.model.device_select chooses for
+this device and why (attention implementation, dtype), then builds a realistic batch in that
+dtype (64 requests, 8 KV heads, 32 query heads, head_dim 128, contexts up to 4k, shuffled page
+tables, two cache layers) and runs every attention path that can run here: the reference
+always, the compiled Pallas kernels only where the selection allows them (Hopper). Each kernel
+is checked against pallas_kernels.reference (relative error ≤ 2e-2, no NaN) for paged_attention
+(decode) and ragged_paged_attention (decode rows plus prefill chunks); every path is timed side
+by side (warm-up, then the median of --iters runs, each ended by block_until_ready) with the
+KV-read bandwidth it achieves next to the device's HBM bandwidth. Last it runs
+`jaxserve bench offline` once per runnable path (--attention-impl pallas, reference) and prints
+each; if the CLI has no offline bench yet it says so and skips that part. Everything fits well
+inside 10 minutes. Without a GPU it exits with status 2, unless --allow-cpu, which runs a tiny
+bf16 batch with the kernels in interpret mode (the Mosaic GPU simulator when JAX has it) and no
+engine bench: a smoke test of this script, not a measurement.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jaxserve.model.device_select import select  # noqa: E402
 from pallas_kernels import reference  # noqa: E402
 from pallas_kernels.paged_attention import paged_attention  # noqa: E402
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention  # noqa: E402
@@ -93,21 +98,30 @@ def median_seconds(fn, args, iters):
     return statistics.median(times)
 
 
-def check_and_time(name, kernel, ref, args, kv_bytes, hbm_gbps, iters) -> bool:
-    out, want = np.asarray(kernel(*args), np.float32), np.asarray(ref(*args), np.float32)
-    err = np.abs(out - want).max() / np.abs(want).max()
-    ok = not np.isnan(out).any() and err <= 2e-2
-    print(f"{name}: {'OK' if ok else 'FAIL'} relative error {err:.2e}, "
-          f"NaN {int(np.isnan(out).sum())}")
-    for label, fn in (("pallas", kernel), ("reference", ref)):
+def check_and_time(name, paths, ref, args, kv_bytes, hbm_gbps, iters) -> bool:
+    """Check every path but the reference against it, then time all of them side by side."""
+    want = np.asarray(ref(*args), np.float32)
+    ok = not np.isnan(want).any()
+    print(f"{name}:")
+    for label, fn in paths.items():
+        if fn is ref:
+            print(f"  {label}: the oracle, NaN {int(np.isnan(want).sum())}")
+            continue
+        out = np.asarray(fn(*args), np.float32)
+        err = np.abs(out - want).max() / np.abs(want).max()
+        good = not np.isnan(out).any() and err <= 2e-2
+        ok &= good
+        print(f"  {label}: {'OK' if good else 'FAIL'} relative error {err:.2e} vs reference, "
+              f"NaN {int(np.isnan(out).sum())}")
+    for label, fn in paths.items():
         seconds = median_seconds(fn, args, iters)
         gbps = kv_bytes / seconds / 1e9
-        print(f"  {label:9s} {seconds * 1e3:8.3f} ms   KV read {kv_bytes / 1e6:.1f} MB -> "
+        print(f"  {label:16s} {seconds * 1e3:8.3f} ms   KV read {kv_bytes / 1e6:.1f} MB -> "
               f"{gbps:7.1f} GB/s ({100 * gbps / hbm_gbps:4.1f}% of HBM {hbm_gbps:.0f} GB/s)")
     return ok
 
 
-def run_engine_bench(extra_args: str, timeout: float) -> None:
+def run_engine_bench(impls, extra_args: str, timeout: float) -> None:
     cli = [sys.executable, "-m", "jaxserve.cli", "bench", "offline"]
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     probe = subprocess.run(cli + ["--help"], capture_output=True, text=True, env=env)
@@ -115,7 +129,7 @@ def run_engine_bench(extra_args: str, timeout: float) -> None:
         reason = (probe.stderr.strip().splitlines() or ["no --attention-impl flag"])[-1]
         print(f"engine bench skipped: `jaxserve bench offline` unavailable ({reason})")
         return
-    for impl in ("pallas", "reference"):
+    for impl in impls:
         cmd = cli + ["--attention-impl", impl] + shlex.split(extra_args)
         print(f"\n$ {' '.join(cmd[1:])}", flush=True)
         try:
@@ -128,6 +142,20 @@ def run_engine_bench(extra_args: str, timeout: float) -> None:
             print(f"  exit status {done.returncode}: {done.stderr.strip()[-2000:]}")
 
 
+def kernel_paths(selection, on_gpu: bool, interpret, sm_scale: float):
+    """{label: (decode fn, ragged fn)} of every path that runs here, the reference first."""
+    paths = {"reference": (functools.partial(reference.paged_attention, sm_scale=sm_scale),
+                           functools.partial(reference.ragged_paged_attention,
+                                             sm_scale=sm_scale))}
+    if on_gpu and selection.attention_impl != "pallas":
+        return paths  # the compiled kernel can't run on this GPU (the selection says why)
+    label = "pallas" if on_gpu else "pallas simulated"
+    paths[label] = (functools.partial(paged_attention, sm_scale=sm_scale, interpret=interpret),
+                    functools.partial(ragged_paged_attention, sm_scale=sm_scale,
+                                      interpret=interpret))
+    return paths
+
+
 def main() -> int:
     args = parse_args()
     backend = jax.default_backend()
@@ -137,6 +165,8 @@ def main() -> int:
               file=sys.stderr)
         return 2
     on_gpu = backend == "gpu"
+    selection = select()  # what `--attention-impl auto --dtype auto` runs on this device
+    print(selection.describe())
     interpret = False
     if not on_gpu:
         try:
@@ -144,27 +174,27 @@ def main() -> int:
             interpret = InterpretGPUParams()
         except ImportError:
             interpret = True
-    print(f"device: {jax.devices()[0].device_kind} ({backend}); kernels "
-          f"{'compiled' if on_gpu else f'interpreted ({type(interpret).__name__})'}")
     sizes = FULL if on_gpu else TINY
-    decode, ragged, kv_bytes = make_batch(np.random.default_rng(0), **sizes)
+    dtype = jnp.dtype(selection.dtype if on_gpu else "bfloat16")  # the GPU kernel's dtype
+    print(f"batch: {sizes['num_seqs']} requests, contexts up to {sizes['max_context']}, "
+          f"{dtype.name}; kernels {'compiled' if on_gpu else 'interpreted'}")
+    decode, ragged, kv_bytes = make_batch(np.random.default_rng(0), **sizes, dtype=dtype)
     sm_scale = sizes["head_dim"] ** -0.5
+    paths = kernel_paths(selection, on_gpu, interpret, sm_scale)
+    if len(paths) == 1:
+        print("only the reference path runs here: timed alone")
     iters = args.iters if on_gpu else 1
     started = time.perf_counter()
-    ok = check_and_time(
-        "paged_attention (decode)",
-        jax.jit(functools.partial(paged_attention, sm_scale=sm_scale, interpret=interpret)),
-        jax.jit(functools.partial(reference.paged_attention, sm_scale=sm_scale)),
-        decode, kv_bytes, args.hbm_gbps, iters)
-    ok &= check_and_time(
-        "ragged_paged_attention (decode + prefill chunks)",
-        jax.jit(functools.partial(ragged_paged_attention, sm_scale=sm_scale,
-                                  interpret=interpret)),
-        jax.jit(functools.partial(reference.ragged_paged_attention, sm_scale=sm_scale)),
-        ragged, kv_bytes, args.hbm_gbps, iters)
+    ok = True
+    for index, (name, batch) in enumerate((("paged_attention (decode)", decode),
+                                           ("ragged_paged_attention (decode + prefill chunks)",
+                                            ragged))):
+        jitted = {label: jax.jit(fns[index]) for label, fns in paths.items()}
+        ok &= check_and_time(name, jitted, jitted["reference"], batch, kv_bytes,
+                             args.hbm_gbps, iters)
     print(f"kernel checks took {time.perf_counter() - started:.1f} s")
     if on_gpu:
-        run_engine_bench(args.bench_args, args.bench_timeout)
+        run_engine_bench(list(reversed(paths)), args.bench_args, args.bench_timeout)
     else:
         print("engine bench skipped: --allow-cpu runs no engine (it needs compiled kernels)")
     return 0 if ok else 1
