@@ -1,5 +1,6 @@
 """scripts/colab_demo.ipynb runs top to bottom on the CPU in its reduced mode
-(JAXSERVE_DEMO_TINY=1: a tiny random model, few tokens), executed by nbclient."""
+(JAXSERVE_DEMO_TINY=1: a tiny random model, few tokens), executed by nbclient, and prints the
+attention path and dtype the device selection took."""
 
 from __future__ import annotations
 
@@ -38,6 +39,9 @@ def test_notebook_runs_top_to_bottom_in_reduced_mode(monkeypatch):
     text = "\n".join(_text(c) for c in nb.cells if c.cell_type == "code")
     assert "reduced mode: True" in text
     assert "backend: cpu" in text
+    assert "attention: reference (" in text and "dtype: float32 (" in text, \
+        "the device selection and its reasons are printed"
+    assert "path taken: reference attention, float32, cpu (cpu)" in text
     assert "health: SERVING" in text
     assert text.count("concurrency ") == 2, text[-2000:]
     assert "server stopped" in text
