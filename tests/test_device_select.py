@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import jax.numpy as jnp
 import pytest
 
+from conftest import make_llm
 from jaxserve.model.attention import AttentionShape, get_attention, resolve_attention_impl
 from jaxserve.model.device_select import DeviceDescription, log_choice, select
 from jaxserve.runner.model_runner import resolve_dtype
@@ -123,3 +124,11 @@ def test_explicit_pallas_on_this_cpu_fails_before_any_kernel_is_built():
     shape = AttentionShape(group=2, num_kv_heads=2, page_size=16)
     with pytest.raises(ValueError, match="attention_impl='pallas' can't run on cpu"):
         get_attention("pallas", shape)
+
+
+@pytest.mark.parametrize("setting", [{"attention_impl": "pallas"}, {"attention_impl": "flash"},
+                                     {"dtype": "float8"}])
+def test_an_engine_with_a_choice_this_cpu_cannot_run_fails_with_the_field_named(setting):
+    field = next(iter(setting))
+    with pytest.raises(ValueError, match=field):
+        make_llm(**setting)
