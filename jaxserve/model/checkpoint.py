@@ -1,8 +1,11 @@
 """jaxserve's own checkpoint: params in Orbax, next to config.json and the tokenizer files.
 
 `save_checkpoint` writes a directory that `load_checkpoint` restores bit for bit: numpy on the
-host by default, or straight into given shardings (each device reads only its shards). The marker
-file `jaxserve_checkpoint.json` tells the loader what the directory is. This module must not
+host by default, or straight into given shardings (each device reads only its shards). Quantized
+matrices (model/quant.py) are saved as their q / scale / zero arrays, so they are restored in
+their small form, already in the device (and tensor-parallel) layout. The marker file
+`jaxserve_checkpoint.json` tells the loader what the directory is and how each quantized
+matrix is stored. This module must not
 decide shardings itself or touch any other weight format.
 """
 
@@ -14,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxserve.model.config import ModelConfig
+from jaxserve.model.quant import QuantizedTensor
 from jaxserve.model.tokenizer import Tokenizer
 from jaxserve.model.weights import LoadedModel, validate_params
 
@@ -48,6 +52,50 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
+def _parts(params: dict) -> dict:
+    """A quantized "layers.wq" -> "layers.wq.q", "layers.wq.scale" (and ".zero")."""
+    flat = {}
+    for name, value in params.items():
+        if isinstance(value, QuantizedTensor):
+            flat.update({f"{name}.{part}": getattr(value, part) for part in _QUANT_PARTS
+                         if getattr(value, part) is not None})
+        else:
+            flat[name] = value
+    return flat
+
+
+_QUANT_PARTS = ("q", "scale", "zero")
+
+
+def _quant_layout(params: dict) -> dict:
+    return {name: {"bits": v.bits, "group": v.group, "transposed": v.transposed,
+                   "parts": {part: [list(getattr(v, part).shape), str(getattr(v, part).dtype)]
+                             for part in _QUANT_PARTS if getattr(v, part) is not None}}
+            for name, v in params.items() if isinstance(v, QuantizedTensor)}
+
+
+def quantized_stand_ins(directory: str | Path) -> dict[str, QuantizedTensor]:
+    """{name: a zero-stride QuantizedTensor of each quantized matrix's stored shapes and dtypes}
+    (what sharding.param_shardings needs before the restore)."""
+    marker = json.loads((Path(directory) / MARKER).read_text())
+    out = {}
+    for name, layout in marker.get("quantized", {}).items():
+        parts = {part: np.broadcast_to(np.zeros((), np.dtype(dtype)), tuple(shape))
+                 for part, (shape, dtype) in layout["parts"].items()}
+        out[name] = QuantizedTensor(parts["q"], parts["scale"], parts.get("zero"),
+                                    layout["bits"], layout["group"], layout["transposed"])
+    return out
+
+
+def _join_parts(flat: dict, layouts: dict) -> dict:
+    params = {k: v for k, v in flat.items() if k.rpartition(".")[0] not in layouts}
+    for name, layout in layouts.items():
+        params[name] = QuantizedTensor(flat[f"{name}.q"], flat[f"{name}.scale"],
+                                       flat.get(f"{name}.zero"), layout["bits"],
+                                       layout["group"], layout["transposed"])
+    return params
+
+
 def save_checkpoint(directory: str | Path, model: LoadedModel) -> None:
     """Write `model` to a new (or empty) directory."""
     import orbax.checkpoint as ocp
@@ -58,11 +106,12 @@ def save_checkpoint(directory: str | Path, model: LoadedModel) -> None:
     validate_params(model.config, model.params)
     directory.mkdir(parents=True, exist_ok=True)
     with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(directory / _PARAMS_DIR, _nest(model.params))
+        checkpointer.save(directory / _PARAMS_DIR, _nest(_parts(model.params)))
     model.config.save(directory)
     model.tokenizer.save(directory)
     marker = {"format_version": FORMAT_VERSION, "name": model.config.name, "source": model.source,
-              "dtypes": {k: str(v.dtype) for k, v in model.params.items()}}
+              "dtypes": {k: str(v.dtype) for k, v in _parts(model.params).items()},
+              "quantized": _quant_layout(model.params)}
     # written last: a directory with the marker is a complete checkpoint
     (directory / MARKER).write_text(json.dumps(marker, indent=2))
 
@@ -85,22 +134,32 @@ def load_checkpoint(directory: str | Path, *, shardings: dict | None = None) -> 
             restored = checkpointer.restore(directory / _PARAMS_DIR)
         else:
             restored = checkpointer.restore(directory / _PARAMS_DIR, _abstract_tree(
-                config, marker["dtypes"], shardings))
-    params = _flatten(restored)
-    validate_params(config, params)
+                config, marker, shardings))
+    flat = _flatten(restored)
     if shardings is None:
-        params = {k: np.asarray(v) for k, v in params.items()}
+        flat = {k: np.asarray(v) for k, v in flat.items()}
+    params = _join_parts(flat, marker.get("quantized", {}))
+    validate_params(config, params)
     return LoadedModel(config=config, params=params, tokenizer=Tokenizer.load(directory),
                        source=str(directory))
 
 
-def _abstract_tree(config: ModelConfig, dtypes: dict[str, str], shardings: dict) -> dict:
+def _abstract_tree(config: ModelConfig, marker: dict, shardings: dict) -> dict:
+    """shardings: {name: Sharding}, and {name: {part: Sharding}} for quantized matrices."""
     import jax
     import jax.numpy as jnp
 
     missing = set(config.param_shapes()) - set(shardings)
     if missing:
         raise ValueError(f"no sharding given for {sorted(missing)}")
-    return _nest({name: jax.ShapeDtypeStruct(shape, jnp.dtype(dtypes[name]),
-                                             sharding=shardings[name])
-                  for name, shape in config.param_shapes().items()})
+    dtypes, layouts = marker["dtypes"], marker.get("quantized", {})
+    leaves = {}
+    for name, shape in config.param_shapes().items():
+        if name in layouts:
+            for part, (part_shape, dtype) in layouts[name]["parts"].items():
+                leaves[f"{name}.{part}"] = jax.ShapeDtypeStruct(
+                    tuple(part_shape), jnp.dtype(dtype), sharding=shardings[name][part])
+        else:
+            leaves[name] = jax.ShapeDtypeStruct(shape, jnp.dtype(dtypes[name]),
+                                                sharding=shardings[name])
+    return _nest(leaves)

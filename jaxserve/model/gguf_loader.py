@@ -5,8 +5,10 @@ What llama.cpp's converter changed per family is undone as the family declares i
 (families/*.py: gguf_layer_names, gguf_fused, gguf_permute_qk, gguf_norm_plus_one): Llama's Q/K
 rows are un-permuted exactly as transformers' GGUF loader does, so params are in HF's
 rotate-half convention; Gemma's (1 + w) norms lose their 1; Phi-3's fused attn_qkv and ffn_up
-are split. The metadata is read by gguf_config. This module must not import jax or keep
-quantized blocks around, and reads nothing but the file it is given.
+are split. With a quantization mode the matrices come back as QuantizedTensors instead, mapped
+from the file's blocks one tensor at a time (model/gguf_quant.py says which GGML type gets which
+form). The metadata is read by gguf_config. This module must not import jax, and reads nothing
+but the file it is given.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from tqdm.auto import tqdm
 
+from jaxserve.model import gguf_quant, quant
 from jaxserve.model.config import ModelConfig, RopeScaling
 from jaxserve.model.gguf_config import ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT, config_from_metadata
 from jaxserve.model.tokenizer import Tokenizer
@@ -153,12 +156,45 @@ def read_config(reader: gguf.GGUFReader, metadata: dict, *, name: str) -> ModelC
     return config
 
 
-def read_params(reader: gguf.GGUFReader, config: ModelConfig, *,
-                progress: bool = False, desc: str = "loading") -> dict[str, np.ndarray]:
-    """Every weight of the file in our layout (float32, HF conventions), checked against config."""
+def _exact_names(reader, table, mode: str) -> set[str]:
+    """Our param names whose every GGUF tensor maps to `mode` without float (one GGML type in
+    all layers, listed in gguf_quant.EXACT)."""
+    types: dict[str, set] = {}
+    for tensor in reader.tensors:
+        if tensor.name in _CONFIG_TENSORS:
+            continue
+        for ours in _targets(tensor.name, table)[0]:
+            types.setdefault(ours, set()).add(tensor.tensor_type)
+    return {name for name, kinds in types.items() if name in quant.MATRIX_NAMES
+            and len(kinds) == 1 and gguf_quant.maps_exactly(next(iter(kinds)), mode)}
+
+
+def _rows(value, lo: int, hi: int):
+    """Rows [lo, hi) of a float [out, in] array or a QuantizedTensor [out, in]."""
+    if isinstance(value, quant.QuantizedTensor):
+        return dataclasses.replace(value, q=value.q[lo:hi], scale=value.scale[lo:hi],
+                                   zero=None if value.zero is None else value.zero[lo:hi])
+    return value[lo:hi]
+
+
+def _permute_rows(value, num_heads: int):
+    if isinstance(value, quant.QuantizedTensor):
+        part = lambda a: None if a is None else np.ascontiguousarray(reverse_permute(a, num_heads))
+        return dataclasses.replace(value, q=part(value.q), scale=part(value.scale),
+                                   zero=part(value.zero))
+    return reverse_permute(value, num_heads)
+
+
+def read_params(reader: gguf.GGUFReader, config: ModelConfig, *, progress: bool = False,
+                desc: str = "loading", quantization: str = "none") -> dict:
+    """Every weight of the file in our layout (HF conventions), checked against config: float32,
+    or with quantization 'int8' / 'int4' the matrices as QuantizedTensors (gguf_quant's table)."""
+    if quantization not in quant.MODES:
+        raise ValueError(f"quantization={quantization!r} is not one of {quant.MODES}")
     family = config.family
     table = layer_tensor_names(config)
     builder = ParamBuilder(config)
+    exact = set() if quantization == "none" else _exact_names(reader, table, quantization)
     for tensor in tqdm(reader.tensors, desc=desc, unit="tensor", disable=not progress):
         if tensor.name in _CONFIG_TENSORS:
             continue
@@ -170,22 +206,31 @@ def read_params(reader: gguf.GGUFReader, config: ModelConfig, *,
         want = (sum(e[0] for e in expected), *expected[0][1:])
         if shape != want:
             raise shape_error(tensor.name, shape, want)
-        values = _dequantize(tensor, shape)
+        if targets[0] in exact:
+            values = gguf_quant.map_tensor(tensor.tensor_type, tensor.data, shape[0],
+                                           shape[1], quantization)
+        else:
+            values = _dequantize(tensor, shape)
         offsets = np.cumsum([0] + [e[0] for e in expected])
         for ours, lo, hi in zip(targets, offsets[:-1], offsets[1:]):
-            part = values[lo:hi]
+            part = _rows(values, lo, hi)
             if family.gguf_permute_qk and ours in ("layers.wq", "layers.bq"):
-                part = reverse_permute(part, config.num_heads)
+                part = _permute_rows(part, config.num_heads)
             elif family.gguf_permute_qk and ours in ("layers.wk", "layers.bk"):
-                part = reverse_permute(part, config.num_kv_heads)
+                part = _permute_rows(part, config.num_kv_heads)
             if family.gguf_norm_plus_one and _is_norm(ours):
                 part = part - np.float32(1.0)
+            if quantization != "none" and ours in quant.MATRIX_NAMES:
+                if not isinstance(part, quant.QuantizedTensor):  # requantized, this tensor only
+                    part = quant.quantize(part.T if transpose else part, quantization, ours)
+                part = dataclasses.replace(part, transposed=transpose)
             builder.set(ours, part, layer=layer, transpose=transpose, source_name=tensor.name)
     return builder.finish()
 
 
-def load_gguf(path: str | Path, *, progress: bool = True, name: str | None = None) -> LoadedModel:
-    """Config, float32 params and tokenizer of a GGUF file."""
+def load_gguf(path: str | Path, *, progress: bool = True, name: str | None = None,
+              quantization: str = "none") -> LoadedModel:
+    """Config, params (float32, or quantized: read_params) and tokenizer of a GGUF file."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
@@ -195,6 +240,7 @@ def load_gguf(path: str | Path, *, progress: bool = True, name: str | None = Non
     if name is not None:
         config = dataclasses.replace(config, name=name)
     config.check_runnable()
-    params = read_params(reader, config, progress=progress, desc=f"loading {path.name}")
+    params = read_params(reader, config, progress=progress, desc=f"loading {path.name}",
+                         quantization=quantization)
     return LoadedModel(config=config, params=params, tokenizer=Tokenizer.from_gguf(metadata),
                        source=str(path))

@@ -9,6 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxserve.model.qlinear import linear
+
 
 def rms_norm(x, weight, eps: float, plus_one: bool = False):
     """x: [..., D]; computed in float32, returned in x's dtype. plus_one: scale by (1 + w)."""
@@ -44,8 +46,10 @@ _ACTIVATIONS = {"silu": jax.nn.silu,
 
 
 def gated_mlp(x, w_gate, w_up, w_down, activation: str = "silu"):
-    """act(x @ w_gate) * (x @ w_up) @ w_down (SwiGLU for silu, GeGLU for gelu). x: [T, D]."""
-    return (_ACTIVATIONS[activation](x @ w_gate) * (x @ w_up)) @ w_down
+    """act(x @ w_gate) * (x @ w_up) @ w_down (SwiGLU for silu, GeGLU for gelu). x: [T, D];
+    weights float [in, out] or quantized (qlinear.linear dequantizes them next to the matmul)."""
+    gate = _ACTIVATIONS[activation](linear(x, w_gate))
+    return linear(gate * linear(x, w_up), w_down)
 
 
 def swiglu(x, w_gate, w_up, w_down):

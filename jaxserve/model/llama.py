@@ -26,6 +26,8 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.model import layers, rope
+from jaxserve.model.qlinear import QuantizedWeight, head, linear, lookup
+from jaxserve.model.quant import QuantizedTensor
 from jaxserve.model import pytrees  # noqa: F401  (registers the step inputs as pytrees)
 from jaxserve.model.attention import PagedAttention
 from jaxserve.model.config import ModelConfig
@@ -52,14 +54,28 @@ def layer_plan(config: ModelConfig):
 
 
 class LayerStack(nnx.Module):
-    """One or all decoder layers' weights (stacked on axis 0 for the scan)."""
+    """One or all decoder layers' weights (stacked on axis 0 for the scan); a quantized matrix
+    is a QuantizedWeight, whose value() the matmuls dequantize (model/qlinear.py)."""
 
-    def __init__(self, arrays: dict[str, jax.Array]):
+    def __init__(self, arrays: dict):
         for key, value in arrays.items():
-            setattr(self, key, nnx.Param(value))
+            setattr(self, key, _param(value))
 
-    def as_dict(self) -> dict[str, jax.Array]:
-        return {k: getattr(self, k)[...] for k in LAYER_KEYS if hasattr(self, k)}
+    def as_dict(self) -> dict:
+        return {k: _value(getattr(self, k)) for k in LAYER_KEYS if hasattr(self, k)}
+
+
+def _value(param):
+    """A weight as the step reads it: an array, or a QArray of a quantized one."""
+    return param.value() if isinstance(param, QuantizedWeight) else param[...]
+
+
+def _param(value):
+    return value if isinstance(value, QuantizedWeight) else nnx.Param(value)
+
+
+def _layer(value, index: int):
+    return value.layer(index) if isinstance(value, QuantizedTensor) else value[index]
 
 
 class Llama(nnx.Module):
@@ -75,23 +91,28 @@ class Llama(nnx.Module):
                                  f"expected {shape} from the model config")
         if layer_loop not in ("scan", "unroll"):
             raise ValueError(f"layer_loop must be 'scan' or 'unroll', got {layer_loop!r}")
-        cast = lambda a: jnp.asarray(np.asarray(a), dtype=dtype)
+        def cast(a):  # quantized weights keep their stored dtypes
+            if isinstance(a, QuantizedTensor):
+                return QuantizedWeight(a)
+            return jnp.asarray(np.asarray(a), dtype=dtype)
+
+        self.compute_dtype = jnp.dtype(dtype)
         self.config = config
         ropes, self.kinds = layer_plan(config)
         if len(set(self.kinds)) > 1:
             layer_loop = "unroll"  # a scan body cannot change its window or RoPE per layer
         self.layer_loop = layer_loop
-        self.embed = nnx.Param(cast(params["embed"]))
+        self.embed = _param(cast(params["embed"]))
         stacked = {k[len("layers."):]: v for k, v in expected.items() if k.startswith("layers.")}
         if layer_loop == "scan":
             self.layers = LayerStack({k: cast(params[f"layers.{k}"]) for k in stacked})
         else:
-            self.layers = nnx.List([LayerStack({k: cast(params[f"layers.{k}"][i])
+            self.layers = nnx.List([LayerStack({k: cast(_layer(params[f"layers.{k}"], i))
                                                 for k in stacked})
                                     for i in range(config.num_layers)])
         self.final_norm = nnx.Param(cast(params["final_norm"]))
         if not config.tie_word_embeddings:
-            self.lm_head = nnx.Param(cast(params["lm_head"]))
+            self.lm_head = _param(cast(params["lm_head"]))
         # [num_ropes, rotary_dim // 2]; cos and sin are scaled by each RoPE's attention factor.
         self.inv_freq = nnx.Variable(jnp.asarray(np.stack(
             [rope.inv_freq(theta, config.rotary_dim, scaling) for theta, scaling in ropes])))
@@ -108,7 +129,7 @@ class Llama(nnx.Module):
         every layer then reads the same prepared object."""
         cfg, family = self.config, self.config.family
         prepared = attention.prepare(metadata, inputs.token_ids.shape[0])
-        x = self.embed[...][inputs.token_ids]  # [T, D]
+        x = lookup(_value(self.embed), inputs.token_ids, self.compute_dtype)  # [T, D]
         if family.embed_scale:  # transformers rounds the scale to the model dtype first
             x = x * jnp.asarray(np.float32(math.sqrt(cfg.hidden_size))).astype(x.dtype)
         ropes = [layers.rope_cos_sin(inputs.positions, self.inv_freq[...][r], factor)
@@ -122,7 +143,7 @@ class Llama(nnx.Module):
 
         def layer(x, k_pages, v_pages, idx, w, kind: LayerKind):
             h = norm(x, w["attn_norm"])
-            q, k, v = h @ w["wq"], h @ w["wk"], h @ w["wv"]
+            q, k, v = linear(h, w["wq"]), linear(h, w["wk"]), linear(h, w["wv"])
             if cfg.attention_bias:
                 q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
             q = q.reshape(-1, cfg.num_heads, cfg.head_dim)     # [T, Hq, Dh]
@@ -137,7 +158,7 @@ class Llama(nnx.Module):
             attn = attention(q, k_pages, v_pages, idx, prepared, sm_scale=cfg.attention_scale,
                              sliding_window=kind.sliding_window,
                              soft_cap=cfg.attn_logit_softcap)  # [T, Hq, Dh]
-            out = attn.reshape(x.shape[0], cfg.q_size).astype(x.dtype) @ w["wo"]
+            out = linear(attn.reshape(x.shape[0], cfg.q_size).astype(x.dtype), w["wo"])
             if cfg.output_bias:
                 out = out + w["bo"]
             if family.sandwich_norms:
@@ -173,8 +194,10 @@ class Llama(nnx.Module):
         """The final norm and head (and final soft-cap) of hidden rows [R, D] -> [R, V] f32."""
         cfg = self.config
         h = layers.rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, cfg.family.norm_plus_one)
-        head = self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]
-        logits = jnp.dot(h, head, preferred_element_type=jnp.float32)
+        if cfg.tie_word_embeddings:
+            logits = head(h, _value(self.embed), transposed=False)
+        else:
+            logits = head(h, _value(self.lm_head), transposed=True)
         return layers.soft_cap(logits, cfg.final_logit_softcap)
 
 

@@ -5,8 +5,10 @@ LOGICAL_RULES maps the ones that are split to the mesh axis "tp" (Megatron layou
 w_gate/w_up split on their output columns, wo and w_down on their input rows, so the only
 communication in a layer is the all-reduce after wo and after w_down). "q_heads" and "kv_heads"
 name the flattened heads-major [heads * head_dim] columns, so an even split hands each device
-whole heads. This module only describes shardings and builds the mesh; it places no arrays
-(runner/tensor_parallel.py does) and must not import the model.
+whole heads. Quantized matrices (model/quant.py: [..., out, in] with their scales) are split the
+same way on their transposed axes (quantized_specs). This module only describes shardings and
+builds the mesh; it places no arrays (runner/tensor_parallel.py does) and must not import the
+model.
 """
 
 from __future__ import annotations
@@ -100,11 +102,43 @@ def param_specs(config: ModelConfig, tensor_parallel_size: int,
     return specs
 
 
-def param_shardings(config: ModelConfig, mesh: Mesh) -> dict[str, NamedSharding]:
-    """{param name: NamedSharding} of the stacked layout: what load_checkpoint restores into."""
+def quantized_specs(config: ModelConfig, name: str, quantized, tensor_parallel_size: int,
+                    per_layer: bool = False) -> dict[str, PartitionSpec]:
+    """{"q" | "scale" | "zero": PartitionSpec} of a quantized param (model/quant.py layout
+    [..., out, in], groups along in): q, scale and zero split like the matrix, except that one
+    scale per output channel (a single group) is not split on the inputs. Raises ValueError
+    when a device's share of the inputs would cut a group (or an int4 byte) in two."""
+    tp = tensor_parallel_size
+    rules = rules_for(config, tp)
+    axes = PARAM_AXES[name][1:] if per_layer and name.startswith("layers.") else PARAM_AXES[name]
+    if quantized.transposed:
+        axes = (*axes[:-2], axes[-1], axes[-2])
+    inputs = quantized.matrix_shape[-1]
+    num_groups = inputs // quantized.group
+    split_inputs = rules.get(axes[-1]) is not None
+    if split_inputs and num_groups > 1 and (inputs // tp) % quantized.group:
+        raise ValueError(f"tensor_parallel_size={tp} splits the {inputs} inputs of {name} into "
+                         f"{inputs // tp} per device, which cuts its quantization groups of "
+                         f"{quantized.group}: use a tensor_parallel_size that keeps whole groups")
+    scale_axes = axes if num_groups > 1 else (*axes[:-1], None)
+    specs = {"q": spec(axes, rules), "scale": spec(scale_axes, rules)}
+    if quantized.zero is not None:
+        specs["zero"] = specs["scale"]
+    return specs
+
+
+def param_shardings(config: ModelConfig, mesh: Mesh, quantized: dict | None = None
+                    ) -> dict[str, NamedSharding | dict[str, NamedSharding]]:
+    """{param name: NamedSharding} of the stacked layout: what load_checkpoint restores into.
+    quantized: {param name: its QuantizedTensor (or a stand-in of its shapes)}; those names map
+    to {"q" | "scale" | "zero": NamedSharding}."""
     tp = mesh.shape[TP_AXIS]
     check_tensor_parallel(config, tp)
-    return {name: NamedSharding(mesh, s) for name, s in param_specs(config, tp).items()}
+    out: dict = {name: NamedSharding(mesh, s) for name, s in param_specs(config, tp).items()}
+    for name, t in (quantized or {}).items():
+        out[name] = {part: NamedSharding(mesh, s)
+                     for part, s in quantized_specs(config, name, t, tp).items()}
+    return out
 
 
 def kv_sharding(mesh: Mesh) -> NamedSharding:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxserve.model.config import ModelConfig
+from jaxserve.model.quant import QuantizedTensor
 from jaxserve.model.tokenizer import Tokenizer
 
 
@@ -83,23 +84,38 @@ class ParamBuilder:
         shape = self.shapes[name][1:] if name.startswith("layers.") else self.shapes[name]
         return tuple(reversed(shape)) if transposed else tuple(shape)
 
-    def set(self, name: str, value: np.ndarray, *, layer: int | None = None,
+    def set(self, name: str, value, *, layer: int | None = None,
             transpose: bool = False, source_name: str | None = None) -> None:
+        """value: a float array, or a QuantizedTensor [out, in] (model/quant.py), which is kept
+        in that layout (transpose says the param layout is [in, out])."""
         expected = self.expected_shape(name, transposed=transpose)
-        if tuple(value.shape) != expected:
-            raise shape_error(source_name or name, value.shape, expected)
-        if transpose:
+        quantized = isinstance(value, QuantizedTensor)
+        shape = value.matrix_shape if quantized else value.shape
+        if tuple(shape) != expected:
+            raise shape_error(source_name or name, shape, expected)
+        if transpose and not quantized:
             value = value.T
         if layer is None:
-            self.params[name] = np.ascontiguousarray(value)
+            self.params[name] = value if quantized else np.ascontiguousarray(value)
             return
         if not 0 <= layer < self.config.num_layers:
             raise ValueError(f"tensor {source_name or name!r} is for layer {layer}, but the model "
                              f"has {self.config.num_layers} layers")
         if name not in self.params:
-            self.params[name] = np.empty(self.shapes[name], dtype=value.dtype)
+            self.params[name] = _empty_stack(value, self.config.num_layers) if quantized \
+                else np.empty(self.shapes[name], dtype=value.dtype)
             self._filled[name] = set()
-        self.params[name][layer] = value
+        stack = self.params[name]
+        if quantized:
+            if (value.bits, value.group, value.zero is None) != (stack.bits, stack.group,
+                                                                  stack.zero is None):
+                raise ValueError(f"tensor {source_name or name!r} is {value.format}, but "
+                                 f"earlier layers of {name} are {stack.format}")
+            for part in ("q", "scale", "zero"):
+                if getattr(value, part) is not None:
+                    getattr(stack, part)[layer] = getattr(value, part)
+        else:
+            stack[layer] = value
         self._filled[name].add(layer)
 
     def finish(self) -> dict[str, np.ndarray]:
@@ -109,6 +125,12 @@ class ParamBuilder:
         if missing:
             raise ValueError(f"missing tensors: {', '.join(missing)}")
         return self.params
+
+
+def _empty_stack(like: QuantizedTensor, num_layers: int) -> QuantizedTensor:
+    empty = lambda a: None if a is None else np.empty((num_layers, *a.shape), a.dtype)
+    return QuantizedTensor(empty(like.q), empty(like.scale), empty(like.zero), like.bits,
+                           like.group, like.transposed)
 
 
 def validate_params(config: ModelConfig, params: dict[str, np.ndarray]) -> None:

@@ -13,6 +13,7 @@ never runs a step.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import jax
@@ -25,34 +26,54 @@ from jaxserve.model import sharding
 from jaxserve.model.attention import AttentionShape, PagedAttention, get_attention
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.llama import Llama, init_kv_cache
+from jaxserve.model.quant import QuantizedTensor
 
 log = logging.getLogger(__name__)
 
 
-def load_model(spec: str, mesh: Mesh | None, *, progress: bool = True):
+def load_model(spec: str, mesh: Mesh | None, *, progress: bool = True,
+               quantization: str = "none"):
     """loader.load_model, except that a jaxserve checkpoint is restored into the mesh's
-    shardings (other formats come back as host arrays; Placement shards them)."""
+    shardings, quantized matrices as stored (other formats come back as host arrays, a GGUF's
+    blocks mapped straight to `quantization`'s form; Placement shards them)."""
     from pathlib import Path
 
     from jaxserve.model import checkpoint
     from jaxserve.model.loader import load_model as load_host
+    from jaxserve.model.loader import quantize
 
     path = Path(spec).expanduser()
     if mesh is None or spec == "default" or not checkpoint.is_checkpoint(path):
-        return load_host(spec, progress=progress)
+        return load_host(spec, progress=progress, quantization=quantization)
     config = ModelConfig.load(path)
-    return checkpoint.load_checkpoint(path, shardings=sharding.param_shardings(config, mesh))
+    shardings = sharding.param_shardings(config, mesh, checkpoint.quantized_stand_ins(path))
+    return quantize(checkpoint.load_checkpoint(path, shardings=shardings), quantization)
 
 
-def _param_of(path) -> tuple[str | None, int | None]:
-    """NNX state path -> (param name in param_shapes() layout, layer index or None).
+def _param_of(path, shapes) -> tuple[str | None, str | None, int | None]:
+    """NNX state path -> (param name in param_shapes() layout, quantized part or None, layer
+    index or None).
 
-    ('embed',) -> ('embed', None); ('layers', 'wq') -> ('layers.wq', None) (stacked, "scan");
-    ('layers', 3, 'wq') -> ('layers.wq', 3) (per-layer, "unroll").
+    ('embed',) -> ('embed', None, None); ('layers', 'wq') -> ('layers.wq', None, None) (stacked,
+    "scan"); ('layers', 3, 'wq') -> ('layers.wq', None, 3) (per-layer, "unroll");
+    ('layers', 3, 'wq', 'scale') -> ('layers.wq', 'scale', 3) (a quantized matrix's part).
     """
     keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
     layer = next((k for k in keys if isinstance(k, int)), None)
-    return ".".join(str(k) for k in keys if not isinstance(k, int)), layer
+    name = ".".join(str(k) for k in keys if not isinstance(k, int))
+    base, _, part = name.rpartition(".")
+    if name not in shapes and base in shapes:
+        return base, part, layer
+    return name, None, layer
+
+
+def _stand_in(value):
+    """A zero-stride host stand-in of a param (float, or quantized with its parts' dtypes)."""
+    zeros = lambda a: np.broadcast_to(np.zeros((), a.dtype), a.shape)
+    if isinstance(value, QuantizedTensor):
+        return dataclasses.replace(value, q=zeros(value.q), scale=zeros(value.scale),
+                                   zero=None if value.zero is None else zeros(value.zero))
+    return np.broadcast_to(np.zeros((), np.float32), value.shape)
 
 
 def _put(source, index: int | None, sharding_: NamedSharding, dtype) -> jax.Array:
@@ -82,21 +103,28 @@ class Placement:
         shapes = self.config.param_shapes()
         # The graph and the non-weight variables (RoPE frequencies) come from a model built on
         # the host over zero-stride stand-ins; the weights are then placed shard by shard.
-        stand_ins = {name: np.broadcast_to(np.zeros((), np.float32), shape)
-                     for name, shape in shapes.items()}
+        stand_ins = {name: _stand_in(params[name]) for name in shapes}
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
             graphdef, host_state = nnx.split(Llama(self.config, stand_ins, dtype, layer_loop))
         tp = self.tensor_parallel_size
         stacked = sharding.param_specs(self.config, tp)
         per_layer = sharding.param_specs(self.config, tp, per_layer=True)
+        for name, value in params.items():
+            if isinstance(value, QuantizedTensor):
+                stacked[name] = sharding.quantized_specs(self.config, name, value, tp)
+                per_layer[name] = sharding.quantized_specs(self.config, name, value, tp,
+                                                           per_layer=True)
         replicated = sharding.replicated(self.mesh)
 
         def place(path, leaf):
-            name, layer = _param_of(path)
+            name, part, layer = _param_of(path, shapes)
             if name not in shapes:  # not a weight: replicate the value the model computed
                 return _put(np.asarray(leaf), None, replicated, leaf.dtype)
             spec = stacked[name] if layer is None else per_layer[name]
-            return _put(params[name], layer, NamedSharding(self.mesh, spec), leaf.dtype)
+            source = params[name]
+            if part is not None:  # a quantized matrix's q / scale / zero, in its own dtype
+                spec, source = spec[part], getattr(source, part)
+            return _put(source, layer, NamedSharding(self.mesh, spec), leaf.dtype)
 
         state = jax.tree_util.tree_map_with_path(place, host_state)
         del host_state
@@ -135,8 +163,8 @@ class Placement:
             return {}
         pair = (self.kv_sharding, self.kv_sharding)
         kv = pair if num_caches == 1 else (pair,) * num_caches
-        if processor_state:
-            kv = (kv, (self.replicated,) * 4)
+        if processor_state:  # (KV, processors' four arrays, batch tokens), plain steps
+            kv = (kv, (self.replicated,) * 4, self.replicated)
         return {"out_shardings": (sharding.replicated(self.mesh) if with_out else None, kv)}
 
     @property
