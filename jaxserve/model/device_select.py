@@ -110,6 +110,8 @@ def _default_dtype(device: DeviceDescription) -> tuple[str, str]:
     if sm is None or sm >= (8, 0):
         return "bfloat16", "bfloat16 tensor cores (sm_80+)" if sm else "bfloat16 on this GPU"
     if sm >= (7, 0):
+        # Not float32: the default model's float16 greedy tokens matched float32 as closely as
+        # bfloat16's did (4 chat prompts x 48 tokens, XLA on the CPU; no overflow, no NaN).
         return "float16", (f"sm_{sm[0]}{sm[1]} has float16 but no bfloat16 tensor cores "
                            "(sm_80+): bfloat16 would be emulated")
     return "float32", f"sm_{sm[0]}{sm[1]} has no tensor cores (sm_70+) and slow float16"
