@@ -39,8 +39,9 @@ def quantize(model: LoadedModel, quantization: str) -> LoadedModel:
     if stored != "none" and quantization not in ("none", stored):
         raise ValueError(f"quantization={quantization!r}, but {model.source} is stored as "
                          f"{stored}: load it with quantization={stored!r} (or 'none')")
-    model.params = quant.quantize_params(model.params, quantization)
-    return model
+    if quantization == "none" or stored == quantization:
+        return model
+    return dataclasses.replace(model, params=quant.quantize_params(model.params, quantization))
 
 
 def _load(spec: str, progress: bool, quantization: str) -> LoadedModel:

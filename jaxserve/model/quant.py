@@ -172,6 +172,14 @@ def device_bytes(params: dict, float_itemsize: int) -> int:
                else int(np.prod(v.shape)) * float_itemsize for v in params.values())
 
 
+def report(params: dict, float_dtype) -> tuple[int, tuple[tuple[str, str, int], ...]]:
+    """(weight bytes on device, group_formats) with floats in `float_dtype` (a numpy-compatible
+    dtype: the model's)."""
+    dtype = np.dtype(float_dtype)
+    return device_bytes(params, dtype.itemsize), group_formats(params, dtype.name,
+                                                               dtype.itemsize)
+
+
 def group_formats(params: dict, float_dtype: str, float_itemsize: int
                   ) -> tuple[tuple[str, str, int], ...]:
     """((tensor group, format, device bytes), ...) for start-up logs and ModelInfo; the norms
