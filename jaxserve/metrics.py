@@ -6,7 +6,8 @@ Two kinds, as prometheus_client intends them:
   collector from the engine's latest EngineStats snapshot (published by the engine thread
   after every step), so a scrape never touches the live queues from another thread;
 * per-request events (tokens, time to first token, time per output token, end-to-end latency,
-  finish reasons) and step durations are recorded by the engine thread as outputs leave it.
+  finish reasons), queue waits and step durations are recorded by the engine thread as they
+  happen.
 
 Each engine owns its own CollectorRegistry (tests and benchmarks build several engines in one
 process). `jaxserve serve --metrics-port` exposes it over HTTP. No jax here.
@@ -83,6 +84,14 @@ class EngineMetrics:
         self.e2e = Histogram(
             PREFIX + "e2e_request_latency_seconds", "Arrival to finish.",
             buckets=LATENCY_BUCKETS, registry=registry)
+        self.queue_time = Histogram(
+            PREFIX + "request_queue_time_seconds",
+            "Arrival to first scheduled: time spent waiting in the queue.",
+            buckets=LATENCY_BUCKETS, registry=registry)
+        self.deadline_expired = Counter(
+            PREFIX + "requests_deadline_expired",
+            "Requests dropped because their deadline passed while they waited in the queue.",
+            registry=registry)
         self.step_seconds = Histogram(
             PREFIX + "step_duration_seconds", "One engine step: schedule, execute, update.",
             buckets=TOKEN_LATENCY_BUCKETS, registry=registry)

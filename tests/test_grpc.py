@@ -305,19 +305,21 @@ def test_engine_finishes_other_than_stop_or_length_end_the_call_with_a_status(se
     """error: RESOURCE_EXHAUSTED if the page pool can never hold the request, else INTERNAL;
     abort by the server: ABORTED. A fake engine yields each outcome for its prompt."""
     from jaxserve.outputs import CompletionOutput, RequestOutput
+    from jaxserve.prompt_intake import PromptLimits
     from jaxserve.server.background import ServerThread
 
     outcomes = {1: ("error", "request needs 64 KV pages"), 2: ("error", "kaput"),
                 3: ("abort", None)}
 
-    async def generate(prompt, params, *, request_id, priority, prompt_token_ids):
+    async def generate(prompt, params, *, request_id, priority, prompt_token_ids, deadline):
         reason, error = outcomes[len(prompt_token_ids) % 4]
         yield RequestOutput("r", prompt_token_ids, [CompletionOutput(0, finish_reason=reason)],
                             finished=True, error=error)
 
     info = dataclasses.replace(served.engine.info, max_model_len=4096)
     engine = SimpleNamespace(tokenizer=served.engine.tokenizer, info=info)  # 47 pages of 16
-    fake = SimpleNamespace(engine=engine, error=None, generate=generate)
+    fake = SimpleNamespace(engine=engine, error=None, generate=generate,
+                           limits=PromptLimits(4096, 1 << 20))
     expected = {1001: "RESOURCE_EXHAUSTED", 10: "INTERNAL", 7: "ABORTED"}
     with ServerThread(fake) as server, JaxServeClient(server.address, timeout=10) as client:
         for length, code in expected.items():

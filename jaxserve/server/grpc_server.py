@@ -5,18 +5,23 @@ AsyncEngine's own thread. Handlers never touch the scheduler, page manager or ru
 fixed engine facts (config, tokenizer, model config, page size) and talk to the engine only
 through AsyncEngine.generate, whose iterator is always closed when a handler ends, so a
 cancelled call or a passed deadline aborts the request in the engine and frees its pages.
-Tokenization (and chat templating) runs on the loop, in the handler.
+Prompt size limits are checked before tokenizing; chat templating and long prompts are
+tokenized on AsyncEngine's bounded text pool, never on the loop. A call's gRPC deadline goes
+with its request: one still queued when it passes is dropped before it uses the device.
 
 Lifecycle (run_server): listen first with health NOT_SERVING, build the engine (load + compile)
 on a worker thread while health checks are answered, then SERVING. On SIGTERM/SIGINT: health
-NOT_SERVING, new calls refused with UNAVAILABLE, in-flight calls drained for up to
-shutdown_timeout seconds, the rest cancelled (which aborts them), engine thread stopped, exit 0.
-If the engine thread dies: health NOT_SERVING, every call UNAVAILABLE, exit 1.
+NOT_SERVING and every new call UNAVAILABLE (answered by the handlers, which keep running),
+in-flight calls drained for up to shutdown_timeout seconds, the rest ended UNAVAILABLE and
+aborted in the engine; then the process exits 0, its exit closing the listener (never a
+grpc stop that would CANCEL racing calls: process.exit_now). If the engine fails: every
+in-flight call INTERNAL, health NOT_SERVING, new calls UNAVAILABLE, exit 1.
 
-Status codes: ValueError before the first token (validation) -> INVALID_ARGUMENT; a full
-waiting queue, or a request the KV page pool can never hold -> RESOURCE_EXHAUSTED; starting,
-draining or a dead engine -> UNAVAILABLE; any other failure of one request -> INTERNAL, and the
-server goes on. This module does no sampling, scheduling or device work.
+Status codes (grpc_errors.py): an undecodable request or a ValueError before the first token
+(validation) -> INVALID_ARGUMENT; a full queue, or a request the KV page pool can never hold ->
+RESOURCE_EXHAUSTED; starting, draining or a dead engine -> UNAVAILABLE; a failed engine, or any
+other failure of one request -> INTERNAL (the server goes on unless the engine failed). This
+module does no sampling, scheduling or device work.
 """
 
 from __future__ import annotations
@@ -24,8 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
-import threading
+import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -33,14 +37,17 @@ from grpc_reflection.v1alpha import reflection
 
 from jaxserve.async_engine import AsyncEngine, EngineDeadError
 from jaxserve.config import EngineConfig
-from jaxserve.engine import QueueFullError
 from jaxserve.server import convert
+from jaxserve.server.grpc_errors import StatusError, add_servicer, status_for_exception
 from jaxserve.server.pb import jaxserve_pb2 as pb
+from jaxserve.server.process import exit_now, in_daemon_thread, install_stop_signals
 from jaxserve.server.pb import jaxserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JaxServe"].full_name  # "jaxserve.v1.JaxServe"
-_StatusError = tuple[grpc.StatusCode, str]
+# After an engine failure, health probes get this long to see NOT_SERVING (and load balancers
+# to route away) before the port closes and the process exits 1.
+DEAD_LINGER_S = 1.0
 
 
 def _host_port(host: str, port: int) -> str:
@@ -53,16 +60,10 @@ def _never_fits(engine, out, params) -> bool:
         len(out.prompt_token_ids) + params.max_tokens)
 
 
-def _status_for_exception(exc: Exception, validating: bool) -> _StatusError:
-    """validating: the request has produced no output yet, so a ValueError is bad input."""
-    if isinstance(exc, EngineDeadError):
-        return grpc.StatusCode.UNAVAILABLE, str(exc)
-    if validating and isinstance(exc, ValueError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if validating and isinstance(exc, QueueFullError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-    log.error("request failed", exc_info=exc)
-    return grpc.StatusCode.INTERNAL, f"internal error: {exc!r}"
+def _deadline(context) -> float | None:
+    """The call's gRPC deadline as a time.monotonic() instant (None: no deadline)."""
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
 
 
 class JaxServeServicer(pb_grpc.JaxServeServicer):
@@ -71,6 +72,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
     def __init__(self, async_engine: AsyncEngine | None = None):
         self.async_engine = async_engine
         self.draining = False
+        self.num_in_flight = 0     # Generate calls past the readiness check, not yet ended
 
     async def _engine(self, context) -> AsyncEngine:
         if self.draining:
@@ -83,16 +85,36 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
                                 f"engine stopped: {self.async_engine.error!r}")
         return self.async_engine
 
+    async def _prompt(self, async_engine: AsyncEngine, request: pb.GenerateRequest):
+        """(text, token ids) as prompt_from_proto gives them; a chat is size-checked, then
+        templated and tokenized on the text pool."""
+        if request.WhichOneof("prompt") == "token_ids":
+            async_engine.limits.check_num_tokens(len(request.token_ids.ids))
+        if request.WhichOneof("prompt") != "chat":
+            return convert.prompt_from_proto(request, async_engine.engine.tokenizer)
+        async_engine.limits.check_messages([m.content for m in request.chat.messages],
+                                           "chat.messages")
+        return await async_engine.text_pool.run(convert.prompt_from_proto, request,
+                                                async_engine.engine.tokenizer)
+
     async def Generate(self, request: pb.GenerateRequest, context):
         async_engine = await self._engine(context)
+        self.num_in_flight += 1
+        try:
+            await self._generate(async_engine, request, context)
+        finally:
+            self.num_in_flight -= 1
+
+    async def _generate(self, async_engine: AsyncEngine, request, context) -> None:
         engine = async_engine.engine
         try:
             params = convert.sampling_from_proto(request.sampling)
-            text, token_ids = convert.prompt_from_proto(request, engine.tokenizer)
+            text, token_ids = await self._prompt(async_engine, request)
         except Exception as exc:
-            await context.abort(*_status_for_exception(exc, validating=True))
+            await context.abort(*status_for_exception(exc, validating=True))
         stream = async_engine.generate(text, params, request_id=request.request_id or None,
-                                       priority=request.priority, prompt_token_ids=token_ids)
+                                       priority=request.priority, prompt_token_ids=token_ids,
+                                       deadline=_deadline(context))
         started, error, reported = False, None, set()
         # aclosing: however this handler ends (cancelled, deadline, error), the engine's
         # iterator is closed, which aborts an unfinished request.
@@ -107,12 +129,12 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
                             out, params.logprobs is not None, reported):
                         await context.write(response)
             except Exception as exc:
-                error = _status_for_exception(exc, validating=not started)
+                error = status_for_exception(exc, validating=not started)
         if error is not None:
             await context.abort(*error)
 
     @staticmethod
-    def _finish_error(engine, out, params) -> _StatusError:
+    def _finish_error(engine, out, params) -> StatusError:
         if out.finish_reason == "abort":
             return grpc.StatusCode.ABORTED, f"request {out.request_id} was aborted by the server"
         message = out.error or "request failed in the engine"
@@ -121,21 +143,27 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         return grpc.StatusCode.INTERNAL, message
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
-        tokenizer = (await self._engine(context)).engine.tokenizer
+        async_engine = await self._engine(context)
         try:
-            which = request.WhichOneof("input")
-            if which == "text":
-                add_special = (request.add_special_tokens
-                               if request.HasField("add_special_tokens") else True)
-                text = request.text
-                token_ids = tokenizer.encode(text, add_special_tokens=add_special)
-            elif which == "chat":
-                text, token_ids = convert.chat_prompt(tokenizer, request.chat)
-            else:
-                raise ValueError("input is unset: exactly one of text or chat must be set")
+            text, token_ids = await self._tokenize(async_engine, request)
         except Exception as exc:
-            await context.abort(*_status_for_exception(exc, validating=True))
+            await context.abort(*status_for_exception(exc, validating=True))
         return pb.TokenizeResponse(token_ids=[int(t) for t in token_ids], prompt_text=text)
+
+    @staticmethod
+    async def _tokenize(async_engine: AsyncEngine, request: pb.TokenizeRequest):
+        tokenizer, limits, pool = (async_engine.engine.tokenizer, async_engine.limits,
+                                   async_engine.text_pool)
+        which = request.WhichOneof("input")
+        if which == "text":
+            add_special = (request.add_special_tokens
+                           if request.HasField("add_special_tokens") else True)
+            limits.check_text(request.text, "text")
+            return request.text, await pool.run(tokenizer.encode, request.text, add_special)
+        if which == "chat":
+            limits.check_messages([m.content for m in request.chat.messages], "chat.messages")
+            return await pool.run(convert.chat_prompt, tokenizer, request.chat)
+        raise ValueError("input is unset: exactly one of text or chat must be set")
 
     async def ModelInfo(self, request: pb.ModelInfoRequest, context) -> pb.ModelInfoResponse:
         info = (await self._engine(context)).engine.info
@@ -160,6 +188,10 @@ class GrpcServer:
     def address(self) -> str:
         return _host_port(self.host, self.port)
 
+    @property
+    def num_in_flight(self) -> int:
+        return self.servicer.num_in_flight
+
     @classmethod
     async def start(cls, host: str = "127.0.0.1", port: int = 0,
                     async_engine: AsyncEngine | None = None) -> "GrpcServer":
@@ -168,7 +200,7 @@ class GrpcServer:
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         servicer = JaxServeServicer()
         health_servicer = health.aio.HealthServicer()
-        pb_grpc.add_JaxServeServicer_to_server(servicer, server)
+        add_servicer(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -193,66 +225,50 @@ class GrpcServer:
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self._watch = asyncio.ensure_future(self._watch_engine(async_engine))
 
-    async def _watch_engine(self, async_engine: AsyncEngine, period: float = 0.25) -> None:
+    async def _watch_engine(self, async_engine: AsyncEngine, period: float = 0.05) -> None:
         """Health NOT_SERVING once the engine thread has died (calls then get UNAVAILABLE)."""
         while async_engine.error is None:
             await asyncio.sleep(period)
-        log.error("the engine thread died (%r): health NOT_SERVING", async_engine.error)
+        log.error("the engine failed (%r): health NOT_SERVING", async_engine.error)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.engine_dead.set()
 
-    async def shutdown(self, timeout: float) -> None:
-        """NOT_SERVING, refuse new calls, drain in-flight ones for up to timeout seconds, then
-        cancel the rest (their requests are aborted in the engine)."""
+    async def begin_drain(self) -> None:
+        """Health NOT_SERVING and every new call UNAVAILABLE, answered by the handlers (the
+        listener stays open, so no call races a closing server into CANCELLED)."""
+        self.servicer.draining = True  # first: no handler may start between the two
         await self.health.enter_graceful_shutdown()
-        self.servicer.draining = True
         if self._watch is not None:
             self._watch.cancel()
-        await self.server.stop(grace=timeout)
 
+    async def wait_idle(self, deadline: float) -> bool:
+        """Wait until no Generate call is in flight or time.monotonic() passes deadline."""
+        while self.servicer.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return not self.servicer.num_in_flight
 
-def _in_daemon_thread(fn) -> asyncio.Future:
-    """fn() on a daemon thread (a stop signal during loading must not wait for it)."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
+    async def stop(self, grace: float = 1.0) -> None:
+        """Close the listener; calls still running get grace seconds, then are cancelled."""
+        await self.server.stop(grace=grace)
 
-    def settle(setter, value):
-        if not future.done():
-            setter(value)
-
-    def target():
-        try:
-            result = fn()
-        except BaseException as exc:
-            loop.call_soon_threadsafe(settle, future.set_exception, exc)
-        else:
-            loop.call_soon_threadsafe(settle, future.set_result, result)
-
-    threading.Thread(target=target, name="jaxserve-load", daemon=True).start()
-    return future
-
-
-def _install_stop_signals(stop: asyncio.Event) -> None:
-    """SIGTERM/SIGINT set stop. Signals reach only the main thread: run_server elsewhere never
-    sees them (embed a GrpcServer and call shutdown instead)."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except NotImplementedError:  # event loops without signal support (Windows)
-            signal.signal(sig, lambda *_: loop.call_soon_threadsafe(stop.set))
+    async def shutdown(self, timeout: float) -> None:
+        """Drain for up to timeout seconds, then stop (cancelling what is left, which aborts
+        their requests in the engine)."""
+        await self.begin_drain()
+        await self.wait_idle(time.monotonic() + timeout)
+        await self.stop(grace=0.5)
 
 
 async def serve(engine_config: EngineConfig, host: str, port: int, shutdown_timeout: float,
-                loaded=None, metrics_port: int | None = None, http=None) -> int:
-    """run_server's body, on the running event loop. http: an http_server.HttpSettings to
-    serve the OpenAI HTTP API too, over the same AsyncEngine (None: gRPC only)."""
+                loaded=None, metrics_port: int | None = None, http=None,
+                exit_process: bool = False) -> int:
+    """run_server's body, on the running event loop; returns the exit code. http: an
+    http_server.HttpSettings to serve the OpenAI HTTP API too, over the same AsyncEngine (None:
+    gRPC only). exit_process: once drained, end the process with the code (see exit_now)."""
     from jaxserve.engine import Engine
 
     stop = asyncio.Event()
-    _install_stop_signals(stop)
+    install_stop_signals(stop)
     handle = await GrpcServer.start(host, port)
     log.info("jaxserve gRPC server listening on %s (health NOT_SERVING until the engine is "
              "ready)", handle.address)
@@ -266,7 +282,7 @@ async def serve(engine_config: EngineConfig, host: str, port: int, shutdown_time
             raise
         log.info("jaxserve HTTP (OpenAI API) server listening on %s (/health 503 until the "
                  "engine is ready)", fronts[1].url)
-    loading = _in_daemon_thread(lambda: Engine(engine_config, loaded=loaded))
+    loading = in_daemon_thread(lambda: Engine(engine_config, loaded=loaded))
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if not loading.done():
@@ -294,25 +310,48 @@ async def serve(engine_config: EngineConfig, host: str, port: int, shutdown_time
              engine.info.num_pages, engine.info.page_size)
     dead = asyncio.ensure_future(handle.engine_dead.wait())
     await asyncio.wait({stopping, dead}, return_when=asyncio.FIRST_COMPLETED)
-    if not stopping.done():  # nothing left to drain: every open stream has failed
+    if not stopping.done():  # every open stream has failed: let the handlers say so, exit 1
         stopping.cancel()
-        await asyncio.gather(*(front.shutdown(0) for front in fronts))
-        return 1
+        await _drain(fronts, async_engine, 5.0, "engine failed", DEAD_LINGER_S, exit_process)
+        async_engine.stop(timeout=10.0)
+        return exit_now(1) if exit_process else 1
     dead.cancel()
-    log.info("stop signal: draining %d in-flight request(s) for up to %.1f s",
-             async_engine.num_in_flight, shutdown_timeout)
-    await asyncio.gather(*(front.shutdown(shutdown_timeout) for front in fronts))
+    await _drain(fronts, async_engine, shutdown_timeout, "stop signal", 0.0, exit_process)
     async_engine.stop(timeout=10.0)
     if metrics_http is not None:
         metrics_http.shutdown()
     log.info("shutdown complete")
-    return 0
+    return exit_now(0) if exit_process else 0
+
+
+async def _drain(fronts, async_engine: AsyncEngine, timeout: float, why: str,
+                 linger: float = 0.0, exiting: bool = False) -> None:
+    """Every front refuses new calls (UNAVAILABLE / 503) at once; in-flight ones get timeout
+    seconds to finish, then end UNAVAILABLE / 503 (their requests aborted in the engine); then,
+    after linger seconds more of refusing, the listeners close. exiting: the process ends next,
+    so the gRPC listener is left open for exit_now to close."""
+    for front in fronts:
+        await front.begin_drain()
+    log.info("%s: draining %d in-flight request(s) for up to %.1f s", why,
+             async_engine.num_in_flight, timeout)
+    idle = await asyncio.gather(*(front.wait_idle(time.monotonic() + timeout)
+                                  for front in fronts))
+    if not all(idle):
+        num = async_engine.abort_all(EngineDeadError(
+            f"the server shut down before this request finished (shutdown timeout "
+            f"{timeout:g} s)"))
+        log.info("shutdown timeout: %d request(s) aborted", num)
+        await asyncio.gather(*(front.wait_idle(time.monotonic() + 5.0) for front in fronts))
+    await asyncio.sleep(linger)
+    await asyncio.gather(*(front.stop() for front in fronts
+                           if not (exiting and isinstance(front, GrpcServer))))
 
 
 def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 50051,
                shutdown_timeout: float = 30.0, loaded=None, metrics_port: int | None = None,
                http=None) -> int:
-    """Serve until SIGTERM/SIGINT, then drain and return 0 (the process exit code); 1 when the
-    engine thread dies. http: HttpSettings to serve the OpenAI HTTP API too (None: off)."""
+    """The server process: serve until SIGTERM/SIGINT, drain, then end the process with exit
+    code 0 (1 when the engine failed); it returns only when loading fails or a stop signal came
+    during loading. http: HttpSettings to serve the OpenAI HTTP API too (None: off)."""
     return asyncio.run(serve(engine_config, host, port, shutdown_timeout, loaded=loaded,
-                             metrics_port=metrics_port, http=http))
+                             metrics_port=metrics_port, http=http, exit_process=True))

@@ -13,10 +13,13 @@ non-streaming request's work is cancelled the moment the disconnect arrives.
 
 Threading and lifecycle: uvicorn serves the app on the caller's asyncio loop (the one the gRPC
 server runs on), from a socket bound at `start` (port 0: any free one); health is 503 until
-`attach` gives it the started AsyncEngine. `shutdown` drains: new requests get 503 while the
-in-flight ones finish (up to a timeout), then uvicorn stops and cancels what is left, which
-closes their engine streams and so aborts their requests. It never touches the scheduler, the
-page manager or the runner, and installs no signal handlers (run_server owns SIGTERM).
+`attach` gives it the started AsyncEngine. Draining (begin_drain, wait_idle, stop; or
+`shutdown`): new requests get 503 while the in-flight ones finish (run_server ends the ones left
+at its timeout with 503), then uvicorn stops and cancels anything still open, which closes their
+engine streams and so aborts their requests. A failed engine is a 500 for the requests it held
+and a 503 (/health too) afterwards; a request's `timeout` passed while queued is a 408. It
+never touches the scheduler, the page manager or the runner, and installs no signal handlers
+(run_server owns SIGTERM).
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ from jaxserve.server.openai_errors import OpenAIError, bad_request
 from jaxserve.server.openai_serving import OpenAIServing
 
 log = logging.getLogger(__name__)
-_ERRORS = {code: {"model": api.ErrorResponse} for code in (400, 401, 404, 413, 415, 429, 503)}
+_ERRORS = {code: {"model": api.ErrorResponse}
+           for code in (400, 401, 404, 408, 413, 415, 429, 500, 503)}
 
 
 @dataclass(frozen=True)
@@ -270,13 +274,25 @@ class HttpServer:
     def num_in_flight(self) -> int:
         return self.state.num_in_flight
 
-    async def shutdown(self, timeout: float) -> None:
-        """503 for new requests, let in-flight ones finish for up to timeout seconds, then
-        stop (cancelling the rest, which aborts their requests in the engine)."""
+    async def begin_drain(self) -> None:
+        """503 for every new request from now on (/health included)."""
         self.state.draining = True
-        deadline = time.monotonic() + timeout
+
+    async def wait_idle(self, deadline: float) -> bool:
+        """Wait until no request is in flight or time.monotonic() passes deadline."""
         while self.state.num_in_flight and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.02)
+        return not self.state.num_in_flight
+
+    async def stop(self) -> None:
+        """Stop uvicorn (cancelling what is left, which aborts their requests in the engine)."""
         self.server.should_exit = True
         if self._task is not None:
             await self._task
+
+    async def shutdown(self, timeout: float) -> None:
+        """503 for new requests, let in-flight ones finish for up to timeout seconds, then
+        stop."""
+        await self.begin_drain()
+        await self.wait_idle(time.monotonic() + timeout)
+        await self.stop()

@@ -1,6 +1,7 @@
 """OpenAI's error shape, the HTTP front end's refusals, and engine exceptions mapped to them.
 
-An OpenAIError carries the HTTP status, a message naming the field and its limit, the field
+Engine failures: a stopped engine is 503, one that failed under the request 500, a passed
+`timeout` 408. An OpenAIError carries the HTTP status, a message naming the field and its limit, the field
 itself and OpenAI's error type; `body()` is {"error": {message, type, param, code}}. UNSUPPORTED
 lists the parameters the engine cannot honour yet: each is refused with a 400 naming it, never
 accepted and ignored. Plain data and pure functions: no engine calls, no routing.
@@ -11,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Callable
 
-from jaxserve.async_engine import EngineDeadError
+from jaxserve.async_engine import DeadlineExceededError, EngineDeadError, EngineFailedError
 from jaxserve.engine import QueueFullError
 
 # Parameters the engine cannot honour, each with a test for the values it does honour: best_of
@@ -57,6 +58,10 @@ def error_for_exception(exc: BaseException, prompt_field: str = "prompt",
                            {"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(exc, EngineDeadError):
         return OpenAIError(503, str(exc), None, "service_unavailable")
+    if isinstance(exc, EngineFailedError):
+        return OpenAIError(500, str(exc), None, "internal_error")
+    if isinstance(exc, DeadlineExceededError):
+        return OpenAIError(408, f"{exc} (timeout)", "timeout", "timeout_error")
     if isinstance(exc, ValueError):
         match = _FIELD_IN_MESSAGE.match(str(exc))
         param = match.group(1) if match else None

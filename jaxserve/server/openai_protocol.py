@@ -109,6 +109,8 @@ class _SamplingFields(_Strict):
     guided_regex: NonEmptyText | None = None
     guided_choice: Annotated[list[NonEmptyText], Field(min_length=1)] | None = None
     guided_grammar: NonEmptyText | None = None
+    # jaxserve's extension: seconds from arrival; still queued when it passes -> dropped, 408
+    timeout: Annotated[float, Field(gt=0.0, le=86400.0)] | None = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -4,8 +4,9 @@ A thin translation layer, as vLLM's entrypoints/openai serving classes are. It r
 engine's frozen facts (`engine.info`), its tokenizer, and talks to the engine through
 AsyncEngine.generate (whose iterator is always closed, so a request whose client went away is
 aborted); it never touches the scheduler, the page manager or the runner, and knows nothing of
-routing, auth or health (http_server.py). Tokenizing and chat templating run on a worker thread,
-never on the event loop. Every refusal is an OpenAIError with the HTTP status, a message naming
+routing, auth or health (http_server.py). Prompt sizes are checked against AsyncEngine's
+PromptLimits before any tokenizer work; tokenizing, chat templating and detokenizing run on its
+bounded text pool, never on the event loop. A request's `timeout` becomes its deadline. Every refusal is an OpenAIError with the HTTP status, a message naming
 the field and its limit, and the field itself (openai_errors.py, with the parameters refused until
 the engine learns them); walking engine streams, SSE, usage and logprobs are openai_stream.py's.
 Output constraints (response_format, vLLM's structured_outputs and guided_*: at most one) become
@@ -22,6 +23,7 @@ import uuid
 
 from jaxserve import __version__
 from jaxserve.async_engine import AsyncEngine
+from jaxserve.prompt_intake import encode
 from jaxserve.request import SamplingParams
 from jaxserve.server import openai_protocol as api
 from jaxserve.server.chat_prompt import render_chat, with_chat_template
@@ -123,7 +125,10 @@ class OpenAIServing:
             raise error_for_exception(exc) from None
 
     async def _in_thread(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        try:
+            return await self.async_engine.text_pool.run(fn, *args)
+        except Exception as exc:
+            raise error_for_exception(exc) from None
 
     # ---- prompts -----------------------------------------------------------------------------
     def _completion_prompts(self, prompt) -> tuple[list[list[int]], list[str | None]]:
@@ -132,14 +137,21 @@ class OpenAIServing:
             prompt = [prompt]
         if isinstance(prompt[0], int):
             prompt = [prompt]
+        limits = self.async_engine.limits
         if isinstance(prompt[0], str):
-            return [self.tokenizer.encode(p) for p in prompt], list(prompt)
+            for text in prompt:
+                limits.check_text(text)
+            return [encode(self.tokenizer, p) for p in prompt], list(prompt)
         for ids in prompt:
+            limits.check_num_tokens(len(ids), "prompt")
             self._check_ids(ids, "prompt")
         return [list(ids) for ids in prompt], [None] * len(prompt)
 
     def chat_prompt(self, request) -> list[int]:
         try:
+            self.async_engine.limits.check_messages(
+                [m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)
+                 for m in request.messages])
             _, ids = render_chat(self.chat_tokenizer, request.messages,
                                  request.add_generation_prompt, request.continue_final_message)
         except ValueError as exc:
@@ -151,11 +163,12 @@ class OpenAIServing:
     # ---- engine ------------------------------------------------------------------------------
     async def _start(self, request_id: str, prompts: list[list[int]],
                      params: list[SamplingParams], prompt_field: str,
-                     constraint_field: str | None = None):
+                     constraint_field: str | None = None, timeout: float | None = None):
         """Submit every prompt; (first output, stream) each, or one error for all (the
         submitted ones are aborted)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         streams = [self.async_engine.generate(None, p, request_id=f"{request_id}-{i}",
-                                              prompt_token_ids=ids)
+                                              prompt_token_ids=ids, deadline=deadline)
                    for i, (ids, p) in enumerate(zip(prompts, params))]
         firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
         failed = next((f for f in firsts if isinstance(f, BaseException)), None)
@@ -185,7 +198,8 @@ class OpenAIServing:
                                constraint)
                   for ids in prompts]
         request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        started = await self._start(request_id, prompts, params, "prompt", constraint_field)
+        started = await self._start(request_id, prompts, params, "prompt", constraint_field,
+                                    request.timeout)
         echoes = [None] * len(prompts)
         if request.echo:
             echoes = [t if t is not None else await self._in_thread(self.tokenizer.decode, ids)
@@ -272,7 +286,8 @@ class OpenAIServing:
                               (request.top_logprobs or 0) if request.logprobs else None,
                               request.prompt_logprobs, constraint)
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        started = await self._start(request_id, [ids], [params], "messages", constraint_field)
+        started = await self._start(request_id, [ids], [params], "messages", constraint_field,
+                                    request.timeout)
         header = self._header(request_id, "chat.completion", created)
         if request.stream:
             header["object"] = "chat.completion.chunk"
@@ -342,7 +357,7 @@ class OpenAIServing:
         if isinstance(request, api.TokenizeChatRequest):
             ids = await self._in_thread(self.chat_prompt, request)
         else:
-            ids = await self._in_thread(self.tokenizer.encode, request.prompt,
+            ids = await self._in_thread(encode, self.tokenizer, request.prompt,
                                         request.add_special_tokens)
         return api.TokenizeResponse(count=len(ids), max_model_len=self.info.max_model_len,
                                     tokens=list(ids))

@@ -1,0 +1,78 @@
+"""The gRPC side's error handling: undecodable requests, and exceptions mapped to status codes.
+
+grpc decodes a request before any handler runs, and a message that fails to decode (truncated
+bytes, invalid UTF-8 in a string field) would end the call UNKNOWN. `add_servicer` registers
+the JaxServe handlers with a decoder that never raises: it hands the handler an Undecodable,
+which is refused with INVALID_ARGUMENT and protobuf's message. `status_for_exception` is the one
+table from engine exceptions to status codes. No engine calls, no sampling, no device work.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from jaxserve.async_engine import DeadlineExceededError, EngineDeadError, EngineFailedError
+from jaxserve.engine import QueueFullError
+from jaxserve.server.pb import jaxserve_pb2 as pb
+
+log = logging.getLogger(__name__)
+StatusError = tuple[grpc.StatusCode, str]
+
+
+class Undecodable:
+    """What a handler gets instead of a request whose bytes are not a valid message."""
+
+    def __init__(self, type_name: str, error: Exception):
+        self.message = (f"the request is not a valid {type_name} message: {error} (truncated "
+                        f"or corrupt bytes, or a string field that is not valid UTF-8)")
+
+
+def _decoder(message_class):
+    def decode(data: bytes):
+        try:
+            return message_class.FromString(data)
+        except (DecodeError, UnicodeDecodeError, ValueError) as exc:
+            return Undecodable(message_class.DESCRIPTOR.full_name, exc)
+    return decode
+
+
+def _refusing_undecodable(handler):
+    async def checked(request, context):
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        return await handler(request, context)
+    return checked
+
+
+def add_servicer(servicer, server: grpc.aio.Server) -> None:
+    """pb_grpc.add_JaxServeServicer_to_server, with requests decoded by `_decoder`."""
+    service = pb.DESCRIPTOR.services_by_name["JaxServe"]
+    handlers = {}
+    for method in service.methods:
+        make = (grpc.unary_stream_rpc_method_handler if method.server_streaming
+                else grpc.unary_unary_rpc_method_handler)
+        handlers[method.name] = make(
+            _refusing_undecodable(getattr(servicer, method.name)),
+            request_deserializer=_decoder(getattr(pb, method.input_type.name)),
+            response_serializer=getattr(pb, method.output_type.name).SerializeToString)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+
+def status_for_exception(exc: Exception, validating: bool) -> StatusError:
+    """validating: the request has produced no output yet, so a ValueError is bad input."""
+    if isinstance(exc, EngineDeadError):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, EngineFailedError):
+        return grpc.StatusCode.INTERNAL, str(exc)
+    if isinstance(exc, DeadlineExceededError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
+    if isinstance(exc, QueueFullError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if validating and isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    log.error("request failed", exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {exc!r}"

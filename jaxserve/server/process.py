@@ -1,0 +1,59 @@
+"""Process-level helpers for run_server: stop signals, a daemon-thread future, and an exit that
+leaves the gRPC sockets for the kernel to close.
+
+Nothing here knows about engines or requests; grpc_server.serve composes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import threading
+
+
+def in_daemon_thread(fn) -> asyncio.Future:
+    """fn() on a daemon thread (a stop signal during loading must not wait for it)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(setter, value):
+        if not future.done():
+            setter(value)
+
+    def target():
+        try:
+            result = fn()
+        except BaseException as exc:
+            loop.call_soon_threadsafe(settle, future.set_exception, exc)
+        else:
+            loop.call_soon_threadsafe(settle, future.set_result, result)
+
+    threading.Thread(target=target, name="jaxserve-load", daemon=True).start()
+    return future
+
+
+def install_stop_signals(stop: asyncio.Event) -> None:
+    """SIGTERM/SIGINT set stop. Signals reach only the main thread: run_server elsewhere never
+    sees them (embed a GrpcServer and call shutdown instead)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except NotImplementedError:  # event loops without signal support (Windows)
+            signal.signal(sig, lambda *_: loop.call_soon_threadsafe(stop.set))
+
+
+def exit_now(code: int):
+    """End the process now, the gRPC server still refusing calls. grpc.aio's stop() ends a
+    call that reaches the server while it closes with CANCELLED (measured: a few per shutdown
+    under a steady stream of calls); the process's exit closes the sockets instead, which every
+    client sees as UNAVAILABLE. Logs and stdio are flushed first; nothing else is left to run."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
