@@ -1,4 +1,10 @@
-"""Engine: the synchronous serving loop. step() = schedule -> execute -> update.
+"""Engine: the serving loop. step() = schedule -> dispatch -> (previous step's) update -> emit.
+
+With async scheduling (the default, where the lag can hold: Scheduler.may_plan_ahead and a
+runner with dispatch / collect) step N+1 is planned and dispatched before step N's tokens are
+read, so the host's update and output processing of step N overlap the device's step N+1;
+otherwise a step is schedule -> execute -> update -> emit, and a step in flight is taken in
+first.
 
 It validates and tokenizes requests, fans an n > 1 request out into its samples, starts the
 compile of a structured request's grammar (off-thread) and gives each sample its matcher once
@@ -24,6 +30,7 @@ from jaxserve.output_processor import OutputProcessor
 from jaxserve.outputs import RequestOutput
 from jaxserve.processor_slots import bad_words_ids
 from jaxserve.request import FinishReason, Request, SamplingParams, TokenEvent, sample_seed
+from jaxserve.step_timings import StepTimings
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +64,12 @@ class Engine:
         self._seed_rng = random.Random(self.config.seed)
         self.num_steps = 0
         self._closed = False
+        self.timings = StepTimings()
+        if hasattr(self.runner, "timings"):
+            self.runner.timings = self.timings
+        self._async = self.config.async_scheduling and hasattr(self.runner, "dispatch")
+        self._in_flight = None  # (plan, the runner's pending step) dispatched, not yet read
+        self.num_overlapped_steps = 0  # steps dispatched before their predecessor was read
         self._publish_stats()
         self.metrics = EngineMetrics(lambda: self.stats)
 
@@ -160,6 +173,8 @@ class Engine:
         return outs[0] if outs else None
 
     def has_unfinished(self) -> bool:
+        # A step in flight when no request is unfinished holds only finished ones' rows: the
+        # next step reads and drops it.
         return self.scheduler.has_unfinished() or bool(self._pending_events)
 
     # ---- the loop -----------------------------------------------------------------------
@@ -196,18 +211,39 @@ class Engine:
         start = time.perf_counter()
         if self._awaiting_grammar:
             self._attach_grammars()
-        plan = self.scheduler.schedule()
-        result = self.runner.execute(plan)
-        prompt = None if result.prompt_ids is None else (result.prompt_ids,
-                                                          result.prompt_logprobs)
-        events = self.scheduler.update(plan, result.token_ids, result.logprobs, result.top_ids,
-                                       result.top_logprobs, prompt)
+        ahead = self._async and self.scheduler.may_plan_ahead()
+        events: list[TokenEvent] = []
+        if self._in_flight is not None and not ahead:  # the lag can't hold: read it first
+            events = self._take_in(*self._in_flight)
+            self._in_flight = None
+        with self.timings.phase("schedule"):
+            plan = self.scheduler.schedule()
+        if ahead:
+            pending = self.runner.dispatch(plan)
+            if self._in_flight is not None:  # the device runs `plan` meanwhile
+                events = self._take_in(*self._in_flight)
+                self.num_overlapped_steps += bool(plan.chunks)
+            self._in_flight = (plan, pending) if plan.chunks else None
+        else:
+            events += self._take_in(plan, self.runner.execute(plan))
         self.num_steps += 1
-        outputs = self._process(events)
-        self._publish_stats()
+        with self.timings.phase("emit"):
+            outputs = self._process(events)
+            self._publish_stats()
         self.metrics.observe_step(time.perf_counter() - start)
         self.metrics.observe_outputs(outputs)
         return outputs
+
+    def _take_in(self, plan, result) -> list[TokenEvent]:
+        """A step's results (a runner's StepResult, or its pending step to collect) into the
+        scheduler: the step's token events."""
+        if not hasattr(result, "token_ids"):
+            result = self.runner.collect(result)
+        prompt = None if result.prompt_ids is None else (result.prompt_ids,
+                                                          result.prompt_logprobs)
+        with self.timings.phase("update"):
+            return self.scheduler.update(plan, result.token_ids, result.logprobs,
+                                         result.top_ids, result.top_logprobs, prompt)
 
     def _process(self, events: list[TokenEvent]) -> list[RequestOutput]:
         if self._pending_events:

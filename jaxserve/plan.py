@@ -67,6 +67,11 @@ class ScheduledChunk:
     prompt_logprobs: int = 0
     prompt_logprob_first_row: int = 0
     prompt_logprob_next: tuple[int, ...] = ()
+    # The request's row of the device batch state (0: none): its sampled token is kept there,
+    # and with token_on_device the last of token_ids (a placeholder) is read from there: the
+    # token the step before sampled, not yet on the host (async scheduling).
+    batch_slot: int = 0
+    token_on_device: bool = False
 
     @property
     def num_tokens(self) -> int:

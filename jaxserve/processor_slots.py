@@ -64,7 +64,8 @@ class ProcessorSlots:
             if len(seq) > 1 and len(outputs) >= len(seq) - 1
             and tuple(outputs[len(outputs) - len(seq) + 1:]) == seq[:-1]))
         return ProcessorRow(slot, sp.presence_penalty, sp.frequency_penalty,
-                            sp.repetition_penalty, len(outputs) < sp.min_tokens, banned, init)
+                            sp.repetition_penalty,
+                            len(outputs) + request.num_pending_tokens < sp.min_tokens, banned, init)
 
     def release(self, request_id: str) -> None:
         slot = self._slot_of.pop(request_id, None)

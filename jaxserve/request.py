@@ -201,7 +201,10 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
-    num_computed_tokens: int = 0   # tokens whose KV is in the cache
+    num_computed_tokens: int = 0   # tokens whose KV is in the cache, or is being computed
+    # async scheduling: tokens sampled by steps in flight, not yet on the host (0 or 1)
+    num_pending_tokens: int = 0
+    batch_slot: int = 0            # its row of the device-side batch state (0: none)
     num_cached_tokens: int = 0     # prompt tokens served by the prefix cache at admission
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
@@ -214,6 +217,19 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens the next step may read: the host's, then those still on the device."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Whether its next step's inputs depend on its last sampled token on the host (a
+        grammar's bitmask, a multi-token bad word's ban): such a request rules out async
+        scheduling while it runs."""
+        return (self.sampling.structured_outputs is not None
+                or any(len(seq) > 1 for seq in self.bad_words_ids))
 
     @property
     def is_finished(self) -> bool:

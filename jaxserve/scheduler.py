@@ -13,6 +13,10 @@ request's pages wholly before the window are given back after each step, and a s
 the pages still in the window. The samples of an n > 1 request wait until sample 0 has
 computed the prompt, then share its pages (PageManager.fork). Requests using logits processors
 hold a ProcessorSlots row while running, and no step speculates while any is in the engine.
+Async scheduling: schedule() counts a scheduled chunk's tokens as computed and its sample as
+pending at once, so the next step can be planned before this one's tokens reach the host; the
+pending token is read on the device from the request's batch slot (its row of the device batch
+state, held while running). update() (scheduler_results.py) takes them in one step late.
 Plain Python: no jax, no device arrays, no text (stop strings are the engine's job, finish()).
 """
 
@@ -28,7 +32,8 @@ from jaxserve.page_manager import PageManager
 from jaxserve.plan import DraftRows, ScheduledChunk, StepPlan, SwapIn, SwapOut
 from jaxserve.processor_slots import ProcessorSlots
 from jaxserve.request import FinishReason, Request, RequestStatus, TokenEvent
-from jaxserve.step_rows import build_chunk, prompt_logprob_entries, top_logprob_pairs
+from jaxserve.scheduler_results import SchedulerResults
+from jaxserve.step_rows import build_chunk
 from jaxserve.swap_space import HostSwapSpace
 
 
@@ -40,7 +45,7 @@ def reusable_window(*models_layer_windows) -> int | None:
     return None if not windows or None in windows else max(windows)
 
 
-class Scheduler:
+class Scheduler(SchedulerResults):
     def __init__(self, page_manager: PageManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
                  preemption_mode: str = "recompute", enable_chunked_prefill: bool = True,
@@ -65,6 +70,8 @@ class Scheduler:
         self._dropped_swaps: list[str] = []
         self.processor_slots = ProcessorSlots(max_num_seqs + 1)
         self._num_plain_only = 0  # requests only plain steps compute: none speculates meanwhile
+        self._num_host_bound = 0  # requests whose inputs need their last token on the host
+        self._free_batch_slots = list(range(max_num_seqs, 0, -1))  # 0: none
         self._host_drafts = speculation is not None and speculation.method == "ngram"
         self.num_preemptions = 0
         self.num_swaps = 0
@@ -77,6 +84,7 @@ class Scheduler:
         capacity = self.pages.num_pages - 1
         self.requests[request.request_id] = request
         self._num_plain_only += request.sampling.needs_plain_steps(self._host_drafts)
+        self._num_host_bound += request.needs_host_tokens
         if needed > capacity:
             request.error = (f"request needs {needed} KV pages ({total} tokens) but the page "
                              f"pool holds {capacity}; lower max_tokens or the prompt length")
@@ -107,6 +115,7 @@ class Scheduler:
             self.waiting.remove(request)
         elif request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+            self._release_batch_slot(request)
         elif request.status == RequestStatus.SWAPPED:
             self.swapped.remove(request)
             self.swap_space.release(request.request_id)
@@ -117,6 +126,14 @@ class Scheduler:
         request.finish_reason = reason
         if self.requests.pop(request.request_id, None) is not None:
             self._num_plain_only -= request.sampling.needs_plain_steps(self._host_drafts)
+            self._num_host_bound -= request.needs_host_tokens
+
+    def may_plan_ahead(self) -> bool:
+        """Whether the next step can be planned before this one's tokens reach the host: no
+        request needs its last token on the host to build its inputs, and no speculation or
+        static batching (both read every result before planning)."""
+        return (self._num_host_bound == 0 and self.speculation is None
+                and not self.batching.admits_whole_batch)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped or self._held)
@@ -154,6 +171,10 @@ class Scheduler:
         plan.static_padding = self.batching.padding(budget, self.requests)
         scheduled.sort(key=lambda item: item[1] != 1)  # decode rows first
         plan.chunks = [self._chunk(r, n, plan) for r, n in scheduled]
+        for (request, num_new), chunk in zip(scheduled, plan.chunks):
+            request.num_computed_tokens += num_new  # being computed; update() confirms
+            if chunk.sampling is not None:
+                request.num_pending_tokens += 1
         return plan
 
     def _schedule_running(self, plan: StepPlan, scheduled, budget: int) -> tuple[int, bool]:
@@ -161,18 +182,19 @@ class Scheduler:
         preempting others for pages. Returns (budget left, whether anything was preempted)."""
         preempted = False
         speculate = (self.speculation is not None and self._num_plain_only == 0
-                     and self.speculation.should_speculate(
-                         sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)))
+                     and self.speculation.should_speculate(sum(
+                         r.num_scheduled_tokens - r.num_computed_tokens == 1
+                         for r in self.running)))
         for index, request in enumerate(list(self.running)):
             if budget == 0:
                 break
-            if request.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if request.status != RequestStatus.RUNNING or self._awaits_finish(request):
+                continue  # preempted earlier in this loop, or its last token is in flight
             num_new = self._num_new_tokens(request, budget)
             if num_new == 0:
                 continue
             num_draft, draft_ids = 0, ()
-            if speculate and request.num_tokens - request.num_computed_tokens == 1:
+            if speculate and request.num_scheduled_tokens - request.num_computed_tokens == 1:
                 # Drafts never take the row another running request needs for its decode.
                 room = budget - 1 - (len(self.running) - index - 1)
                 num_draft, draft_ids = self.speculation.propose(
@@ -196,8 +218,15 @@ class Scheduler:
         left = request.sampling.max_tokens - len(request.output_token_ids) - 1
         return max(0, min(room, left, self.max_model_len - request.num_tokens))
 
+    def _awaits_finish(self, request: Request) -> bool:
+        """Its token in flight is its last (max_tokens, max_model_len): nothing to schedule."""
+        return request.num_pending_tokens > 0 and (
+            len(request.output_token_ids) + request.num_pending_tokens
+            >= request.sampling.max_tokens
+            or request.num_scheduled_tokens >= self.max_model_len)
+
     def _num_new_tokens(self, request: Request, budget: int) -> int:
-        remaining = request.num_tokens - request.num_computed_tokens
+        remaining = request.num_scheduled_tokens - request.num_computed_tokens
         if remaining > budget and not self.enable_chunked_prefill:
             return 0
         return min(remaining, budget)
@@ -205,6 +234,8 @@ class Scheduler:
     def _schedule_swapped(self, plan: StepPlan, scheduled, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.swapped[0]
+            if request.num_pending_tokens:
+                break  # swapped out while its last step ran: resumes once its token is in
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             num_released = self._num_dead_pages(request.num_computed_tokens)  # as at swap-out
             if self.pages.allocate(request.request_id, (), request.num_computed_tokens + num_new,
@@ -225,9 +256,10 @@ class Scheduler:
         while (index < len(self.waiting) and (budget > 0 or self.batching.admits_whole_batch)
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[index]
-            if request.sampling.structured_outputs is not None and request.grammar is None:
-                index += 1  # its grammar is still compiling: the others go on without it
-                continue
+            if ((request.sampling.structured_outputs is not None and request.grammar is None)
+                    or request.num_pending_tokens):
+                index += 1  # its grammar is still compiling, or (preempted while its last
+                continue    # step ran) its token is not in yet: the others go on without it
             tokens = request.all_token_ids
             got = self._admit_pages(request, budget)
             if got is None:
@@ -274,7 +306,12 @@ class Scheduler:
 
     def _start_running(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING
+        request.batch_slot = self._free_batch_slots.pop()  # never empty: <= max_num_seqs run
         bisect.insort(self.running, request, key=Request.sort_key)
+
+    def _release_batch_slot(self, request: Request) -> None:
+        self._free_batch_slots.append(request.batch_slot)
+        request.batch_slot = 0
 
     def _pick_victim(self, exclude: set[str]) -> Request:
         # The request asking for a page is never in `exclude`, so this is never empty.
@@ -283,6 +320,7 @@ class Scheduler:
 
     def _preempt(self, victim: Request, plan: StepPlan) -> None:
         self.running.remove(victim)
+        self._release_batch_slot(victim)
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.processor_slots.release(victim.request_id)  # refilled from histories on resume
@@ -321,79 +359,3 @@ class Scheduler:
         drafts = plan.drafts.get(request.request_id)
         return build_chunk(request, num_new, self.pages.page_table(request.request_id),
                            self.processor_slots, drafts.token_ids if drafts else ())
-
-    # ---- results ---------------------------------------------------------------------
-    def update(self, plan: StepPlan, token_ids, logprobs, top_ids=None, top_logprobs=None,
-               prompt=None) -> list[TokenEvent]:
-        """Apply one step's sampled tokens (index i belongs to plan.chunks[i]).
-
-        token_ids[i] is one token, or (speculative steps) a row of tokens: the accepted drafts,
-        then the target's own next token, then -1 padding. logprobs[i] has the same shape.
-        top_ids[i] / top_logprobs[i] (plain steps): the most likely alternatives, best first.
-        prompt: (ids, logprobs) [T, 1 + K] per token row (the next prompt token's, then the
-        alternatives), when a chunk reports prompt logprobs."""
-        events, verified, next_row = [], [], 0  # next_row: the chunk's rows end there
-        for i, chunk in enumerate(plan.chunks):
-            next_row += chunk.num_tokens
-            request = self.requests.get(chunk.request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # finished (aborted) while the step ran
-            if chunk.prompt_logprob_next:
-                request.prompt_logprobs.extend(
-                    prompt_logprob_entries(chunk, next_row - chunk.num_tokens, prompt))
-            request.num_computed_tokens += chunk.num_tokens
-            if chunk.sampling is None:
-                self.pages.commit(request.request_id,
-                                  request.all_token_ids[:request.num_computed_tokens])
-                self._release_window(request)
-                continue
-            row, row_logprobs = np.atleast_1d(token_ids[i]), np.atleast_1d(logprobs[i])
-            num_emitted = int(np.count_nonzero(row >= 0))
-            new_tokens, new_logprobs, reason = [], [], None
-            for token, logprob in zip(row[:num_emitted].tolist(),
-                                      row_logprobs[:num_emitted].tolist()):
-                request.output_token_ids.append(token)
-                request.output_logprobs.append(logprob)
-                new_tokens.append(token)
-                new_logprobs.append(logprob)
-                reason = self._stop_reason(request, token)
-                if reason is not None:
-                    break  # a stop inside an accepted run: drop the tokens after it
-            if request.grammar is not None and not request.grammar.accept(new_tokens):
-                request.error = f"the grammar refused sampled tokens {new_tokens}"
-                reason = FinishReason.ERROR  # never expected: the step masked them
-            num_draft = plan.num_drafts_of(chunk.request_id)
-            if num_draft:
-                verified.append((num_draft, num_emitted - 1))
-                # Accepted drafts' KV is final; the rejected ones' slots are given back.
-                request.num_computed_tokens += len(new_tokens) - 1
-                self.pages.truncate(request.request_id, request.num_computed_tokens)
-            self.pages.commit(request.request_id,
-                              request.all_token_ids[:request.num_computed_tokens])
-            self._release_held(request.request_id)  # its prompt KV is final: share it
-            if reason is not None:
-                self._finish(request, reason)
-            else:
-                self._release_window(request)
-            top = ()
-            if new_tokens and chunk.sampling.top_logprobs:  # plain steps only
-                top = top_logprob_pairs(chunk, top_ids[i], top_logprobs[i])
-            events.append(TokenEvent(
-                request.request_id, tuple(new_tokens), tuple(new_logprobs), reason,
-                request.error if reason == FinishReason.ERROR else None, top))
-        if self.speculation is not None:
-            self.speculation.record_step(verified)
-        return events
-
-    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
-        sp = request.sampling
-        if not sp.ignore_eos and token in request.eos_token_ids:
-            return FinishReason.STOP
-        if token in sp.stop_token_ids:
-            return FinishReason.STOP
-        if len(request.output_token_ids) >= sp.max_tokens:
-            return FinishReason.LENGTH
-        if request.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
-

@@ -29,11 +29,14 @@ class ModelInputs:
     positions: np.ndarray       # [T] i32 (padding rows: 0)
     slot_mapping: np.ndarray    # [T] i32 flat page * page_size + offset (padding -> page 0)
     logits_indices: np.ndarray  # [R] i32 rows whose logits are needed
+    # [T] i32 async scheduling: a row > 0 reads its token from that batch slot's last sampled
+    # token (on the device) instead of token_ids; 0: token_ids holds it
+    token_slots: np.ndarray
 
     @classmethod
     def empty(cls, t: int, r: int) -> "ModelInputs":
         return cls(np.zeros(t, np.int32), np.zeros(t, np.int32), np.zeros(t, np.int32),
-                   np.zeros(r, np.int32))
+                   np.zeros(r, np.int32), np.zeros(t, np.int32))
 
 
 @dataclass
@@ -81,6 +84,8 @@ class SamplingInputs:
     grammar_bitmask: np.ndarray     # [S, W] i32
     has_grammar: np.ndarray         # [S] bool: the row's bitmask applies
     any_grammar: np.ndarray         # [] bool: False skips unpacking bitmasks
+    # [S] i32 the batch slot that keeps the row's sampled token for the next step (0: scratch)
+    sample_slots: np.ndarray
 
     @classmethod
     def empty(cls, s: int, t: int, w: int = 1) -> "SamplingInputs":
@@ -90,7 +95,8 @@ class SamplingInputs:
                    np.zeros(s, np.float32), np.ones(s, np.float32), np.zeros(s, np.bool_),
                    np.full((s, MAX_BANNED), -1, np.int32), np.zeros((), np.bool_),
                    np.zeros((), np.bool_), np.full(t, -1, np.int32), np.zeros((), np.bool_),
-                   np.full((s, w), -1, np.int32), np.zeros(s, np.bool_), np.zeros((), np.bool_))
+                   np.full((s, w), -1, np.int32), np.zeros(s, np.bool_), np.zeros((), np.bool_),
+                   np.zeros(s, np.int32))
 
 
 @dataclass

@@ -23,8 +23,9 @@ def build_chunk(request: Request, num_new: int, page_table: list[int],
     proposals verified after them (speculative steps), which its grammar masks too."""
     sp, start = request.sampling, request.num_computed_tokens
     end = start + num_new
+    known = request.num_tokens  # the rest, up to num_scheduled_tokens, is still on the device
     sampling = None
-    if end == request.num_tokens:
+    if end == known + request.num_pending_tokens:
         masks: list[bytes | None] = [None]
         if request.grammar is not None:  # the tokens its grammar allows next, and per draft
             from jaxserve.structured.matcher import fill_draft_rows
@@ -32,7 +33,8 @@ def build_chunk(request: Request, num_new: int, page_table: list[int],
             has = fill_draft_rows([(request.grammar, drafts, 0)], rows)
             masks = [row.tobytes() if ok else None for row, ok in zip(rows, has)]
         sampling = SamplingRow(sp.temperature, sp.top_k, sp.top_p, sp.min_p, request.seed,
-                               len(request.output_token_ids), sp.top_logprobs,
+                               len(request.output_token_ids) + request.num_pending_tokens,
+                               sp.top_logprobs,
                                processor_slots.row(request), masks[0], tuple(masks[1:]))
     k, first, nxt = 0, 0, ()
     if sp.prompt_logprobs is not None and request.sample_index == 0:
@@ -42,8 +44,19 @@ def build_chunk(request: Request, num_new: int, page_table: list[int],
         if p0 < p1:
             k, first = sp.prompt_logprobs, p0 - start
             nxt = tuple(request.prompt_token_ids[p0 + 1:p1 + 1])
-    return ScheduledChunk(request.request_id, tuple(request.all_token_ids[start:end]), start,
-                          tuple(page_table), sampling, k, first, nxt)
+    num_prompt = len(request.prompt_token_ids)
+    if end <= num_prompt:
+        tokens = tuple(request.prompt_token_ids[start:end])
+    elif start >= num_prompt:
+        tokens = tuple(request.output_token_ids[start - num_prompt:end - num_prompt])
+    else:
+        tokens = tuple(request.prompt_token_ids[start:]) + tuple(
+            request.output_token_ids[:end - num_prompt])
+    on_device = end > known
+    if on_device:  # a decode of the token the step in flight samples: a placeholder here
+        tokens = tokens + (0,) * (end - max(start, known))
+    return ScheduledChunk(request.request_id, tokens, start, tuple(page_table), sampling, k,
+                          first, nxt, request.batch_slot, on_device)
 
 
 def prompt_logprob_entries(chunk: ScheduledChunk, first_row: int,

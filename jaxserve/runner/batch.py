@@ -38,6 +38,8 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
             raise ValueError(f"request {chunk.request_id}: {len(table)} pages for "
                              f"{chunk.kv_len} tokens (page-table width {p})")
         m.token_ids[row:row + n] = chunk.token_ids
+        if chunk.token_on_device:  # its last token: the step before sampled it, on the device
+            m.token_slots[row + n - 1] = chunk.batch_slot
         m.positions[row:row + n] = pos
         m.slot_mapping[row:row + n] = table[pos // page_size] * page_size + pos % page_size
         m.logits_indices[i] = row + n - 1
@@ -49,6 +51,7 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
             sp.temperature[i], sp.top_k[i], sp.top_p[i], sp.min_p[i] = (
                 sr.temperature, sr.top_k, sr.top_p, sr.min_p)
             sp.seeds[i], sp.output_index[i] = sr.seed, sr.output_index
+            sp.sample_slots[i] = chunk.batch_slot
             any_top |= sr.top_logprobs > 0
             if sr.processors is not None:
                 _fill_processors(sp, i, sr.processors)

@@ -1,9 +1,11 @@
 """ModelRunner: owns every device array of a plain step (weights, KV pages, host swap copies,
-the logits processors' state).
+the logits processors' state, the batch slots' last tokens).
 
 It turns a StepPlan into StepInputs (runner/batch.py) and one call of its CompiledStep
 (forward -> logits processors -> grammar bitmasks -> sample, KV and processor state donated),
-and returns plain numpy results. Every (tokens, requests)
+and returns plain numpy results: execute(plan) at once, or dispatch(plan) now and collect() its
+results later (async scheduling: the device runs it while the host plans the next step; a row
+whose token is still on the device reads it from BatchTokens). Every (tokens, requests)
 bucket is compiled ahead of time; a shape outside the table raises instead of compiling. It
 never decides what runs: that is the scheduler's job. runner/protocol.py declares what every
 runner (plain, speculative, multi-host leader / follower) offers the engine.
@@ -11,9 +13,11 @@ runner (plain, speculative, multi-host leader / follower) offers the engine.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
+from contextlib import nullcontext
 
 import jax
 import jax.numpy as jnp
@@ -21,9 +25,12 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.model import device_select
+from jaxserve.model.attention import resolve_attention_impl
 from jaxserve.model.config import ModelConfig
 from jaxserve.plan import StepPlan
+from jaxserve.runner import batch_tokens
 from jaxserve.runner.batch import build_step_inputs
+from jaxserve.runner.batch_tokens import BatchTokens
 from jaxserve.runner.buckets import BucketTable
 from jaxserve.runner.compiled_step import CompiledStep
 from jaxserve.runner import logits_processors
@@ -85,21 +92,32 @@ def unpack(packed: np.ndarray, num_chunks: int, with_top: bool = False) -> StepR
 
 def plain_step(graphdef, attention, state, kv, inputs: StepInputs):
     """forward -> logits processors -> sample (+ top-k logprobs, + prompt logprobs). kv: (KV
-    pages, processor state). Returns ((packed [2, S, 1 + K] i32, prompt [2, T, 1 + K] i32),
-    kv); the prompt part is fetched only by steps that asked for it."""
-    kv_pages, processors = kv
+    pages, processor state, batch tokens). Returns ((packed [2, S, 1 + K] i32, prompt
+    [2, T, 1 + K] i32), kv); the prompt part is fetched only by steps that asked for it."""
+    kv_pages, processors, last_tokens = kv
     model = nnx.merge(graphdef, state)
-    logits, kv_pages, hidden = model(inputs.model, inputs.attention, kv_pages, attention,
+    rows = dataclasses.replace(inputs.model, token_ids=batch_tokens.feed(
+        inputs.model.token_ids, inputs.model.token_slots, last_tokens))
+    logits, kv_pages, hidden = model(rows, inputs.attention, kv_pages, attention,
                                      return_hidden=True)
     sp = inputs.sampling
     logits = logits_processors.apply_if_any(logits, sp, processors)
     logits = maybe_apply_bitmask(logits, sp.grammar_bitmask, sp.has_grammar, sp.any_grammar)
     tokens, logprobs = sample(logits, sp)
     processors = logits_processors.record_if_any(processors, sp, tokens)
+    last_tokens = batch_tokens.record(last_tokens, sp.sample_slots, tokens)
     packed = pack(tokens, logprobs, top_logprobs(logits, sp))
     prompt_ids, prompt_lps = prompt_logprobs(model, hidden, sp)
     prompt = jnp.stack([prompt_ids, jax.lax.bitcast_convert_type(prompt_lps, jnp.int32)])
-    return (packed, prompt), (kv_pages, processors)
+    return (packed, prompt), (kv_pages, processors, last_tokens)
+
+
+@dataclasses.dataclass
+class PendingStep:
+    """A dispatched plain step whose results the host has not read yet."""
+    num_chunks: int
+    packed: object = None   # device array; None: the plan had no rows
+    prompt: object = None   # device array, when the step reports prompt logprobs
 
 
 class ModelRunner:
@@ -116,7 +134,7 @@ class ModelRunner:
         self.model_config = model_config
         self.dtype = resolve_dtype(dtype, backend)
         self.layer_loop = resolve_layer_loop(layer_loop, backend)
-        self.attention_impl = attention_impl
+        self.attention_impl = resolve_attention_impl(attention_impl, backend, dtype)
         self.page_size = page_size
         self.num_pages = num_pages
         self.mesh = mesh
@@ -127,12 +145,15 @@ class ModelRunner:
         self.cache = self.new_cache(self.placement)
         self.processors = ProcessorState(max_num_seqs + 1, model_config.vocab_size,
                                          self.placement.replicated)
-        self.attention = self.placement.attention(attention_impl, page_size)
+        self.last_tokens = BatchTokens(max_num_seqs + 1, self.placement.replicated)
+        self.timings = None  # a StepTimings (the engine's), or None
+        self.attention = self.placement.attention(self.attention_impl, page_size)
         step = functools.partial(plain_step, self.graphdef, self.attention)
         p = self.buckets.max_pages_per_request
         self.mask_words = -(-model_config.vocab_size // 32)  # grammar bitmask words per row
         self._unused_bitmasks: dict[tuple[int, int], jax.Array] = {}
-        self.step = CompiledStep("step", step, state, (self.cache, self.processors),
+        self.step = CompiledStep("step", step, state,
+                                 (self.cache, self.processors, self.last_tokens),
                                  self.buckets,
                                  lambda shape: StepInputs.empty(*shape, p, self.mask_words),
                                  **self.placement.jit_shardings(processor_state=True))
@@ -169,23 +190,42 @@ class ModelRunner:
         self.processors.warmup()
 
     def wait(self) -> None:
-        jax.block_until_ready((self.state, self.kv, self.processors.arrays))
+        jax.block_until_ready((self.state, self.kv, self.processors.arrays,
+                               self.last_tokens.arrays))
 
     def close(self) -> None:
         pass
 
+    def _phase(self, name: str):
+        return nullcontext() if self.timings is None else self.timings.phase(name)
+
     def execute(self, plan: StepPlan) -> StepResult:
-        self.cache.apply_swaps(plan)
-        self.processors.apply_inits(plan)
-        if not plan.chunks:
+        return self.collect(self.dispatch(plan))
+
+    def dispatch(self, plan: StepPlan) -> PendingStep:
+        """Start the plan's step (swaps, processor fills, then the step) and return at once."""
+        with self._phase("build"):
+            self.cache.apply_swaps(plan)
+            self.processors.apply_inits(plan)
+            if not plan.chunks:
+                return PendingStep(0)
+            inputs = build_step_inputs(plan, self.buckets, self.page_size,
+                                       mask_words=self.mask_words)
+            if not inputs.sampling.any_grammar:  # no upload of an unused [S, W] bitmask
+                inputs.sampling.grammar_bitmask = self._unused_bitmasks[inputs.shape]
+        with self._phase("dispatch"):
+            packed, prompt = self.step.run(inputs)
+        return PendingStep(len(plan.chunks), packed,
+                           prompt if inputs.sampling.any_prompt_logprobs else None)
+
+    def collect(self, pending: PendingStep) -> StepResult:
+        """The dispatched step's results on the host (blocks until the device has them)."""
+        if pending.packed is None:
             return StepResult(np.zeros(0, np.int32), np.zeros(0, np.float32))
-        inputs = build_step_inputs(plan, self.buckets, self.page_size,
-                                   mask_words=self.mask_words)
-        if not inputs.sampling.any_grammar:  # no upload of an unused [S, W] bitmask
-            inputs.sampling.grammar_bitmask = self._unused_bitmasks[inputs.shape]
-        packed, prompt = self.step.run(inputs)
-        result = unpack(np.asarray(packed), len(plan.chunks), with_top=True)
-        if inputs.sampling.any_prompt_logprobs:
-            prompt = np.asarray(prompt)
+        with self._phase("wait"):
+            packed = np.asarray(pending.packed)
+            prompt = None if pending.prompt is None else np.asarray(pending.prompt)
+        result = unpack(packed, pending.num_chunks, with_top=True)
+        if prompt is not None:
             result.prompt_ids, result.prompt_logprobs = prompt[0], prompt[1].view(np.float32)
         return result

@@ -104,7 +104,7 @@ def propose(model, attention, kv, d: DraftInputs, sampling: SamplingInputs,
         pos = jnp.where(active, last_position + j, 0)
         page = page_table[rows, jnp.clip(pos // page_size, 0, page_table.shape[1] - 1)]
         inputs = ModelInputs(tokens, pos, jnp.where(active, page * page_size + pos % page_size, 0),
-                             rows)
+                             rows, jnp.zeros_like(rows))
         metadata = AttentionMetadata(jnp.arange(num_seqs + 1, dtype=jnp.int32),
                                      jnp.where(active, pos + 1, 0), page_table,
                                      jnp.int32(num_seqs), jnp.int32(num_seqs))  # all decodes

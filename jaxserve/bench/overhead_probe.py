@@ -1,0 +1,134 @@
+"""One `jaxserve bench overhead` measurement: the engine's host time per decode step.
+
+Run as a script in a fresh process (`python overhead_probe.py N STEPS`), from a copy outside
+any checkout, with PYTHONPATH set to the checkout it measures: `bench overhead --baseline
+COMMIT` runs it inside an old commit's worktree too, so it uses only the API every commit since
+5792bce has: LLM / EngineConfig settings, LoadedModel, random_params, Engine.add_request /
+step / has_unfinished, runner.step.run. It prints one JSON line; it never compares.
+
+The model is a tiny random Llama (4 layers, hidden 64, vocabulary 256, the default model's
+tokenizer so that detokenizing costs what it costs users), so the device's share of a step is
+small and the host's work shows. N requests of 8 prompt tokens are all prefilled, then
+STEPS decode steps of all N are timed (greedy, ignore_eos). Reported per step:
+
+* wall_ms: wall time per decode step; tokens_per_s = N / wall.
+* host_ms: the host's share. Where the engine keeps its own phase timings (engine.timings:
+  schedule / build / dispatch / wait / update / emit), it is their sum less `wait`. An engine
+  without them runs strictly serially, so host = wall - wait, where wait is measured by
+  blocking on each step's output right after dispatch (what its np.asarray did anyway).
+* device_ms: the step's executable alone on the same inputs, back to back (the device's busy
+  time per step), and device_busy = device_ms / wall_ms.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+            num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+            tie_word_embeddings=False, max_position_embeddings=512, bos_token_id=1,
+            eos_token_ids=(2,), name="tiny-overhead")
+PROMPT_LEN = 8
+
+
+def build_llm(n: int, steps: int, tokenizer):
+    from jaxserve.llm import LLM
+    from jaxserve.model.config import ModelConfig
+    from jaxserve.model.llama import random_params
+    from jaxserve.model.weights import LoadedModel
+
+    config = ModelConfig(**TINY)
+    loaded = LoadedModel(config, random_params(config, seed=0, scale=0.08), tokenizer, "random")
+    prefill = max(64, PROMPT_LEN * n)
+    max_len = PROMPT_LEN + steps + 16
+    pages_each = -(-max_len // 16)
+    return LLM("tiny", loaded=loaded, progress=False, max_num_seqs=n,
+               max_num_batched_tokens=prefill, token_buckets=tuple(sorted({n, prefill})),
+               seq_buckets=(n,), max_model_len=max_len, num_pages=n * pages_each + 2,
+               enable_prefix_caching=False)
+
+
+def _wrap_serial_wait(step, waits: list[float]):
+    """An engine without phase timings: time the wait for each step's output after dispatch."""
+    import jax
+
+    run = step.run
+
+    def timed_run(inputs):
+        out = run(inputs)
+        start = time.perf_counter()
+        jax.block_until_ready(out[0] if isinstance(out, tuple) else out)
+        waits.append(time.perf_counter() - start)
+        return out
+    step.run = timed_run
+
+
+def _device_ms(step, inputs, repeats: int = 20) -> float:
+    """The executable alone on one decode step's inputs, back to back (median ms)."""
+    import jax
+
+    times = []
+    for _ in range(repeats + 2):
+        start = time.perf_counter()
+        out = step.run(inputs)
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times[2:])
+
+
+def measure(n: int, steps: int) -> dict:
+    import jaxserve
+    from jaxserve.model.loader import load_model
+    from jaxserve.request import SamplingParams
+
+    tokenizer = load_model("default", progress=False).tokenizer
+    llm = build_llm(n, steps, tokenizer)
+    engine = llm.engine
+    step = engine.runner.step
+    captured = []
+    run = step.run
+    step.run = lambda inputs: (captured.append(inputs), run(inputs))[1]
+    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request([3 + (7 * i + j) % 250 for j in range(PROMPT_LEN)], params)
+           for i in range(n)]
+    waiting = set(ids)
+    while waiting:  # prefill: until every request has its first token
+        waiting -= {o.request_id for o in engine.step() if o.new_token_ids}
+    timings = getattr(engine, "timings", None)
+    waits: list[float] = []
+    if timings is None:
+        step.run = lambda inputs: (captured.append(inputs), run(inputs))[1]
+        _wrap_serial_wait(step, waits)
+    else:
+        timings.reset()
+    num_tokens = 0
+    start = time.perf_counter()
+    for _ in range(steps):
+        num_tokens += sum(len(o.new_token_ids) for o in engine.step())
+    wall = time.perf_counter() - start
+    result = {"n": n, "steps": steps, "wall_ms": 1000 * wall / steps,
+              "tokens_per_s": num_tokens / wall, "jaxserve_path": jaxserve.__file__}
+    if timings is not None:
+        phases = timings.per_step_ms(steps)
+        result["phases_ms"] = phases
+        result["host_ms"] = sum(v for k, v in phases.items() if k != "wait")
+    else:
+        result["phases_ms"] = {"wait": 1000 * sum(waits) / steps}
+        result["host_ms"] = result["wall_ms"] - result["phases_ms"]["wait"]
+    while engine.has_unfinished():
+        engine.step()
+    step.run = run
+    if hasattr(engine, "timings"):
+        engine.drain() if hasattr(engine, "drain") else None
+    decode_inputs = [x for x in captured if x.shape == (n, n)][-1]
+    result["device_ms"] = _device_ms(step, decode_inputs)
+    result["device_busy"] = min(1.0, result["device_ms"] / result["wall_ms"])
+    llm.close()
+    return result
+
+
+if __name__ == "__main__":
+    print(json.dumps(measure(int(sys.argv[1]), int(sys.argv[2]))))

@@ -1,0 +1,100 @@
+"""The scheduler's half that takes a step's results in: sampled tokens -> TokenEvents.
+
+A mixin of Scheduler (scheduler.py), kept apart so each file stays one job: schedule() plans
+and counts a chunk's tokens as computed at once; update() here confirms them when the step's
+tokens reach the host, which under async scheduling is one step later. Then a request may have
+been preempted (its token is still taken: recompute re-reads it, a swap copied the KV that
+holds it), or finished meanwhile (its token is dropped, with its KV slot: the pages went back
+when it finished). Only KV written by steps whose results are in is ever committed to the
+prefix cache. Plain Python: no jax, no device arrays, no text.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxserve.plan import StepPlan
+from jaxserve.request import FinishReason, Request, RequestStatus, TokenEvent
+from jaxserve.step_rows import prompt_logprob_entries, top_logprob_pairs
+
+
+class SchedulerResults:
+    def update(self, plan: StepPlan, token_ids, logprobs, top_ids=None, top_logprobs=None,
+               prompt=None) -> list[TokenEvent]:
+        """Apply one step's sampled tokens (index i belongs to plan.chunks[i]).
+
+        token_ids[i] is one token, or (speculative steps) a row of tokens: the accepted drafts,
+        then the target's own next token, then -1 padding. logprobs[i] has the same shape.
+        top_ids[i] / top_logprobs[i] (plain steps): the most likely alternatives, best first.
+        prompt: (ids, logprobs) [T, 1 + K] per token row (the next prompt token's, then the
+        alternatives), when a chunk reports prompt logprobs."""
+        events, verified, next_row = [], [], 0  # next_row: the chunk's rows end there
+        for i, chunk in enumerate(plan.chunks):
+            next_row += chunk.num_tokens
+            request = self.requests.get(chunk.request_id)
+            if request is None:
+                continue  # finished (aborted, stopped) while the step ran: drop its tokens
+            running = request.status == RequestStatus.RUNNING
+            if chunk.prompt_logprob_next:
+                request.prompt_logprobs.extend(
+                    prompt_logprob_entries(chunk, next_row - chunk.num_tokens, prompt))
+            if chunk.sampling is None:
+                if running:
+                    self._commit(request, chunk.kv_len)
+                continue
+            request.num_pending_tokens -= 1
+            row, row_logprobs = np.atleast_1d(token_ids[i]), np.atleast_1d(logprobs[i])
+            num_emitted = int(np.count_nonzero(row >= 0))
+            new_tokens, new_logprobs, reason = [], [], None
+            for token, logprob in zip(row[:num_emitted].tolist(),
+                                      row_logprobs[:num_emitted].tolist()):
+                request.output_token_ids.append(token)
+                request.output_logprobs.append(logprob)
+                new_tokens.append(token)
+                new_logprobs.append(logprob)
+                reason = self._stop_reason(request, token)
+                if reason is not None:
+                    break  # a stop inside an accepted run: drop the tokens after it
+            if request.grammar is not None and not request.grammar.accept(new_tokens):
+                request.error = f"the grammar refused sampled tokens {new_tokens}"
+                reason = FinishReason.ERROR  # never expected: the step masked them
+            kv_len = chunk.kv_len
+            num_draft = plan.num_drafts_of(chunk.request_id)
+            if num_draft:  # speculative steps run synchronously: the request is running
+                verified.append((num_draft, num_emitted - 1))
+                # Accepted drafts' KV is final; the rejected ones' slots are given back.
+                request.num_computed_tokens += len(new_tokens) - 1
+                kv_len += len(new_tokens) - 1
+                self.pages.truncate(request.request_id, request.num_computed_tokens)
+            if running:
+                self._commit(request, kv_len)
+            self._release_held(request.request_id)  # its prompt KV is final: share it
+            if reason is not None:
+                self._finish(request, reason)
+            top = ()
+            if new_tokens and chunk.sampling.top_logprobs:  # plain steps only
+                top = top_logprob_pairs(chunk, top_ids[i], top_logprobs[i])
+            events.append(TokenEvent(
+                request.request_id, tuple(new_tokens), tuple(new_logprobs), reason,
+                request.error if reason == FinishReason.ERROR else None, top))
+        if self.speculation is not None:
+            self.speculation.record_step(verified)
+        return events
+
+    def _commit(self, request: Request, kv_len: int) -> None:
+        """KV of positions < kv_len is written (its step's results are in): cache full pages,
+        and give back those wholly out of the window."""
+        self.pages.commit(request.request_id, request.all_token_ids[:kv_len])
+        self._release_window(request)
+
+    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
+        sp = request.sampling
+        if not sp.ignore_eos and token in request.eos_token_ids:
+            return FinishReason.STOP
+        if token in sp.stop_token_ids:
+            return FinishReason.STOP
+        if len(request.output_token_ids) >= sp.max_tokens:
+            return FinishReason.LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
