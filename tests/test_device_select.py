@@ -12,7 +12,8 @@ import pytest
 
 from conftest import make_llm
 from jaxserve.model.attention import AttentionShape, get_attention, resolve_attention_impl
-from jaxserve.model.device_select import DeviceDescription, log_choice, select
+from jaxserve.model import device_select
+from jaxserve.model.device_select import DeviceDescription, select
 from jaxserve.runner.model_runner import resolve_dtype
 
 # (platform, device_kind, compute_capability) as jax.devices()[0] reports them
@@ -79,6 +80,13 @@ def test_explicit_pallas_where_the_kernel_runs_is_kept(name):
     assert select(attention_impl="pallas", device=DEVICES[name]).attention_impl == "pallas"
 
 
+def test_float32_on_a_hopper_gpu_runs_the_reference_the_kernel_takes_16_bit_only():
+    chosen = select(dtype="float32", device=DEVICES["H100"])
+    assert chosen.attention_impl == "reference", chosen.describe()
+    with pytest.raises(ValueError, match=r"attention_impl='pallas' can't run on .*float32"):
+        select(attention_impl="pallas", dtype="float32", device=DEVICES["H100"])
+
+
 def test_explicit_bfloat16_on_a_t4_is_a_value_error_naming_dtype():
     with pytest.raises(ValueError, match=r"dtype='bfloat16' can't run natively on Tesla T4"):
         select(dtype="bfloat16", device=DEVICES["T4"])
@@ -110,14 +118,16 @@ def test_description_reads_jax_device_attributes():
     assert str(DEVICES["T4"]) == "Tesla T4 (gpu, sm_75)"
 
 
-def test_this_cpu_resolves_to_reference_and_float32_and_logs_why(caplog):
-    log_choice.cache_clear()  # each choice is logged once per process
+def test_this_cpu_resolves_to_reference_and_float32_and_logs_why_once(caplog):
+    device_select._logged.clear()  # each choice is logged once per process
     with caplog.at_level(logging.INFO, logger="jaxserve.model.device_select"):
         assert resolve_attention_impl("auto", "cpu") == "reference"
         assert resolve_dtype("auto", "cpu") is jnp.float32
-    text = caplog.text
-    assert "attention_impl=reference on cpu (cpu)" in text, text
-    assert "dtype=float32 on cpu (cpu)" in text, text
+        assert resolve_attention_impl("reference", "cpu") == "reference"  # re-resolved
+    lines = caplog.text.splitlines()
+    assert sum("attention_impl=reference on cpu (cpu)" in line for line in lines) == 1, lines
+    assert sum("dtype=float32 on cpu (cpu)" in line for line in lines) == 1, lines
+    assert "chosen explicitly" not in caplog.text, "the runner's own choice is logged as auto's"
 
 
 def test_explicit_pallas_on_this_cpu_fails_before_any_kernel_is_built():

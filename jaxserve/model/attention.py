@@ -47,11 +47,12 @@ class AttentionShape:
     sliding_windows: tuple = (None,)  # distinct windows the model's layers use
 
 
-def resolve_attention_impl(impl: str, backend: str | None = None) -> str:
+def resolve_attention_impl(impl: str, backend: str | None = None, dtype: str = "auto") -> str:
     """"auto" -> the implementation for the first device of `backend` (default: JAX's default
-    backend), logged once with the reason; an explicit one it can't run is a ValueError."""
+    backend) in `dtype`, logged once with the reason; an explicit one it can't run is a
+    ValueError naming attention_impl."""
     device = device_select.DeviceDescription.current(backend)
-    chosen = device_select.select(attention_impl=impl, device=device)
+    chosen = device_select.select(attention_impl=impl, dtype=dtype, device=device)
     device_select.log_choice("attention_impl", chosen.attention_impl, chosen.attention_reason,
                              device)
     return chosen.attention_impl

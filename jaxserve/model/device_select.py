@@ -20,7 +20,6 @@ ours is written for it. Pre-Hopper GPUs and Blackwell therefore take the XLA ref
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass
 
@@ -83,8 +82,8 @@ class Selection:
                 f"\ndtype: {self.dtype} ({self.dtype_reason})")
 
 
-def _kernel(device: DeviceDescription) -> tuple[bool, str]:
-    """(can the compiled Pallas kernel run here, why)."""
+def _kernel(device: DeviceDescription, dtype: str) -> tuple[bool, str]:
+    """(can the compiled Pallas kernel run here in `dtype`, why)."""
     sm = device.sm
     if device.platform == "tpu":
         return True, "the Pallas TPU (Mosaic) kernels"
@@ -92,6 +91,9 @@ def _kernel(device: DeviceDescription) -> tuple[bool, str]:
         return False, "the compiled Pallas kernels need a TPU or a Hopper GPU"
     if sm is None:
         return False, "Mosaic GPU compiles only for NVIDIA GPUs"
+    if sm[0] == 9 and dtype == "float32":
+        return False, ("the Mosaic GPU kernel takes bfloat16 or float16 (tf32 WGMMA can't take "
+                       "the transposed K of Q·Kᵀ), not float32")
     if sm[0] == 9:
         return True, "Hopper: the Mosaic GPU kernel (WGMMA, TMA)"
     if sm[0] >= 10:
@@ -134,7 +136,14 @@ def select(attention_impl: str = "auto", dtype: str = "auto",
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     device = device or DeviceDescription.current()
-    kernel_runs, kernel_reason = _kernel(device)
+    if dtype == "auto":
+        dtype_name, dtype_reason = _default_dtype(device)
+    else:
+        refusal = _dtype_refusal(dtype, device)
+        if refusal:
+            raise ValueError(f"dtype={dtype!r} can't run natively on {device}: {refusal}")
+        dtype_name, dtype_reason = dtype, "chosen explicitly"
+    kernel_runs, kernel_reason = _kernel(device, dtype_name)
     if attention_impl == "auto":
         impl = "pallas" if kernel_runs else "reference"
         impl_reason = kernel_reason
@@ -143,17 +152,15 @@ def select(attention_impl: str = "auto", dtype: str = "auto",
                          "use 'auto' or 'reference' ('pallas-interpret' to debug the kernel)")
     else:
         impl, impl_reason = attention_impl, "chosen explicitly"
-    if dtype == "auto":
-        dtype_name, dtype_reason = _default_dtype(device)
-    else:
-        refusal = _dtype_refusal(dtype, device)
-        if refusal:
-            raise ValueError(f"dtype={dtype!r} can't run natively on {device}: {refusal}")
-        dtype_name, dtype_reason = dtype, "chosen explicitly"
     return Selection(device, impl, impl_reason, dtype_name, dtype_reason)
 
 
-@functools.lru_cache(maxsize=64)
+_logged: set[tuple[str, str, DeviceDescription]] = set()  # (field, value, device) logged
+
+
 def log_choice(field: str, value: str, reason: str, device: DeviceDescription) -> None:
-    """Log one start-up choice once per process (runners and drafts resolve the same fields)."""
-    log.info("%s=%s on %s: %s", field, value, device, reason)
+    """Log a start-up choice once per process: the runner resolves "auto", then drafts and the
+    attention factory resolve the value it chose again, which must not log "chosen explicitly"."""
+    if (field, value, device) not in _logged:
+        _logged.add((field, value, device))
+        log.info("%s=%s on %s: %s", field, value, device, reason)
