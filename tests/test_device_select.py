@@ -4,7 +4,9 @@ engine entry points (resolve_attention_impl, resolve_dtype) on this CPU."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+from pathlib import Path
 from types import SimpleNamespace
 
 import jax.numpy as jnp
@@ -142,3 +144,15 @@ def test_an_engine_with_a_choice_this_cpu_cannot_run_fails_with_the_field_named(
     field = next(iter(setting))
     with pytest.raises(ValueError, match=field):
         make_llm(**setting)
+
+
+@pytest.mark.parametrize("name,paths", [("T4", ["reference"]), ("A100", ["reference"]),
+                                        ("H100", ["reference", "pallas"])])
+def test_gpu_check_times_every_path_the_selection_allows(name, paths):
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", script)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    chosen = select(device=DEVICES[name])
+    got = list(gpu_check.kernel_paths(chosen, on_gpu=True, interpret=False, sm_scale=0.1))
+    assert got == paths, f"{name}: gpu_check would run {got}"
