@@ -4,8 +4,8 @@ device kind and compute capability as JAX reports them.
 `select(attention_impl, dtype, device)` resolves "auto" for both fields from a
 DeviceDescription and checks an explicit choice against it, returning each answer with the
 reason, for the start-up log. An explicit choice the device can't run (the compiled Pallas
-kernel off Hopper, bfloat16 on a GPU without bfloat16 tensor cores) is a ValueError naming the
-field here, before anything reaches a compiler.
+kernel off Hopper / TPU or in float32 on a GPU, bfloat16 on a GPU without bfloat16 tensor
+cores) is a ValueError naming the field here, before anything reaches a compiler.
 
 This module must not import the kernels, compile anything or touch device arrays: a mocked
 DeviceDescription must get exactly the answer the real device gets (the tests rely on it).
