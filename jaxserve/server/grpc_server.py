@@ -130,7 +130,9 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
                         await context.write(response)
             except Exception as exc:
                 error = status_for_exception(exc, validating=not started)
-        if error is not None:
+        # Not done: a deadline that passed in the engine passed here too, and grpc may have
+        # ended the call already (a status sent then would fail, loudly).
+        if error is not None and not context.done():
             await context.abort(*error)
 
     @staticmethod
