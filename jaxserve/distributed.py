@@ -48,8 +48,10 @@ def add_distributed_flags(parser: argparse.ArgumentParser) -> None:
                             "SLURM); off unless the three flags below are given")
     group.add_argument("--coordinator-address", default=None,
                        help="host:port of process 0's JAX coordinator")
-    group.add_argument("--num-processes", type=int, default=None)
-    group.add_argument("--process-id", type=int, default=None)
+    group.add_argument("--num-processes", type=int, default=None,
+                       help="JAX processes in the cluster, one per host")
+    group.add_argument("--process-id", type=int, default=None,
+                       help="this process's index in [0, --num-processes); 0 schedules")
 
 
 def settings_from_args(args: argparse.Namespace) -> ClusterSettings:

@@ -50,6 +50,8 @@ def engine_flags(settings: dict) -> list[str]:
     flags = []
     for name, value in settings.items():
         values = value if isinstance(value, tuple) else (value,)
+        if name in ("swap_space", "kv_cache_memory"):  # bytes: a plain number is vLLM's unit
+            values = (f"{value}B",)
         flags += ["--" + name.replace("_", "-"), *(str(v) for v in values)]
     return flags
 

@@ -85,7 +85,8 @@ def test_cli_generate_offline_says_paris():
     # --layer-loop scan only to compile faster in CI; the tokens do not depend on it.
     out = subprocess.run(
         [sys.executable, "-m", "jaxserve.cli", "generate", "--offline", "--quiet",
-         "--layer-loop", "scan", "--max-tokens", "8", "The capital of France is"],
+         "--layer-loop", "scan", "--max-tokens", "8", "--temperature", "0",
+         "The capital of France is"],
         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith(" Paris"), repr(out.stdout)

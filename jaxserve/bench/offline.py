@@ -22,10 +22,14 @@ from jaxserve.request import SamplingParams
 
 def add_offline_flags(parser) -> None:
     parser.add_argument("--workload", default="anyscale",
-                        choices=["random", "anyscale", "shared-prefix", "repeat"])
-    parser.add_argument("--num-requests", type=int, default=200)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
+                        choices=["random", "anyscale", "shared-prefix", "repeat"],
+                        help="which requests (jaxserve/bench/workloads.py); default: anyscale")
+    parser.add_argument("--num-requests", type=int, default=200,
+                        help="requests in the workload; default: 200")
+    parser.add_argument("--input-len", type=int, default=128,
+                        help="prompt tokens (random, shared-prefix); default: 128")
+    parser.add_argument("--output-len", type=int, default=128,
+                        help="max_tokens per request; default: 128")
     parser.add_argument("--compare-batching", action="store_true",
                         help="run static and continuous batching on the same requests")
     parser.add_argument("--compare-speculative", action="store_true",
@@ -33,7 +37,7 @@ def add_offline_flags(parser) -> None:
                              "requests, alternating for --rounds rounds")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of --compare-speculative")
     parser.add_argument("--json", dest="json_path", default=None, help="write results here")
-    parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
 def run_workload(engine, requests, ignore_eos: bool = True) -> dict:

@@ -44,10 +44,12 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
                         help="OpenAI HTTP API server (--backend openai, openai-chat)")
     parser.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
                         help="HTTP API key (default: $JAXSERVE_API_KEY)")
-    parser.add_argument("--dataset", default="chat", choices=DATASETS)
+    parser.add_argument("--dataset", default="chat", choices=DATASETS,
+                        help="the prompts (jaxserve/bench/datasets.py); default: chat")
     parser.add_argument("--dataset-path", default=None,
                         help="chat prompts JSONL (default: the bundled set)")
-    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--num-prompts", type=int, default=64,
+                        help="requests sent; default: 64")
     parser.add_argument("--input-len", type=int, default=128,
                         help="random: prompt tokens; shared-prefix: prefix 4x, suffix 1/8")
     parser.add_argument("--output-len", type=int, default=None,
@@ -59,8 +61,10 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
                         help="mean requests/s; inf sends every request at t=0")
     parser.add_argument("--burstiness", type=float, default=1.0,
                         help="Gamma shape of the gaps: 1 Poisson, <1 burstier, >1 smoother")
-    parser.add_argument("--max-concurrency", type=int, default=None)
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--max-concurrency", type=int, default=None,
+                        help="most requests in flight at once; default: no limit")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature of every request; default: 0 (greedy)")
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                         help="generate exactly max_tokens (default) or stop at EOS")
     parser.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
@@ -68,9 +72,10 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=None, help="per-request deadline, s")
     parser.add_argument("--wait-ready", type=float, default=0.0, metavar="S",
                         help="wait up to S seconds for the server's health to be SERVING")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the prompts and arrival times; default: 0")
     parser.add_argument("--json", dest="json_path", default=None, help="write results here")
-    parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def parse_goodput(items: list[str] | None) -> dict[str, float]:

@@ -14,7 +14,9 @@ CompiledSteps; neither decides what runs.
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Callable
 
@@ -23,6 +25,8 @@ from tqdm.auto import tqdm
 
 from jaxserve.runner.buckets import BucketTable
 from jaxserve.runner.kv_cache import DeviceKV
+
+log = logging.getLogger(__name__)
 
 
 class CompiledStep:
@@ -51,22 +55,33 @@ class CompiledStep:
     def warmup(self, progress: bool = True) -> None:
         """Compile every bucket ahead of time, then run each once (a first run can allocate).
 
-        Tracing is serial (Python); XLA compiles run on a small thread pool, since the
-        compiler releases the GIL and start-up time is mostly compile time."""
-        shapes = self.buckets.shapes()
-        inputs = {shape: self.empty_inputs(shape) for shape in shapes}
-        lowered = {shape: self._jitted.lower(self.state, self.kv, x) for shape, x in inputs.items()}
+        Tracing is serial (Python); each bucket's XLA compile starts on a small thread pool as
+        soon as it is traced (the compiler releases the GIL, and start-up is mostly compile
+        time), largest bucket first: it takes longest, so the pool finishes together."""
+        shapes = sorted(self.buckets.shapes(), reverse=True)
         workers = max(1, min(len(shapes), os.cpu_count() or 1, 4))
+        inputs, futures = {}, {}
+        start = time.perf_counter()
         with ThreadPoolExecutor(workers) as pool, tqdm(
                 total=len(shapes), desc=f"compiling {self.name} buckets",
                 disable=not progress) as bar:
-            futures = {pool.submit(low.compile): shape for shape, low in lowered.items()}
+            for shape in shapes:
+                inputs[shape] = self.empty_inputs(shape)
+                lowered = self._jitted.lower(self.state, self.kv, inputs[shape])
+                futures[pool.submit(lowered.compile)] = shape
+            traced = time.perf_counter() - start
             for future in as_completed(futures):
                 self._executables[futures[future]] = future.result()
                 bar.set_postfix_str("T={} S={}".format(*futures[future]))
                 bar.update(1)
+        compiled = time.perf_counter() - start
         for x in inputs.values():
             self.run(x)
+        jax.block_until_ready(self.kv)
+        log.info("%s step: %d buckets (T, S) %s traced in %.1f s, traced + compiled in %.1f s "
+                 "(%d compile threads), warm-up runs %.1f s", self.name, len(shapes),
+                 sorted(shapes), traced, compiled, workers,
+                 time.perf_counter() - start - compiled)
 
     def input_shardings(self, shape: tuple[int, int]):
         """The inputs pytree's shardings the bucket's executable was compiled for (under a
