@@ -71,7 +71,7 @@ class Engine:
         self._in_flight = None  # (plan, the runner's pending step) dispatched, not yet read
         self.num_overlapped_steps = 0  # steps dispatched before their predecessor was read
         self._publish_stats()
-        self.metrics = EngineMetrics(lambda: self.stats)
+        self.metrics = EngineMetrics(lambda: self.stats, self.info)
 
     def close(self) -> None:
         """Release the runner (multi-host: stop the followers). Idempotent."""

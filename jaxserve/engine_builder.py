@@ -61,11 +61,15 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
     from jaxserve.runner.buckets import powers_of_two
     from jaxserve.runner.model_runner import ModelRunner, resolve_dtype
     from jaxserve.spec.setup import Speculation
+    from jaxserve.model.loader import quantize
+    from jaxserve.model.quant import report
 
     config = config.validate()
     mesh = make_mesh(config.tensor_parallel_size)  # None: one device, unsharded
     if loaded is None:  # a checkpoint is restored straight into the mesh's shardings
-        loaded = tensor_parallel.load_model(config.model, mesh, progress=progress)
+        loaded = tensor_parallel.load_model(config.model, mesh, progress=progress,
+                                            quantization=config.quantization)
+    loaded = quantize(loaded, config.quantization)  # a float LoadedModel given by the caller
     mc = loaded.config
     max_model_len = config.max_model_len or min(mc.max_position_embeddings, 2048)
     if mc.max_exact_len is not None and config.max_model_len is None:
@@ -103,6 +107,9 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
     # Several JAX processes: process 0 broadcasts each plan, the others follow it.
     runner = multihost.for_this_process(runner)
     dtype_name = jax.numpy.dtype(dtype).name
+    weight_bytes, weight_formats = report(loaded.params, dtype)
+    log.info("weights on device: %.1f MiB; %s", weight_bytes / 2**20, "; ".join(
+        f"{group} {fmt} {size / 2**20:.1f} MiB" for group, fmt, size in weight_formats))
     info = EngineInfo(
         model_name=mc.name, architecture=mc.architecture, max_model_len=max_model_len,
         vocab_size=mc.vocab_size, dtype=dtype_name, page_size=config.page_size,
@@ -111,6 +118,7 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
         max_queued_requests=config.max_queued_requests,
         eos_token_ids=tuple(int(t) for t in loaded.tokenizer.eos_token_ids),
         tensor_parallel_size=config.tensor_parallel_size,
-        speculative_method=config.speculative_method)
+        speculative_method=config.speculative_method, quantization=config.quantization,
+        weight_bytes=weight_bytes, weight_formats=weight_formats)
     return EngineParts(config, mc, loaded.tokenizer, max_model_len, dtype_name, mesh, speculation,
                        pages, scheduler, runner, info)

@@ -26,6 +26,10 @@ class EngineInfo:
     eos_token_ids: tuple[int, ...]
     tensor_parallel_size: int = 1
     speculative_method: str | None = None
+    quantization: str = "none"
+    weight_bytes: int = 0           # the weights on device, all shards together
+    # (tensor group, format, bytes on device) per group: embed, lm_head, attention, mlp, other
+    weight_formats: tuple[tuple[str, str, int], ...] = ()
 
     def num_pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)

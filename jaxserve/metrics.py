@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from jaxserve.engine_info import EngineStats
+from jaxserve.engine_info import EngineInfo, EngineStats
 from jaxserve.outputs import RequestOutput
 
 PREFIX = "jaxserve_"
@@ -62,10 +62,16 @@ class _EngineStateCollector(Collector):
 
 
 class EngineMetrics:
-    def __init__(self, stats: Callable[[], EngineStats]):
-        """stats: returns the engine's latest snapshot (called at scrape time)."""
+    def __init__(self, stats: Callable[[], EngineStats], info: EngineInfo | None = None):
+        """stats: returns the engine's latest snapshot (called at scrape time); info: the
+        engine's start-up facts (the weights' bytes on device)."""
         self.registry = registry = CollectorRegistry()
         registry.register(_EngineStateCollector(stats))
+        if info is not None:
+            weights = Gauge(PREFIX + "model_weight_bytes",
+                            "Bytes of the model's weights on device (all shards; quantized "
+                            "weights in their stored form).", registry=registry)
+            weights.set(info.weight_bytes)
         self.prompt_tokens = Counter(
             PREFIX + "prompt_tokens", "Prompt tokens of requests that produced a first token.",
             registry=registry)

@@ -1,0 +1,157 @@
+"""Teacher-forced accuracy of quantized weights against float32 on the default model.
+
+    python tests/quant_accuracy.py       # prints every form's figures (the README's table)
+
+`Forward` runs one Llama (float or quantized params; scanned layers: a quarter of the unrolled
+compile time) through two compiled shapes: a 256-row prefill over up to 32 requests (the KL text
+goes through it in chunks) and a 32-request decode step. `teacher_forced` prefills 32
+prompts in both models and then feeds both the float32 model's greedy tokens for 64 positions,
+so every position of the quantized model is predicted from the float32 continuation so far (one
+early difference does not cascade); it returns the fraction of positions whose argmax agrees.
+`mean_kl` is the mean KL(float32 || quantized) of the next-token distributions over a
+1,000-token text (the docstrings of argparse and unittest, fixed for a Python version).
+tests/test_quant_default.py asserts on these; this module only measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import unittest
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from jaxserve.model.attention import ReferenceAttention  # noqa: E402
+from jaxserve.model.llama import Llama, init_kv_cache  # noqa: E402
+from jaxserve.step_inputs import AttentionMetadata, ModelInputs  # noqa: E402
+
+PAGE_SIZE, NUM_PAGES, MAX_PAGES = 16, 256, 64
+S, T_PREFILL, NEW_TOKENS = 32, 256, 64
+PROMPTS = [
+    "The capital of France is", "def fibonacci(n):", "Once upon a time", "List three colors:",
+    "The theory of relativity says", "How do I bake bread?", "Write a haiku about the sea.",
+    "The best way to learn Python is", "Explain photosynthesis to a child.",
+    "import numpy as np\n", "The quick brown fox", "Translate to French: good morning",
+    "What is the speed of light?", "Here is a recipe for pancakes:", "SELECT * FROM users WHERE",
+    "My favourite book is", "The weather today is", "In 1492, Columbus", "Dear hiring manager,",
+    "The main causes of World War I were", "A list of prime numbers: 2, 3, 5,",
+    "Why is the sky blue?", "class Stack:\n", "The mitochondria is", "Tips for a good night's "
+    "sleep:", "The stock market", "Summarize the plot of Hamlet.", "To be or not to be",
+    "What are the benefits of exercise?", "The largest planet in our solar system",
+    "function add(a, b) {", "Describe a sunset over the mountains.",
+]
+
+
+def kl_text(tokenizer, num_tokens: int = 1000) -> list[int]:
+    ids = tokenizer.encode(argparse.__doc__ + "\n\n" + unittest.__doc__, add_special_tokens=False)
+    if len(ids) < num_tokens:
+        raise ValueError(f"the KL text has {len(ids)} tokens, fewer than {num_tokens}")
+    return ids[:num_tokens]
+
+
+class Forward:
+    """A model (float or quantized params) stepped over its own paged KV cache."""
+
+    def __init__(self, config, params):
+        graphdef, self.state = nnx.split(Llama(config, params, jnp.float32, "scan"))
+        attention = ReferenceAttention()
+
+        def run(state, kv, inputs, metadata):
+            return nnx.merge(graphdef, state)(inputs, metadata, kv, attention)
+
+        self.run = jax.jit(run, donate_argnums=1)
+        self.kv = init_kv_cache(config, NUM_PAGES, PAGE_SIZE)
+
+    def step(self, seqs: list[tuple[list[int], int]], bucket: int, num_logits: int,
+             logit_rows=None) -> np.ndarray:
+        """seqs: (new tokens, tokens already cached) per request i, whose pages are
+        1 + i * MAX_PAGES onwards. Returns logits [num_logits, V] of `logit_rows` (default:
+        each request's last row)."""
+        tokens, positions, slots, cu, lens = [], [], [], [0], []
+        for i, (new, cached) in enumerate(seqs):
+            pos = np.arange(cached, cached + len(new))
+            tokens += new
+            positions += pos.tolist()
+            slots += ((1 + i * MAX_PAGES + pos // PAGE_SIZE) * PAGE_SIZE + pos % PAGE_SIZE).tolist()
+            cu.append(cu[-1] + len(new))
+            lens.append(cached + len(new))
+        rows = np.asarray(cu[1:]) - 1 if logit_rows is None else np.asarray(logit_rows)
+        pad = lambda a, n: jnp.asarray(np.pad(np.asarray(a, np.int32), (0, n - len(a))))
+        inputs = ModelInputs.empty(bucket, num_logits)
+        inputs.token_ids, inputs.positions = pad(tokens, bucket), pad(positions, bucket)
+        inputs.slot_mapping, inputs.logits_indices = pad(slots, bucket), pad(rows, num_logits)
+        table = 1 + np.arange(S)[:, None] * MAX_PAGES + np.arange(MAX_PAGES)[None, :]
+        cu_q = np.concatenate([cu, np.full(S + 1 - len(cu), cu[-1])])
+        decode = int(all(len(new) == 1 for new, _ in seqs))
+        metadata = AttentionMetadata(jnp.asarray(cu_q, jnp.int32), pad(lens, S),
+                                     jnp.asarray(table, jnp.int32), jnp.int32(len(seqs)),
+                                     jnp.int32(len(seqs) if decode else 0))
+        logits, self.kv = self.run(self.state, self.kv, inputs, metadata)
+        return np.asarray(logits)
+
+
+def teacher_forced_agreement(reference: Forward, candidate: Forward, prompts: list[list[int]],
+                             new_tokens: int = NEW_TOKENS) -> float:
+    """Fraction of the new_tokens positions of each prompt where candidate's argmax equals the
+    reference's, both fed the reference's greedy tokens."""
+    seqs = [(p, 0) for p in prompts]
+    ref = reference.step(seqs, T_PREFILL, T_PREFILL)[:len(prompts)]
+    cand = candidate.step(seqs, T_PREFILL, T_PREFILL)[:len(prompts)]
+    lengths = [len(p) for p in prompts]
+    agree = 0
+    for _ in range(new_tokens):
+        greedy = ref.argmax(-1)
+        agree += int((cand.argmax(-1) == greedy).sum())
+        seqs = [([int(t)], n) for t, n in zip(greedy, lengths)]
+        lengths = [n + 1 for n in lengths]
+        ref = reference.step(seqs, S, S)[:len(prompts)]
+        cand = candidate.step(seqs, S, S)[:len(prompts)]
+    return agree / (new_tokens * len(prompts))
+
+
+def mean_kl(reference: Forward, candidate: Forward, text: list[int]) -> float:
+    """Mean over the text's positions of KL(reference || candidate), next-token distributions
+    (the text prefilled in chunks of T_PREFILL tokens)."""
+    total = 0.0
+    for start in range(0, len(text), T_PREFILL):
+        chunk = text[start:start + T_PREFILL]
+        seqs, rows = [(chunk, start)], list(range(len(chunk)))
+        p = jax.nn.log_softmax(reference.step(seqs, T_PREFILL, T_PREFILL, rows)[:len(chunk)])
+        q = jax.nn.log_softmax(candidate.step(seqs, T_PREFILL, T_PREFILL, rows)[:len(chunk)])
+        total += float(jnp.sum(jnp.exp(p) * (p - q)))
+    return total / len(text)
+
+
+def measure(loaded, forms: dict) -> dict:
+    """{form: (argmax agreement, mean KL)} against loaded's float32 params; forms: {name:
+    params}."""
+    prompts = [loaded.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+    text = kl_text(loaded.tokenizer)
+    reference = Forward(loaded.config, loaded.params)
+    results = {}
+    for name, params in forms.items():
+        candidate = Forward(loaded.config, params)
+        results[name] = (teacher_forced_agreement(reference, candidate, prompts),
+                         mean_kl(reference, candidate, text))
+    return results
+
+
+if __name__ == "__main__":
+    from jaxserve.model import quant
+    from jaxserve.model.loader import load_model
+
+    base = load_model("default", progress=False)
+    forms = {"int8 (GGUF blocks)": load_model("default", progress=False,
+                                              quantization="int8").params,
+             "int4 (GGUF blocks)": load_model("default", progress=False,
+                                              quantization="int4").params,
+             "int8 (from float32)": quant.quantize_params(base.params, "int8"),
+             "int4 (from float32)": quant.quantize_params(base.params, "int4")}
+    for name, (agree, kl) in measure(base, forms).items():
+        print(f"{name:22} argmax agreement {agree:.4f}  mean KL {kl:.5f}", flush=True)
