@@ -10,10 +10,12 @@ step or touches a request.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine_info import EngineInfo
+from jaxserve.logging_setup import phase
 from jaxserve.page_manager import PageManager
 from jaxserve.scheduler import Scheduler, reusable_window
 from jaxserve.swap_space import HostSwapSpace
@@ -37,11 +39,31 @@ class EngineParts:
     info: EngineInfo
 
 
-def size_page_pool(config: EngineConfig, kv_bytes_per_token: int, max_model_len: int) -> int:
-    """Pages for the KV pool: given directly, or from a byte budget (page 0 included)."""
+def device_kv_budget(fraction: float, devices) -> int | None:
+    """vLLM's --gpu-memory-utilization: the KV pool gets `fraction` of each device's memory
+    less what is already in use there (the loaded weights), summed over the devices the pool is
+    sharded on. None where the backend reports no memory figures (the CPU)."""
+    budget = 0
+    for device in devices:
+        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+        if not stats or "bytes_limit" not in stats:
+            return None
+        free = int(fraction * stats["bytes_limit"]) - stats.get("bytes_in_use", 0)
+        if free <= 0:
+            raise ValueError(f"gpu_memory_utilization={fraction} leaves no room for the KV "
+                             f"pool on {device}: {stats.get('bytes_in_use', 0) / 2**30:.2f} "
+                             f"GiB of {stats['bytes_limit'] / 2**30:.2f} GiB are in use")
+        budget += free
+    return budget
+
+
+def size_page_pool(config: EngineConfig, kv_bytes_per_token: int, max_model_len: int,
+                   device_budget: int | None = None) -> int:
+    """Pages for the KV pool: given directly, or from a byte budget (page 0 included).
+    device_budget: bytes from gpu_memory_utilization (device_kv_budget), when set."""
     if config.num_pages is not None:
         return config.num_pages
-    budget = config.kv_cache_memory
+    budget = config.kv_cache_memory if device_budget is None else device_budget
     if budget is None:  # enough for every sequence at full length, within a default budget
         budget = min(DEFAULT_KV_CACHE_MEMORY,
                      config.max_num_seqs * (max_model_len + config.page_size) * kv_bytes_per_token)
@@ -58,18 +80,21 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
 
     from jaxserve.model.sharding import make_mesh
     from jaxserve.runner import multihost, tensor_parallel
-    from jaxserve.runner.buckets import powers_of_two
+    from jaxserve.runner.buckets import powers_of_two, token_buckets_for
     from jaxserve.runner.model_runner import ModelRunner, resolve_dtype
     from jaxserve.spec.setup import Speculation
     from jaxserve.model.loader import quantize
     from jaxserve.model.quant import report
 
     config = config.validate()
+    start = time.perf_counter()
     mesh = make_mesh(config.tensor_parallel_size)  # None: one device, unsharded
     if loaded is None:  # a checkpoint is restored straight into the mesh's shardings
-        loaded = tensor_parallel.load_model(config.model, mesh, progress=progress,
-                                            quantization=config.quantization)
+        with phase(log, f"loading model {config.model!r} on {jax.default_backend()}"):
+            loaded = tensor_parallel.load_model(config.model, mesh, progress=progress,
+                                                quantization=config.quantization)
     loaded = quantize(loaded, config.quantization)  # a float LoadedModel given by the caller
+    loaded_s = time.perf_counter() - start
     mc = loaded.config
     max_model_len = config.max_model_len or min(mc.max_position_embeddings, 2048)
     if mc.max_exact_len is not None and config.max_model_len is None:
@@ -79,7 +104,15 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
     speculation = Speculation.build(config, loaded, progress=progress)
     itemsize = jax.numpy.dtype(dtype).itemsize
     kv_per_token = mc.kv_bytes_per_token(itemsize) + speculation.draft_kv_bytes_per_token(itemsize)
-    num_pages = size_page_pool(config, kv_per_token, max_model_len)
+    device_budget = None
+    if config.gpu_memory_utilization is not None:
+        devices = mesh.devices.flat if mesh is not None else jax.local_devices()[:1]
+        device_budget = device_kv_budget(config.gpu_memory_utilization, devices)
+        if device_budget is None:
+            log.warning("gpu_memory_utilization=%s is ignored on the %s backend (no device "
+                        "memory figures): set kv_cache_memory for the KV pool's size",
+                        config.gpu_memory_utilization, jax.default_backend())
+    num_pages = size_page_pool(config, kv_per_token, max_model_len, device_budget)
     log.info("KV cache: %d pages x %d tokens = %d tokens, %.1f MiB", num_pages - 1,
              config.page_size, (num_pages - 1) * config.page_size,
              num_pages * config.page_size * kv_per_token / 2**20)
@@ -101,9 +134,13 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
         max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens, dtype=config.dtype,
         attention_impl=config.attention_impl, layer_loop=config.layer_loop,
-        token_buckets=config.token_buckets, seq_buckets=config.seq_buckets,
+        token_buckets=config.token_buckets or token_buckets_for(
+            jax.default_backend(), config.max_num_batched_tokens),
+        seq_buckets=config.seq_buckets,
         compile_cache_dir=config.compile_cache_dir, mesh=mesh))
-    runner.warmup(progress=progress)
+    with phase(log, "warm-up: trace, compile (or read the compile cache) and run every step "
+                    "bucket"):
+        runner.warmup(progress=progress)
     # Several JAX processes: process 0 broadcasts each plan, the others follow it.
     runner = multihost.for_this_process(runner)
     dtype_name = jax.numpy.dtype(dtype).name
@@ -120,5 +157,8 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
         tensor_parallel_size=config.tensor_parallel_size,
         speculative_method=config.speculative_method, quantization=config.quantization,
         weight_bytes=weight_bytes, weight_formats=weight_formats)
+    total = time.perf_counter() - start
+    log.info("engine ready in %.1f s: model %.1f s, page pool + warm-up %.1f s", total,
+             loaded_s, total - loaded_s)
     return EngineParts(config, mc, loaded.tokenizer, max_model_len, dtype_name, mesh, speculation,
                        pages, scheduler, runner, info)

@@ -10,6 +10,7 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
+from jaxserve import generation_defaults
 from jaxserve.config import EngineConfig
 from jaxserve.engine import Engine
 from jaxserve.outputs import RequestOutput
@@ -29,6 +30,9 @@ class LLM:
     def __init__(self, model: str = "default", *, loaded=None, progress: bool = True, **settings):
         self.config = EngineConfig.from_kwargs(model=model, **settings)
         self.engine = Engine(self.config, loaded=loaded, progress=progress)
+        # generate(prompts) without params: the model's generation_config.json, as vLLM does
+        self.default_sampling_params = generation_defaults.sampling_params(
+            {}, generation_defaults.read_generation_defaults(model))
 
     def close(self) -> None:
         """Release the engine's runner (multi-host: stop the followers)."""
@@ -48,7 +52,7 @@ class LLM:
                  priorities: Sequence[int] | None = None) -> list[RequestOutput]:
         prompts = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.default_sampling_params] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
