@@ -8,6 +8,11 @@ include_stop_str_in_output). Pure host code; no jax.
 
 from __future__ import annotations
 
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers < 0.21
+    DecodeStream = None
+
 _REPLACEMENT = "\ufffd"
 _CONTEXT_TOKENS = 6  # tokens decoded before the new ones, so merges and spaces come out right
 
@@ -19,7 +24,14 @@ class IncrementalDetokenizer:
         self.stop = stop
         self.include_stop_str = include_stop_str
         self.skip_special_tokens = skip_special_tokens
-        self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        context = [int(t) for t in prompt_token_ids[-_CONTEXT_TOKENS:]]
+        # A Hugging Face `tokenizers` backend decodes one step per token with its own stream
+        # decoder (it holds back incomplete characters itself); other tokenizers re-decode a
+        # few tokens of context per token.
+        backend = getattr(tokenizer, "backend", None)
+        self._stream = None if DecodeStream is None or backend is None else (
+            backend, DecodeStream(context, skip_special_tokens))
+        self._ids = context
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self.text = ""          # everything decoded so far (stop string excluded once found)
@@ -32,15 +44,25 @@ class IncrementalDetokenizer:
         for num_taken, token_id in enumerate(token_ids):
             if self.stopped:
                 return num_taken
-            self._ids.append(int(token_id))
-            prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
-            full = self._decode(self._ids[self._prefix_offset:])
-            if full.endswith(_REPLACEMENT) or len(full) <= len(prefix):
-                continue  # an incomplete character: wait for the next token
-            self.text += full[len(prefix):]
-            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-            self._check_stop()
+            piece = self._step(int(token_id))
+            if piece:
+                self.text += piece
+                if self.stop:
+                    self._check_stop()
         return len(token_ids)
+
+    def _step(self, token_id: int) -> str | None:
+        """The text token_id completes (None or "": nothing yet)."""
+        if self._stream is not None:
+            backend, stream = self._stream
+            return stream.step(backend, token_id)
+        self._ids.append(token_id)
+        prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset:])
+        if full.endswith(_REPLACEMENT) or len(full) <= len(prefix):
+            return None  # an incomplete character: wait for the next token
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return full[len(prefix):]
 
     def _decode(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)

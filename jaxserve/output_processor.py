@@ -10,7 +10,6 @@ of each of its samples. A stop string found here finishes the sample in the sche
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -106,36 +105,27 @@ class OutputProcessor:
 
     def _apply(self, sample: _Sample, event: TokenEvent) -> None:
         request, c, detok, group = sample.request, sample.completion, sample.detok, sample.group
-        # A stop string inside a multi-token (speculative) event ends the output at its token.
-        num_used = detok.add_tokens(event.new_token_ids)
-        if num_used < len(event.new_token_ids):
-            event = dataclasses.replace(
-                event, new_token_ids=event.new_token_ids[:num_used],
-                new_logprobs=event.new_logprobs[:num_used],
-                new_top_logprobs=event.new_top_logprobs[:num_used],
-                finish_reason=None if event.finish_reason is None else FinishReason.STOP)
-        reason = event.finish_reason
-        if detok.stopped and reason is None:
-            reason = FinishReason.STOP
-            self.finish(request.request_id, FinishReason.STOP)
+        new_tokens, reason = event.new_token_ids, event.finish_reason
+        num_used = detok.add_tokens(new_tokens)
+        if detok.stopped:
+            # A stop string, found here, ends the output at the token that completed it: any
+            # tokens after it in a multi-token (speculative) event are dropped, and it is a
+            # stop even where the scheduler's limit (max_tokens) ended the request too.
+            if reason is None:
+                self.finish(request.request_id, FinishReason.STOP)
+            if reason in (None, FinishReason.LENGTH) or num_used < len(new_tokens):
+                reason = FinishReason.STOP
         out = group.output
-        if out.time_to_first_token is None and event.new_token_ids:
+        if out.time_to_first_token is None and new_tokens:
             out.time_to_first_token = time.monotonic() - group.arrival_time
-        c.new_token_ids = list(event.new_token_ids)
-        c.token_ids.extend(event.new_token_ids)
-        c.new_logprobs = list(event.new_logprobs)
-        c.cumulative_logprob += sum(event.new_logprobs)
-        if c.logprobs is not None:
-            c.logprobs.extend(event.new_logprobs)
-        c.new_top_logprobs = [dict(top) for top in event.new_top_logprobs]
-        if c.top_logprobs is not None:
-            c.top_logprobs.extend(c.new_top_logprobs)
-        c.new_text = detok.take_delta(final=reason is not None)
-        c.text += c.new_text
+        tops = event.new_top_logprobs
+        c.append(list(new_tokens[:num_used]), detok.take_delta(final=reason is not None),
+                 list(event.new_logprobs[:num_used]),
+                 [dict(top) for top in tops[:num_used]] if tops else [])
         if request.sample_index == 0:
             out.num_cached_tokens = request.num_cached_tokens
             if (request.sampling.prompt_logprobs is not None and out.prompt_logprobs is None
-                    and (event.new_token_ids or reason is not None)):
+                    and (new_tokens or reason is not None)):
                 out.prompt_logprobs = [None] + list(request.prompt_logprobs)
         if reason is not None:
             c.finish_reason = reason.value
@@ -150,7 +140,10 @@ class OutputProcessor:
             out.finished = True
             out.latency = time.monotonic() - group.arrival_time
             del self._groups[out.request_id]
-        snapshot = dataclasses.replace(out, outputs=[c.snapshot() for c in out.outputs])
+        snapshot = RequestOutput(out.request_id, out.prompt_token_ids,
+                                 [c.snapshot() for c in out.outputs], out.finished, out.error,
+                                 out.num_cached_tokens, out.time_to_first_token, out.latency,
+                                 out.prompt_logprobs)
         for c in out.outputs:  # deltas belong to the step that produced them
             c.new_token_ids, c.new_text, c.new_logprobs, c.new_top_logprobs = [], "", [], []
         return snapshot

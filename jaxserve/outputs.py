@@ -4,7 +4,7 @@ As vLLM shapes them: a RequestOutput is one caller's request (its prompt, its ti
 `outputs`, one CompletionOutput per sample (`n` of them). Each output carries its totals so far
 and this step's deltas (`new_*`). For the usual n = 1 the request's own `text`, `token_ids`,
 `finish_reason` ... read its only sample. A snapshot: later steps never change an output already
-returned.
+returned, and taking one copies no history (CompletionOutput's totals are cut on first read).
 """
 
 from __future__ import annotations
@@ -12,32 +12,102 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
 class CompletionOutput:
-    index: int                                              # which sample (0 .. n-1)
-    token_ids: list[int] = field(default_factory=list)      # all output tokens so far
-    text: str = ""                                          # all output text so far
-    new_token_ids: list[int] = field(default_factory=list)  # this step's tokens
-    new_text: str = ""                                      # this step's text delta
-    cumulative_logprob: float = 0.0                         # sum of the sampled tokens' logprobs
-    logprobs: list[float] | None = None                     # sampling.logprobs is not None
-    new_logprobs: list[float] = field(default_factory=list)
-    # sampling.logprobs = k > 0: per output token, its k most likely {token id: logprob}
-    top_logprobs: list[dict[int, float]] | None = None
-    new_top_logprobs: list[dict[int, float]] = field(default_factory=list)
-    finish_reason: str | None = None                        # stop, length, abort, error
+    """One sample's output: its totals so far and this step's deltas (`new_*`).
+
+    A snapshot shares the running record's append-only lists and keeps their lengths at the
+    time it was taken, so taking one costs no copy of the history: token_ids, text, logprobs
+    and top_logprobs are cut from the shared lists when a caller first reads them."""
+
+    __slots__ = ("index", "new_token_ids", "new_text", "cumulative_logprob", "new_logprobs",
+                 "new_top_logprobs", "finish_reason", "_tokens", "_texts", "_logprobs",
+                 "_tops", "_counts", "_cache")
+
+    def __init__(self, index: int, token_ids=None, text: str = "", new_token_ids=None,
+                 new_text: str = "", cumulative_logprob: float = 0.0, logprobs=None,
+                 new_logprobs=None, top_logprobs=None, new_top_logprobs=None,
+                 finish_reason: str | None = None):
+        self.index = index
+        self.new_token_ids = [] if new_token_ids is None else new_token_ids  # this step's
+        self.new_text = new_text                        # this step's text delta
+        self.cumulative_logprob = cumulative_logprob    # sum of the sampled tokens' logprobs
+        self.new_logprobs = [] if new_logprobs is None else new_logprobs
+        self.new_top_logprobs = [] if new_top_logprobs is None else new_top_logprobs
+        self.finish_reason = finish_reason              # stop, length, abort, error
+        self._tokens = list(token_ids or ())            # the shared, append-only lists
+        self._texts = [text] if text else []
+        self._logprobs = None if logprobs is None else list(logprobs)  # sampling.logprobs set
+        # sampling.logprobs = k > 0: per output token, its k most likely {token id: logprob}
+        self._tops = None if top_logprobs is None else list(top_logprobs)
+        self._counts = None  # a snapshot's lengths of the four lists; None: the live record
+        self._cache = {}
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def _cut(self, name: str, items, count: int):
+        if self._counts is None or items is None:
+            return items
+        value = self._cache.get(name)
+        if value is None:
+            value = self._cache[name] = items[:count]
+        return value
+
+    @property
+    def token_ids(self) -> list[int]:
+        """All output tokens so far."""
+        return self._cut("token_ids", self._tokens, self._counts and self._counts[0])
+
+    @property
+    def text(self) -> str:
+        """All output text so far."""
+        if self._counts is None:
+            return "".join(self._texts)
+        value = self._cache.get("text")
+        if value is None:
+            value = self._cache["text"] = "".join(self._texts[:self._counts[1]])
+        return value
+
+    @property
+    def logprobs(self) -> list[float] | None:
+        return self._cut("logprobs", self._logprobs, self._counts and self._counts[2])
+
+    @property
+    def top_logprobs(self) -> list[dict[int, float]] | None:
+        return self._cut("top_logprobs", self._tops, self._counts and self._counts[3])
+
+    def append(self, token_ids, text: str, logprobs, top_logprobs) -> None:
+        """The live record takes one step's output (the deltas become new_*)."""
+        self.new_token_ids, self.new_text = token_ids, text
+        self.new_logprobs, self.new_top_logprobs = logprobs, top_logprobs
+        self._tokens.extend(token_ids)
+        if text:
+            self._texts.append(text)
+        self.cumulative_logprob += sum(logprobs)
+        if self._logprobs is not None:
+            self._logprobs.extend(logprobs)
+        if self._tops is not None:
+            self._tops.extend(top_logprobs)
+
     def snapshot(self) -> "CompletionOutput":
-        return CompletionOutput(
-            self.index, list(self.token_ids), self.text, list(self.new_token_ids), self.new_text,
-            self.cumulative_logprob, None if self.logprobs is None else list(self.logprobs),
-            list(self.new_logprobs),
-            None if self.top_logprobs is None else list(self.top_logprobs),
-            list(self.new_top_logprobs), self.finish_reason)
+        """A view of the record as it is now, that later appends never change."""
+        snap = CompletionOutput.__new__(CompletionOutput)
+        snap.index, snap.finish_reason = self.index, self.finish_reason
+        snap.new_token_ids, snap.new_text = self.new_token_ids, self.new_text
+        snap.cumulative_logprob = self.cumulative_logprob
+        snap.new_logprobs, snap.new_top_logprobs = self.new_logprobs, self.new_top_logprobs
+        snap._tokens, snap._texts, snap._logprobs, snap._tops = (
+            self._tokens, self._texts, self._logprobs, self._tops)
+        snap._counts = (len(self._tokens), len(self._texts),
+                        0 if self._logprobs is None else len(self._logprobs),
+                        0 if self._tops is None else len(self._tops))
+        snap._cache = {}
+        return snap
+
+    def __repr__(self) -> str:
+        return (f"CompletionOutput(index={self.index}, text={self.text!r}, "
+                f"token_ids={self.token_ids}, finish_reason={self.finish_reason})")
 
 
 @dataclass

@@ -22,7 +22,7 @@ class ProcessorInit:
     stop_token_ids: tuple[int, ...]             # masked while below min_tokens
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # built per request and step: cheap to make, never changed
 class ProcessorRow:
     """A request's logits processors for the token it samples this step."""
 
@@ -35,7 +35,7 @@ class ProcessorRow:
     init: ProcessorInit | None    # set on the step the slot was assigned
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # built per request and step: cheap to make, never changed
 class SamplingRow:
     """Sampling settings of one request for the token it samples this step."""
 
@@ -53,7 +53,7 @@ class SamplingRow:
     grammar_draft_bitmasks: tuple[bytes | None, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # built per request and step: cheap to make, never changed
 class ScheduledChunk:
     """Tokens of one request whose K/V this step writes (1 for a decode, many for prefill)."""
 

@@ -209,6 +209,10 @@ class Request:
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     error: str | None = None
+    # set by the scheduler when queued: the token ids that stop it, and its output budget
+    # (max_tokens within max_model_len)
+    stop_ids: frozenset = frozenset()
+    max_output_tokens: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -240,7 +244,7 @@ class Request:
         return (self.priority, self.arrival_seq, self.sample_index)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # one per request and step: cheap to make, never changed
 class TokenEvent:
     """What one step produced for one request (the scheduler's output, before text)."""
 

@@ -83,6 +83,10 @@ class Scheduler(SchedulerResults):
         needed = self.pages.num_pages_for(total)
         capacity = self.pages.num_pages - 1
         self.requests[request.request_id] = request
+        sp = request.sampling
+        request.stop_ids = frozenset(sp.stop_token_ids) | frozenset(
+            () if sp.ignore_eos else request.eos_token_ids)
+        request.max_output_tokens = min(sp.max_tokens, self.max_model_len - request.num_tokens)
         self._num_plain_only += request.sampling.needs_plain_steps(self._host_drafts)
         self._num_host_bound += request.needs_host_tokens
         if needed > capacity:

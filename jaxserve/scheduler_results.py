@@ -29,6 +29,7 @@ class SchedulerResults:
         prompt: (ids, logprobs) [T, 1 + K] per token row (the next prompt token's, then the
         alternatives), when a chunk reports prompt logprobs."""
         events, verified, next_row = [], [], 0  # next_row: the chunk's rows end there
+        token_rows, logprob_rows = np.asarray(token_ids).tolist(), np.asarray(logprobs).tolist()
         for i, chunk in enumerate(plan.chunks):
             next_row += chunk.num_tokens
             request = self.requests.get(chunk.request_id)
@@ -43,23 +44,20 @@ class SchedulerResults:
                     self._commit(request, chunk.kv_len)
                 continue
             request.num_pending_tokens -= 1
-            row, row_logprobs = np.atleast_1d(token_ids[i]), np.atleast_1d(logprobs[i])
-            num_emitted = int(np.count_nonzero(row >= 0))
-            new_tokens, new_logprobs, reason = [], [], None
-            for token, logprob in zip(row[:num_emitted].tolist(),
-                                      row_logprobs[:num_emitted].tolist()):
-                request.output_token_ids.append(token)
-                request.output_logprobs.append(logprob)
-                new_tokens.append(token)
-                new_logprobs.append(logprob)
-                reason = self._stop_reason(request, token)
-                if reason is not None:
-                    break  # a stop inside an accepted run: drop the tokens after it
+            row, row_logprobs = token_rows[i], logprob_rows[i]
+            if isinstance(row, list):  # a speculative row: accepted drafts, bonus, -1 padding
+                num_emitted = sum(t >= 0 for t in row)
+                new_tokens, new_logprobs = row[:num_emitted], row_logprobs[:num_emitted]
+            else:
+                num_emitted, new_tokens, new_logprobs = 1, [row], [row_logprobs]
+            reason = self._take_tokens(request, new_tokens, new_logprobs)
+            if reason is not None and len(new_tokens) < num_emitted:
+                new_logprobs = new_logprobs[:len(new_tokens)]
             if request.grammar is not None and not request.grammar.accept(new_tokens):
                 request.error = f"the grammar refused sampled tokens {new_tokens}"
                 reason = FinishReason.ERROR  # never expected: the step masked them
             kv_len = chunk.kv_len
-            num_draft = plan.num_drafts_of(chunk.request_id)
+            num_draft = plan.num_drafts_of(chunk.request_id) if plan.drafts else 0
             if num_draft:  # speculative steps run synchronously: the request is running
                 verified.append((num_draft, num_emitted - 1))
                 # Accepted drafts' KV is final; the rejected ones' slots are given back.
@@ -68,7 +66,8 @@ class SchedulerResults:
                 self.pages.truncate(request.request_id, request.num_computed_tokens)
             if running:
                 self._commit(request, kv_len)
-            self._release_held(request.request_id)  # its prompt KV is final: share it
+            if self._held:
+                self._release_held(request.request_id)  # its prompt KV is final: share it
             if reason is not None:
                 self._finish(request, reason)
             top = ()
@@ -87,14 +86,19 @@ class SchedulerResults:
         self.pages.commit(request.request_id, request.all_token_ids[:kv_len])
         self._release_window(request)
 
-    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
-        sp = request.sampling
-        if not sp.ignore_eos and token in request.eos_token_ids:
-            return FinishReason.STOP
-        if token in sp.stop_token_ids:
-            return FinishReason.STOP
-        if len(request.output_token_ids) >= sp.max_tokens:
-            return FinishReason.LENGTH
-        if request.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
+    def _take_tokens(self, request: Request, tokens: list, logprobs: list):
+        """Append a step's tokens to the request, up to the first that ends it (the rest of
+        `tokens` is cut off in place); its finish reason, or None."""
+        outputs = request.output_token_ids
+        for j, token in enumerate(tokens):
+            outputs.append(token)
+            request.output_logprobs.append(logprobs[j])
+            if token in request.stop_ids:
+                reason = FinishReason.STOP
+            elif len(outputs) >= request.max_output_tokens:
+                reason = FinishReason.LENGTH
+            else:
+                continue
+            del tokens[j + 1:]  # a stop inside an accepted run: drop the tokens after it
+            return reason
         return None

@@ -81,6 +81,7 @@ def test_static_batch_computes_finished_members_slots_over_the_longest_context()
     sched = make_scheduler(batching="static")
     members = add(sched, 4, prompt_len=10, max_tokens=6)
     members[0].sampling = SamplingParams(max_tokens=1, temperature=0)
+    members[0].max_output_tokens = 1  # the budget the scheduler derived when it was queued
     members[3].all_token_ids.extend([9] * 20)  # the longest member: 30 prompt tokens
     run_step(sched)
     run_step(sched)  # member 0 has finished; the batch still steps its slot
