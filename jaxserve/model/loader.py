@@ -13,6 +13,7 @@ not import jax.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from pathlib import Path
@@ -41,7 +42,9 @@ def quantize(model: LoadedModel, quantization: str) -> LoadedModel:
                          f"{stored}: load it with quantization={stored!r} (or 'none')")
     if quantization == "none" or stored == quantization:
         return model
-    return dataclasses.replace(model, params=quant.quantize_params(model.params, quantization))
+    quantized = copy.copy(model)  # the caller's model (any LoadedModel-like) stays float
+    quantized.params = quant.quantize_params(model.params, quantization)
+    return quantized
 
 
 def _load(spec: str, progress: bool, quantization: str) -> LoadedModel:
