@@ -331,7 +331,8 @@ def test_engine_finishes_other_than_stop_or_length_end_the_call_with_a_status(se
 def test_health_turns_not_serving_and_calls_unavailable_when_the_engine_dies(served):
     from jaxserve.server.background import ServerThread
 
-    dying = SimpleNamespace(engine=served.engine, error=None)  # stands in for an AsyncEngine
+    dying = SimpleNamespace(engine=served.engine, error=None,  # stands in for an AsyncEngine
+                            limits=served.async_engine.limits)
     with ServerThread(dying) as server, JaxServeClient(server.address, timeout=10) as client:
         assert client.health("jaxserve.v1.JaxServe") == "SERVING"
         dying.error = RuntimeError("device lost")

@@ -101,6 +101,15 @@ def test_invalid_utf8_in_a_string_field_is_invalid_argument(served):
     assert "UTF-8" in error.details(), error.details()
 
 
+def test_a_request_over_max_request_bytes_is_refused_undecoded_naming_the_limit(served):
+    limit = served.async_engine.limits.max_request_bytes
+    data = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * (limit + 1))).SerializeToString()
+    error = raw_call(served, "Generate", data)
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error
+    assert f"over the limit of {limit}" in error.details(), error.details()
+    assert "max_request_bytes" in error.details(), error.details()
+
+
 def test_corrupt_tokenize_bytes_are_invalid_argument(served):
     error = raw_call(served, "Tokenize", b"\x0a\xff\xff\xff", streaming=False)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error

@@ -105,10 +105,12 @@ def test_health_p99_stays_under_100_ms_while_six_3_mib_prompts_are_refused():
         stop, codes, lock = threading.Event(), [], threading.Lock()
 
         def refuse_forever(request):
+            data = request.SerializeToString()  # once: the server's work is what is measured
             with JaxServeClient(server.address, timeout=60) as sender:
+                generate = sender.channel.unary_stream("/jaxserve.v1.JaxServe/Generate")
                 while not stop.is_set():
                     try:
-                        list(sender.stub.Generate(request, timeout=60))
+                        list(generate(data, timeout=60))
                         code = "OK"
                     except grpc.RpcError as exc:
                         code = exc.code().name
@@ -130,7 +132,7 @@ def test_health_p99_stays_under_100_ms_while_six_3_mib_prompts_are_refused():
         for sender in senders:
             sender.join(timeout=60)
     p99 = sorted(latencies)[int(0.99 * len(latencies)) - 1]
-    assert set(codes) == {"INVALID_ARGUMENT"}, f"huge prompts got {set(codes)}"
+    assert set(codes) <= {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}, f"huge prompts: {codes}"
     assert len(codes) >= 12, f"only {len(codes)} huge prompts were refused while probing"
     assert p99 < 0.100, f"health p99 {p99 * 1e3:.1f} ms (max {max(latencies) * 1e3:.1f} ms)"
 

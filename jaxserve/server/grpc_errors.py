@@ -3,7 +3,9 @@
 grpc decodes a request before any handler runs, and a message that fails to decode (truncated
 bytes, invalid UTF-8 in a string field) would end the call UNKNOWN. `add_servicer` registers
 the JaxServe handlers with a decoder that never raises: it hands the handler an Undecodable,
-which is refused with INVALID_ARGUMENT and protobuf's message. `status_for_exception` is the one
+which is refused with INVALID_ARGUMENT and protobuf's message; a message over the servicer's
+max_request_bytes is not decoded at all (RESOURCE_EXHAUSTED naming the limit), so a huge one
+costs the event loop nothing. `status_for_exception` is the one
 table from engine exceptions to status codes. No engine calls, no sampling, no device work.
 """
 
@@ -23,26 +25,35 @@ StatusError = tuple[grpc.StatusCode, str]
 
 
 class Undecodable:
-    """What a handler gets instead of a request whose bytes are not a valid message."""
+    """What a handler gets instead of a request it must refuse undecoded."""
 
-    def __init__(self, type_name: str, error: Exception):
-        self.message = (f"the request is not a valid {type_name} message: {error} (truncated "
-                        f"or corrupt bytes, or a string field that is not valid UTF-8)")
+    def __init__(self, code: grpc.StatusCode, message: str):
+        self.code, self.message = code, message
 
 
-def _decoder(message_class):
+def _decoder(message_class, servicer):
+    name = message_class.DESCRIPTOR.full_name
+
     def decode(data: bytes):
+        limit = servicer.max_request_bytes
+        if len(data) > limit:
+            return Undecodable(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"the request is {len(data)} bytes, over the limit of {limit} "
+                               f"(max_request_bytes: no prompt that fits max_model_len is "
+                               f"longer)")
         try:
             return message_class.FromString(data)
         except (DecodeError, UnicodeDecodeError, ValueError) as exc:
-            return Undecodable(message_class.DESCRIPTOR.full_name, exc)
+            return Undecodable(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"the request is not a valid {name} message: {exc} (truncated "
+                               f"or corrupt bytes, or a string field that is not valid UTF-8)")
     return decode
 
 
 def _refusing_undecodable(handler):
     async def checked(request, context):
         if isinstance(request, Undecodable):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            await context.abort(request.code, request.message)
         return await handler(request, context)
     return checked
 
@@ -56,7 +67,7 @@ def add_servicer(servicer, server: grpc.aio.Server) -> None:
                 else grpc.unary_unary_rpc_method_handler)
         handlers[method.name] = make(
             _refusing_undecodable(getattr(servicer, method.name)),
-            request_deserializer=_decoder(getattr(pb, method.input_type.name)),
+            request_deserializer=_decoder(getattr(pb, method.input_type.name), servicer),
             response_serializer=getattr(pb, method.output_type.name).SerializeToString)
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(service.full_name, handlers),))

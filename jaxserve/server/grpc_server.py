@@ -37,6 +37,7 @@ from grpc_reflection.v1alpha import reflection
 
 from jaxserve.async_engine import AsyncEngine, EngineDeadError
 from jaxserve.config import EngineConfig
+from jaxserve.prompt_intake import encode
 from jaxserve.server import convert
 from jaxserve.server.grpc_errors import StatusError, add_servicer, status_for_exception
 from jaxserve.server.pb import jaxserve_pb2 as pb
@@ -73,6 +74,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         self.async_engine = async_engine
         self.draining = False
         self.num_in_flight = 0     # Generate calls past the readiness check, not yet ended
+        self.max_request_bytes = 4 << 20  # grpc's own default, until an engine sets its limit
 
     async def _engine(self, context) -> AsyncEngine:
         if self.draining:
@@ -130,8 +132,10 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
                         await context.write(response)
             except Exception as exc:
                 error = status_for_exception(exc, validating=not started)
-        # Not done: a deadline that passed in the engine passed here too, and grpc may have
-        # ended the call already (a status sent then would fail, loudly).
+        if error is not None and error[0] == grpc.StatusCode.DEADLINE_EXCEEDED:
+            # The engine's deadline is the call's: grpc ends the call with DEADLINE_EXCEEDED
+            # (and cancels this handler) as it passes; a status sent now could race it and fail.
+            await asyncio.sleep((context.time_remaining() or 0.0) + 1.0)
         if error is not None and not context.done():
             await context.abort(*error)
 
@@ -161,7 +165,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             add_special = (request.add_special_tokens
                            if request.HasField("add_special_tokens") else True)
             limits.check_text(request.text, "text")
-            return request.text, await pool.run(tokenizer.encode, request.text, add_special)
+            return request.text, await pool.run(encode, tokenizer, request.text, add_special)
         if which == "chat":
             limits.check_messages([m.content for m in request.chat.messages], "chat.messages")
             return await pool.run(convert.chat_prompt, tokenizer, request.chat)
@@ -173,7 +177,10 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             model_name=info.model_name, max_model_len=info.max_model_len,
             vocab_size=info.vocab_size, page_size=info.page_size, dtype=info.dtype,
             num_pages=info.num_pages, max_num_seqs=info.max_num_seqs,
-            eos_token_ids=list(info.eos_token_ids))
+            eos_token_ids=list(info.eos_token_ids), quantization=info.quantization,
+            weight_bytes=info.weight_bytes,
+            weight_groups=[pb.WeightGroup(group=g, format=f, bytes=n)
+                           for g, f, n in info.weight_formats])
 
 
 class GrpcServer:
@@ -224,6 +231,7 @@ class GrpcServer:
     async def attach(self, async_engine: AsyncEngine) -> None:
         """Serve with this (started) engine: health becomes SERVING."""
         self.servicer.async_engine = async_engine
+        self.servicer.max_request_bytes = async_engine.limits.max_request_bytes
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self._watch = asyncio.ensure_future(self._watch_engine(async_engine))
 
