@@ -133,7 +133,7 @@ def cmd_serve(args) -> int:
 
 def cmd_convert(args) -> int:
     from jaxserve.model.loader import convert
-    convert(args.src, args.dst)
+    convert(args.src, args.dst, quantization=args.quantization)
     print(f"wrote {args.dst}")
     return 0
 
@@ -257,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     conv = sub.add_parser("convert", help="write an Orbax checkpoint (+ config, tokenizer)")
     conv.add_argument("src", help="the model to convert, as --model")
     conv.add_argument("dst", help="the checkpoint directory to write")
+    conv.add_argument("--quantization", default="none", choices=("none", "int8", "int4"),
+                      help="store the weights quantized (restored in that form, straight into "
+                           "the device and tensor-parallel layout); default: none")
     _global_flags(conv, top=False)
     conv.set_defaults(func=cmd_convert)
     _add_bench(sub)

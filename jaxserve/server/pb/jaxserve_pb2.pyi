@@ -194,7 +194,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "vocab_size", "page_size", "dtype", "num_pages", "max_num_seqs", "eos_token_ids")
+    __slots__ = ("model_name", "max_model_len", "vocab_size", "page_size", "dtype", "num_pages", "max_num_seqs", "eos_token_ids", "quantization", "weight_bytes", "weight_groups")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +203,9 @@ class ModelInfoResponse(_message.Message):
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_GROUPS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     vocab_size: int
@@ -211,4 +214,17 @@ class ModelInfoResponse(_message.Message):
     num_pages: int
     max_num_seqs: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., num_pages: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    quantization: str
+    weight_bytes: int
+    weight_groups: _containers.RepeatedCompositeFieldContainer[WeightGroup]
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., num_pages: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., weight_groups: _Optional[_Iterable[_Union[WeightGroup, _Mapping]]] = ...) -> None: ...
+
+class WeightGroup(_message.Message):
+    __slots__ = ("group", "format", "bytes")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    format: str
+    bytes: int
+    def __init__(self, group: _Optional[str] = ..., format: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
