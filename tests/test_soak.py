@@ -90,8 +90,5 @@ def test_sigterm_refuses_new_calls_drains_and_exits_0(soaked):
     assert "Traceback" not in soaked.log, soaked.log[-3000:]
 
 
-@pytest.mark.xfail(strict=True, reason="output_processor reports 'length' when the last allowed "
-                   "token completes a stop string (issue 20; the lead's fix): remove this mark "
-                   "once it passes")
 def test_a_stop_string_completed_by_the_last_allowed_token_finishes_stop(soaked):
     assert passed(soaked, "a stop string"), soaked.table
