@@ -17,11 +17,13 @@ through AsyncEngine. It never touches device arrays itself.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import logging
 import random
 import time
 import uuid
+from contextlib import contextmanager
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine_builder import EngineParts, build_engine
@@ -33,6 +35,19 @@ from jaxserve.request import FinishReason, Request, SamplingParams, TokenEvent, 
 from jaxserve.step_timings import StepTimings
 
 log = logging.getLogger(__name__)
+
+
+@contextmanager
+def frozen_heap():
+    """While a serving loop runs, the objects alive when it started (the engine, its model's
+    host arrays, compiled executables: hundreds of thousands) leave the garbage collector's
+    scans: a full collection over them cost ~4 ms per step at 256 requests on the 2-core CPU.
+    Afterwards they are collectable again (no leak when an engine is dropped)."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 class QueueFullError(RuntimeError):

@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from jaxserve import generation_defaults
 from jaxserve.config import EngineConfig
-from jaxserve.engine import Engine
+from jaxserve.engine import Engine, frozen_heap
 from jaxserve.outputs import RequestOutput
 from jaxserve.request import SamplingParams
 
@@ -62,7 +62,8 @@ class LLM:
         for request in requests:
             self.engine.add(request)
         results: dict[str, RequestOutput] = {}
-        with tqdm(total=len(requests), desc="generating", disable=not use_tqdm) as bar:
+        with tqdm(total=len(requests), desc="generating", disable=not use_tqdm) as bar, \
+                frozen_heap():
             while len(results) < len(requests):
                 for out in self.engine.step():
                     if out.finished:

@@ -106,20 +106,24 @@ class EngineMetrics:
         self.step_seconds.observe(seconds)
 
     def observe_outputs(self, outputs: Iterable[RequestOutput]) -> None:
+        total_new = 0  # one counter update per step, not per request
         for out in outputs:
             num_new = sum(len(c.new_token_ids) for c in out.outputs)  # every sample's
             if num_new:
-                self.generation_tokens.inc(num_new)
-                if sum(len(c.token_ids) for c in out.outputs) == num_new:  # the first tokens
+                total_new += num_new
+                if sum(c.num_tokens for c in out.outputs) == num_new:  # the first tokens
                     self.prompt_tokens.inc(len(out.prompt_token_ids))
                     self.ttft.observe(out.time_to_first_token)
             if out.finished:
                 self.finished.labels(out.finish_reason).inc()
+                num_tokens = out.outputs[0].num_tokens
                 if out.latency is not None:
                     self.e2e.observe(out.latency)
-                    if len(out.token_ids) > 1 and out.time_to_first_token is not None:
+                    if num_tokens > 1 and out.time_to_first_token is not None:
                         self.tpot.observe((out.latency - out.time_to_first_token)
-                                          / (len(out.token_ids) - 1))
+                                          / (num_tokens - 1))
+        if total_new:
+            self.generation_tokens.inc(total_new)
 
     def serve_http(self, port: int, addr: str = "127.0.0.1"):
         """Expose /metrics on addr:port (0: any free port); returns (server, thread)."""

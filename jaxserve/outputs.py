@@ -55,6 +55,11 @@ class CompletionOutput:
         return value
 
     @property
+    def num_tokens(self) -> int:
+        """len(token_ids), without cutting them."""
+        return len(self._tokens) if self._counts is None else self._counts[0]
+
+    @property
     def token_ids(self) -> list[int]:
         """All output tokens so far."""
         return self._cut("token_ids", self._tokens, self._counts and self._counts[0])
@@ -125,6 +130,11 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
 
     # ---- the first sample's fields (the only sample, unless n > 1) ------------------------
+    @property
+    def num_tokens(self) -> int:
+        """len(token_ids), without cutting them."""
+        return len(self._tokens) if self._counts is None else self._counts[0]
+
     @property
     def token_ids(self) -> list[int]:
         return self.outputs[0].token_ids

@@ -12,15 +12,18 @@ import numpy as np
 
 from jaxserve.plan import ProcessorRow, ScheduledChunk, StepPlan
 from jaxserve.runner.buckets import BucketTable
+from jaxserve.runner.host_page_tables import HostPageTables
 from jaxserve.step_inputs import SamplingInputs, StepInputs
 
 
 def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
                       chunks: list[ScheduledChunk] | None = None,
-                      shape: tuple[int, int] | None = None, mask_words: int = 1) -> StepInputs:
+                      shape: tuple[int, int] | None = None, mask_words: int = 1,
+                      tables: HostPageTables | None = None) -> StepInputs:
     """chunks: the rows to lay out (default plan.chunks; speculation passes them with their
     draft rows appended); shape: a fixed (T, S) bucket instead of the smallest that fits;
-    mask_words: grammar bitmask words per row (the step's compiled width)."""
+    mask_words: grammar bitmask words per row (the step's compiled width); tables: the runner's
+    persistent page tables by batch slot (None: each chunk's table is copied)."""
     chunks = plan.chunks if chunks is None else chunks
     padding = plan.static_padding if plan.chunks else None
     num_finished = 0 if padding is None else padding.num_finished_slots
@@ -28,57 +31,118 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
     t, s = shape or buckets.select(num_rows, len(chunks) + num_finished)
     p = buckets.max_pages_per_request
     b = StepInputs.empty(t, s, p, mask_words)
-    m, a, sp = b.model, b.attention, b.sampling
-    row, any_processors, any_top, any_prompt = 0, False, False, False
-    for i, chunk in enumerate(chunks):
+    num_seqs = len(chunks)
+    num_decode = next((i for i, c in enumerate(chunks) if c.num_tokens != 1), num_seqs)
+    for chunk in chunks:
+        if len(chunk.page_table) > p or len(chunk.page_table) * page_size < chunk.kv_len:
+            raise ValueError(f"request {chunk.request_id}: {len(chunk.page_table)} pages for "
+                             f"{chunk.kv_len} tokens (page-table width {p})")
+    if tables is not None and all(c.batch_slot for c in chunks):
+        _layout_with_slots(b, chunks, num_decode, page_size, tables)
+    else:
+        _layout_each(b, chunks, num_decode, page_size)
+    _fill_sampling(b, chunks)
+    a = b.attention
+    row = int(a.cu_q_lens[num_seqs])
+    a.num_decode_seqs[...] = num_decode
+    if num_finished:
+        row = _fill_finished_slots(b, chunks, num_seqs, row, num_finished)
+        num_seqs += num_finished
+    a.cu_q_lens[num_seqs + 1:] = row
+    a.num_seqs[...] = num_seqs
+    return b
+
+
+def _layout_with_slots(b: StepInputs, chunks, num_decode: int, page_size: int,
+                       tables: HostPageTables) -> None:
+    """Page tables from the slots' persistent rows; the decode rows in one go each field."""
+    m, a = b.model, b.attention
+    slots = np.fromiter((c.batch_slot for c in chunks), np.int32, len(chunks))
+    for chunk, slot in zip(chunks, slots.tolist()):
+        tables.update(slot, chunk.page_table)
+    n = len(chunks)
+    a.page_table[:n] = tables.tables[slots]
+    if num_decode:
+        d = chunks[:num_decode]
+        pos = np.fromiter((c.start_position for c in d), np.int32, num_decode)
+        m.token_ids[:num_decode] = np.fromiter((c.token_ids[0] for c in d), np.int32, num_decode)
+        m.positions[:num_decode] = pos
+        pages = tables.tables[slots[:num_decode], pos // page_size]
+        m.slot_mapping[:num_decode] = pages * page_size + pos % page_size
+        m.logits_indices[:num_decode] = np.arange(num_decode, dtype=np.int32)
+        m.token_slots[:num_decode] = np.fromiter(
+            (c.batch_slot if c.token_on_device else 0 for c in d), np.int32, num_decode)
+        a.kv_lens[:num_decode] = pos + 1
+        a.cu_q_lens[1:num_decode + 1] = np.arange(1, num_decode + 1, dtype=np.int32)
+    _layout_rows(b, chunks, num_decode, num_decode, page_size, copy_tables=False)
+
+
+def _layout_each(b: StepInputs, chunks, num_decode: int, page_size: int) -> None:
+    _layout_rows(b, chunks, 0, 0, page_size, copy_tables=True)
+
+
+def _layout_rows(b: StepInputs, chunks, first: int, row: int, page_size: int,
+                 copy_tables: bool) -> None:
+    """Chunks from `first` on, one at a time, their rows from `row` on."""
+    m, a = b.model, b.attention
+    for i in range(first, len(chunks)):
+        chunk = chunks[i]
         n = chunk.num_tokens
         pos = np.arange(chunk.start_position, chunk.kv_len, dtype=np.int32)
         table = np.asarray(chunk.page_table, dtype=np.int32)
-        if len(table) > p or len(table) * page_size < chunk.kv_len:
-            raise ValueError(f"request {chunk.request_id}: {len(table)} pages for "
-                             f"{chunk.kv_len} tokens (page-table width {p})")
         m.token_ids[row:row + n] = chunk.token_ids
         if chunk.token_on_device:  # its last token: the step before sampled it, on the device
             m.token_slots[row + n - 1] = chunk.batch_slot
         m.positions[row:row + n] = pos
         m.slot_mapping[row:row + n] = table[pos // page_size] * page_size + pos % page_size
         m.logits_indices[i] = row + n - 1
-        a.page_table[i, :len(table)] = table
+        if copy_tables:
+            a.page_table[i, :len(table)] = table
         a.kv_lens[i] = chunk.kv_len
         a.cu_q_lens[i + 1] = row + n
-        if chunk.sampling is not None:
-            sr = chunk.sampling
-            sp.temperature[i], sp.top_k[i], sp.top_p[i], sp.min_p[i] = (
-                sr.temperature, sr.top_k, sr.top_p, sr.min_p)
-            sp.seeds[i], sp.output_index[i] = sr.seed, sr.output_index
-            sp.sample_slots[i] = chunk.batch_slot
-            any_top |= sr.top_logprobs > 0
-            if sr.processors is not None:
-                _fill_processors(sp, i, sr.processors)
-                any_processors = True
-            if sr.grammar_bitmask is not None:
-                sp.grammar_bitmask[i] = np.frombuffer(sr.grammar_bitmask, np.int32)
-                sp.has_grammar[i] = True
+        row += n
+
+
+def _fill_sampling(b: StepInputs, chunks) -> None:
+    """Each sampling row's settings: one array per field; processors, grammars and prompt
+    logprobs (rare) row by row."""
+    sp = b.sampling
+    rows = [(i, c.sampling) for i, c in enumerate(chunks) if c.sampling is not None]
+    if rows:
+        index = np.fromiter((i for i, _ in rows), np.int64, len(rows))
+        for name, field, dtype in _SAMPLING_FIELDS:
+            getattr(sp, name)[index] = np.fromiter(
+                (getattr(r, field) for _, r in rows), dtype, len(rows))
+        sp.sample_slots[index] = np.fromiter(
+            (chunks[i].batch_slot for i, _ in rows), np.int32, len(rows))
+    any_processors = any_top = False
+    for i, sr in rows:
+        any_top |= sr.top_logprobs > 0
+        if sr.processors is not None:
+            _fill_processors(sp, i, sr.processors)
+            any_processors = True
+        if sr.grammar_bitmask is not None:
+            sp.grammar_bitmask[i] = np.frombuffer(sr.grammar_bitmask, np.int32)
+            sp.has_grammar[i] = True
+    any_prompt = False
+    row = 0
+    for chunk in chunks:
         if chunk.prompt_logprob_next:
             first = row + chunk.prompt_logprob_first_row
             sp.prompt_next_token[first:first + len(chunk.prompt_logprob_next)] = \
                 chunk.prompt_logprob_next
             any_prompt = True
-        row += n
-    num_seqs = len(chunks)
-    a.num_decode_seqs[...] = next((i for i, c in enumerate(chunks) if c.num_tokens != 1),
-                                  num_seqs)
-    if num_finished:
-        row = _fill_finished_slots(b, chunks, num_seqs, row, num_finished)
-        num_seqs += num_finished
-    a.cu_q_lens[num_seqs + 1:] = row
-    a.num_seqs[...] = num_seqs
-    sp.any_sampling[...] = bool(np.any(sp.temperature[:num_seqs] > 0))
+        row += chunk.num_tokens
+    sp.any_sampling[...] = bool(np.any(sp.temperature > 0))
     sp.any_processors[...] = any_processors
     sp.any_top_logprobs[...] = any_top
     sp.any_prompt_logprobs[...] = any_prompt
     sp.any_grammar[...] = bool(sp.has_grammar.any())
-    return b
+
+
+_SAMPLING_FIELDS = (("temperature", "temperature", np.float32), ("top_k", "top_k", np.int32),
+                    ("top_p", "top_p", np.float32), ("min_p", "min_p", np.float32),
+                    ("seeds", "seed", np.uint32), ("output_index", "output_index", np.int32))
 
 
 def _fill_processors(sp: SamplingInputs, i: int, pr: ProcessorRow) -> None:
