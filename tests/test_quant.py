@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from jaxserve.model import gguf_quant, quant
+from jaxserve.model import gguf_quant, qlinear, quant
 from jaxserve.model.checkpoint import load_checkpoint
 from jaxserve.model.gguf_loader import load_gguf
 from jaxserve.model.llama import Llama
@@ -119,9 +119,12 @@ def test_q4_k_blocks_map_up_to_float16_scales(mode):
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("tied", [False, True])
-@pytest.mark.parametrize("layer_loop", ["scan", "unroll"])
-def test_quantized_forward_equals_the_float_model_on_the_dequantized_weights(mode, tied,
-                                                                              layer_loop):
+@pytest.mark.parametrize("layer_loop,chunk_bytes", [("scan", 0), ("unroll", 0),
+                                                    ("unroll", 4096)])
+def test_quantized_forward_equals_the_float_model_on_the_dequantized_weights(
+        mode, tied, layer_loop, chunk_bytes, monkeypatch):
+    """chunk_bytes 4096: every matrix and the head dequantized a few rows at a time."""
+    monkeypatch.setattr(qlinear, "CHUNK_BYTES", chunk_bytes)
     config, params = tiny_model(seed=3, tie_word_embeddings=tied)
     quantized = quant.quantize_params(params, mode)
     tokens = np.random.default_rng(7).integers(0, config.vocab_size, 45).tolist()

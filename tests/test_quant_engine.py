@@ -72,7 +72,9 @@ def test_engine_info_reports_weight_bytes_and_each_groups_format(quantized):
 
 def test_tensor_parallel_quantized_tokens_equal_one_device(tmp_path):
     out = tmp_path / "tp.json"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    # small chunks: the sharded matrices and head are dequantized a few rows at a time too
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+           "JAXSERVE_DEQUANT_CHUNK_BYTES": "4096"}
     script = Path(__file__).resolve().parent / "tp_quant_check.py"
     run = subprocess.run([sys.executable, str(script), str(out)], env=env, capture_output=True,
                          text=True, timeout=900)
