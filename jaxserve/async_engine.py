@@ -27,7 +27,7 @@ import threading
 import time
 from typing import AsyncIterator
 
-from jaxserve.engine import Engine, QueueFullError
+from jaxserve.engine import Engine, QueueFullError, frozen_heap
 from jaxserve.outputs import RequestOutput
 from jaxserve.prompt_intake import INLINE_MAX_CHARS, PromptLimits, TextPool, encode
 from jaxserve.request import RequestStatus, SamplingParams
@@ -249,20 +249,8 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         try:
-            while not self._stopping:
-                while self.paused.is_set() and not self._stopping:
-                    self.holding.set()
-                    time.sleep(0.01)
-                self.holding.clear()
-                self._drain_inbox(block=not self.engine.has_unfinished())
-                if self._deadlines:
-                    self._drop_expired()
-                if self._stopping or not self.engine.has_unfinished():
-                    continue
-                outputs = self.engine.step()
-                self._observe_admitted()
-                for out in outputs:
-                    self._deliver(out.request_id, out)
+            with frozen_heap():  # the engine's long-lived objects stay out of GC scans
+                self._serve()
         except BaseException as exc:  # the engine is broken: fail every open stream
             log.exception("engine loop failed: failing %d open request(s)", len(self._streams))
             self._fail_all(exc)
@@ -271,3 +259,19 @@ class AsyncEngine:
                 self.engine.close()
             except Exception:
                 log.exception("closing the engine failed")
+
+    def _serve(self) -> None:
+        while not self._stopping:
+            while self.paused.is_set() and not self._stopping:
+                self.holding.set()
+                time.sleep(0.01)
+            self.holding.clear()
+            self._drain_inbox(block=not self.engine.has_unfinished())
+            if self._deadlines:
+                self._drop_expired()
+            if self._stopping or not self.engine.has_unfinished():
+                continue
+            outputs = self.engine.step()
+            self._observe_admitted()
+            for out in outputs:
+                self._deliver(out.request_id, out)
