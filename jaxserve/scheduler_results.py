@@ -41,7 +41,7 @@ class SchedulerResults:
                     prompt_logprob_entries(chunk, next_row - chunk.num_tokens, prompt))
             if chunk.sampling is None:
                 if running:
-                    self._commit(request, chunk.kv_len)
+                    self._commit(request, chunk.start_position, chunk.kv_len)
                 continue
             request.num_pending_tokens -= 1
             row, row_logprobs = token_rows[i], logprob_rows[i]
@@ -65,7 +65,7 @@ class SchedulerResults:
                 kv_len += len(new_tokens) - 1
                 self.pages.truncate(request.request_id, request.num_computed_tokens)
             if running:
-                self._commit(request, kv_len)
+                self._commit(request, chunk.start_position, kv_len)
             if self._held:
                 self._release_held(request.request_id)  # its prompt KV is final: share it
             if reason is not None:
@@ -80,10 +80,13 @@ class SchedulerResults:
             self.speculation.record_step(verified)
         return events
 
-    def _commit(self, request: Request, kv_len: int) -> None:
-        """KV of positions < kv_len is written (its step's results are in): cache full pages,
-        and give back those wholly out of the window."""
-        self.pages.commit(request.request_id, request.all_token_ids[:kv_len])
+    def _commit(self, request: Request, start: int, kv_len: int) -> None:
+        """KV of positions start..kv_len-1 is written (its step's results are in): cache the
+        pages that filled (none when the step completed no page: the next one that does
+        registers every full page since), and give back those wholly out of the window."""
+        ps = self.pages.page_size
+        if kv_len // ps > start // ps:
+            self.pages.commit(request.request_id, request.all_token_ids[:kv_len])
         self._release_window(request)
 
     def _take_tokens(self, request: Request, tokens: list, logprobs: list):
