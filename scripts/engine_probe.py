@@ -5,7 +5,7 @@ it must use only the public API both have: LLM, EngineConfig settings, SamplingP
 LoadedModel, random_params, the bench workloads. It measures; it never compares.
 
   python scripts/engine_probe.py tokens   # greedy/seeded tokens: default model + tiny models
-  python scripts/engine_probe.py bench    # decode step ms at batch 1 and 16, anyscale16 tok/s
+  python scripts/engine_probe.py bench    # decode step ms at batch 1 and 16, anyscale16/64 tok/s
 
 Step times are reported as the median and the minimum over the timed steps: on a shared machine
 the minimum is the least disturbed. The 16-request decode is also timed with every logits
@@ -122,8 +122,20 @@ def bench() -> dict:
     if featured is not None:
         result.update(_ms("decode16_all_features", _decode_steps(engine, prompts,
                                                                  [featured] * 16)))
-    # 16 concurrent: the 16-request anyscale workload, all added at t=0.
-    requests = anyscale_workload(16, engine.model_config.vocab_size, seed=0)
+    # 16 and 64 concurrent: the anyscale workload, all added at t=0 (64: through an engine
+    # that runs 64 at once).
+    result.update(_anyscale(engine, 16))
+    del llm, engine
+    llm64 = LLM("default", loaded=default, progress=False, max_model_len=1024,
+                max_num_seqs=64)
+    result.update(_anyscale(llm64.engine, 64))
+    return result
+
+
+def _anyscale(engine, n: int) -> dict:
+    from jaxserve.bench.workloads import anyscale_workload
+
+    requests = anyscale_workload(n, engine.model_config.vocab_size, seed=0)
     start = time.perf_counter()
     for r in requests:
         engine.add_request(r.prompt_token_ids, SamplingParams(
@@ -132,8 +144,7 @@ def bench() -> dict:
     while engine.has_unfinished():
         num_tokens += sum(len(o.new_token_ids) for o in engine.step())
     wall = time.perf_counter() - start
-    result.update(anyscale16_output_tok_s=num_tokens / wall, anyscale16_wall_s=wall)
-    return result
+    return {f"anyscale{n}_output_tok_s": num_tokens / wall, f"anyscale{n}_wall_s": wall}
 
 
 if __name__ == "__main__":
