@@ -143,7 +143,11 @@ def cmd_bench(args) -> int:
         from jaxserve.bench.offline import run_offline_bench
         return run_offline_bench(args, engine_config_from_args(args))
     if args.bench_command == "overhead":
-        from jaxserve.bench.overhead import main as overhead_main
+        try:
+            from jaxserve.bench.overhead import main as overhead_main
+        except ImportError as exc:
+            print(f"jaxserve: error: bench overhead is unavailable: {exc}", file=sys.stderr)
+            return 2
         return overhead_main(args)
     from jaxserve.bench.serve import run_serve_bench
     return run_serve_bench(args)

@@ -163,11 +163,13 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
         "else SamplingParams' defaults)")
     for name, kind, text in _SAMPLING:
         group.add_argument(flag_name(name), type=kind, default=None, dest=name,
+                           metavar="N" if kind is int else "X",
                            help=f"{text}; default: the model's, else {defaults[name]}")
     group.add_argument("--sampling-seed", type=int, default=None, dest="sampling_seed",
+                       metavar="N",
                        help="per-request sampling seed (--seed is the engine's); default: "
                             "unset (a fresh seed per request)")
-    group.add_argument("--stop", action="append", default=[],
+    group.add_argument("--stop", action="append", default=[], metavar="TEXT",
                        help="stop at this string (repeat for several); default: none")
     group.add_argument("--ignore-eos", action=BoolFlag, default=False,
                        help="keep generating past EOS up to --max-tokens; default: off")

@@ -68,7 +68,7 @@ def main() -> int:
                   f"{r['cpu_s']:.1f} s, load {r['load']:.2f}, ok={r['ok']}", flush=True)
             for line in r["lines"]:
                 if PHASE.search(line) or not r["ok"]:
-                    print("   ", line[:200])
+                    print("   ", line[:400])
             sys.stdout.flush()
     return 0
 
