@@ -166,7 +166,8 @@ def _log_lines(level: str, fmt: str = "text") -> list[str]:
         logging.getLogger("jax._src.xla_bridge").warning("a library warning")
         logging.getLogger("jaxserve.engine_builder").info("loading model")
     finally:
-        root.handlers[:], _ = saved[0], root.setLevel(saved[1])
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
     return stream.getvalue().splitlines()
 
 
