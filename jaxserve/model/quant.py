@@ -68,6 +68,11 @@ class QuantizedTensor:
 
     def layer(self, index: int) -> "QuantizedTensor":
         """One layer's slice of a stacked tensor."""
+        return self[index]
+
+    def __getitem__(self, index) -> "QuantizedTensor":
+        """Layers of a stacked tensor (an int or a slice of the leading axis: `layers:N`
+        drafts take params[name][:N])."""
         return QuantizedTensor(self.q[index], self.scale[index],
                                None if self.zero is None else self.zero[index], self.bits,
                                self.group, self.transposed)
