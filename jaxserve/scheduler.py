@@ -352,12 +352,13 @@ class Scheduler(SchedulerResults):
             return 0
         return max(num_computed_tokens - self.kv_window + 1, 0) // self.pages.page_size
 
-    def _release_window(self, request: Request) -> int:
-        """Give back the request's dead pages (after commit); the NULL_PAGE entries it has now."""
+    def _release_window(self, request: Request, kv_len: int | None = None) -> int:
+        """Give back the request's dead pages (after commit) for a query at kv_len (default:
+        num_computed_tokens); the NULL_PAGE entries it has now."""
         if self.kv_window is None:
             return 0
-        return self.pages.release_window(request.request_id,
-                                         request.num_computed_tokens - self.kv_window + 1)
+        kv_len = request.num_computed_tokens if kv_len is None else kv_len
+        return self.pages.release_window(request.request_id, kv_len - self.kv_window + 1)
 
     def _chunk(self, request: Request, num_new: int, plan: StepPlan) -> ScheduledChunk:
         drafts = plan.drafts.get(request.request_id)

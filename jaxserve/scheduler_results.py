@@ -87,7 +87,7 @@ class SchedulerResults:
         ps = self.pages.page_size
         if kv_len // ps > start // ps:
             self.pages.commit(request.request_id, request.all_token_ids[:kv_len])
-        self._release_window(request)
+        self._release_window(request, kv_len)  # (not past what is committed: async lag)
 
     def _take_tokens(self, request: Request, tokens: list, logprobs: list):
         """Append a step's tokens to the request, up to the first that ends it (the rest of

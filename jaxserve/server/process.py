@@ -53,7 +53,22 @@ def exit_now(code: int):
     call that reaches the server while it closes with CANCELLED (measured: a few per shutdown
     under a steady stream of calls); the process's exit closes the sockets instead, which every
     client sees as UNAVAILABLE. Logs and stdio are flushed first; nothing else is left to run."""
+    _leave_cluster()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _leave_cluster() -> None:
+    """Multi-host: leave the JAX cluster as a normal exit would (its atexit hook), so that the
+    followers' own shutdown finds every process at the barrier instead of a dead leader."""
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return
+    try:
+        from jax._src import distributed
+        if distributed.global_state.client is not None:
+            jax.distributed.shutdown()
+    except Exception:  # exiting anyway: a failed goodbye must not change the exit code
+        logging.getLogger(__name__).exception("leaving the JAX cluster failed")
