@@ -30,8 +30,9 @@ class ModelInputs:
     slot_mapping: np.ndarray    # [T] i32 flat page * page_size + offset (padding -> page 0)
     logits_indices: np.ndarray  # [R] i32 rows whose logits are needed
     # [T] i32 async scheduling: a row > 0 reads its token from that batch slot's last sampled
-    # token (on the device) instead of token_ids; 0: token_ids holds it
-    token_slots: np.ndarray
+    # token (on the device) instead of token_ids; 0: token_ids holds it. Only the plain step
+    # reads it (before the model): a caller of the model alone leaves it None.
+    token_slots: np.ndarray | None = None
 
     @classmethod
     def empty(cls, t: int, r: int) -> "ModelInputs":
