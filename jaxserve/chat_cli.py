@@ -4,7 +4,8 @@ Each turn sends the whole conversation (system message, earlier turns, the new u
 streams the reply. Remote (the default): a running server over gRPC applies the template;
 `--offline`: an in-process Engine applies it. As on the OpenAI chat endpoint, a reply without
 --max-tokens may run to EOS or the end of the context. Lines starting with '/' are commands:
-/exit (or end of input), /reset (forget the conversation), /system TEXT. This module only
+/exit (or end of input), /reset (forget the conversation), /system TEXT. A conversation that
+outgrows the context loses its oldest turns (the system message stays). This module only
 drives turns; it does no tokenizing or sampling of its own.
 """
 
@@ -18,10 +19,21 @@ Backend = Callable[[Messages], Iterator[str]]
 HELP = "commands: /exit, /reset (forget the conversation), /system TEXT"
 
 
+class ContextFull(ValueError):
+    """The conversation no longer fits the model's context (raised before any text)."""
+
+
+def _check_fits(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
+    if prompt_len + (max_tokens or 1) > max_model_len:
+        raise ContextFull(f"the conversation has {prompt_len} tokens; with "
+                          f"{max_tokens or 1} more it exceeds max_model_len {max_model_len}")
+
+
 def run_chat(backend: Backend, system: str | None = None, stdin=None, stdout=None,
-             prompt: str = ">>> ") -> int:
-    """Read user lines until /exit or end of input; stream each reply to stdout."""
-    stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
+             prompt: str = ">>> ", notes=None) -> int:
+    """Read user lines until /exit or end of input; stream each reply to stdout. When the
+    conversation outgrows the context, the oldest turns are dropped (said on `notes`)."""
+    stdin, stdout, notes = stdin or sys.stdin, stdout or sys.stdout, notes or sys.stderr
     interactive = hasattr(stdin, "isatty") and stdin.isatty()
     head = [{"role": "system", "content": system}] if system else []
     turns: Messages = []
@@ -48,14 +60,30 @@ def run_chat(backend: Backend, system: str | None = None, stdin=None, stdout=Non
             stdout.write(f"unknown command {text.split()[0]!r}; {HELP}\n")
             continue
         user = {"role": "user", "content": text}
-        reply = []
-        for delta in backend(head + turns + [user]):
-            reply.append(delta)
-            stdout.write(delta)
-            stdout.flush()
-        stdout.write("\n")
-        turns += [user, {"role": "assistant", "content": "".join(reply)}]
+        reply = _reply(backend, head, turns, user, stdout, notes)
+        if reply is not None:
+            turns += [user, {"role": "assistant", "content": reply}]
     return 0
+
+
+def _reply(backend: Backend, head: Messages, turns: Messages, user: dict, stdout,
+           notes) -> str | None:
+    """Stream one reply; drop the oldest turns (in place) while the conversation is too long."""
+    while True:
+        try:
+            reply = []
+            for delta in backend(head + turns + [user]):
+                reply.append(delta)
+                stdout.write(delta)
+                stdout.flush()
+            stdout.write("\n")
+            return "".join(reply)
+        except ContextFull as exc:
+            if not turns:
+                notes.write(f"({exc}: this message alone does not fit; not sent)\n")
+                return None
+            del turns[:2]
+            notes.write("(the oldest turn was dropped to fit the context)\n")
 
 
 def remote_backend(address: str, overrides: dict) -> Backend:
@@ -70,8 +98,9 @@ def remote_backend(address: str, overrides: dict) -> Backend:
 
     def backend(messages: Messages) -> Iterator[str]:
         given = dict(overrides)
-        if "max_tokens" not in given:
-            given["max_tokens"] = max(1, max_model_len - len(client.tokenize(messages=messages)))
+        prompt_len = len(client.tokenize(messages=messages))
+        _check_fits(prompt_len, given.get("max_tokens"), max_model_len)
+        given.setdefault("max_tokens", max_model_len - prompt_len)
         call = client.generate(messages=messages, params=sampling_params(given))
         try:
             for response in call:
@@ -92,8 +121,10 @@ def offline_backend(engine, overrides: dict, model_defaults: dict) -> Backend:
         text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         ids = engine.tokenizer.encode(text, add_special_tokens=False)
         given = dict(overrides)
+        _check_fits(len(ids), given.get("max_tokens", model_defaults.get("max_tokens")),
+                    engine.max_model_len)
         if "max_tokens" not in given and "max_tokens" not in model_defaults:
-            given["max_tokens"] = max(1, engine.max_model_len - len(ids))
+            given["max_tokens"] = engine.max_model_len - len(ids)
         engine.add_request(ids, sampling_params(given, model_defaults))
         while engine.has_unfinished():
             for out in engine.step():

@@ -11,7 +11,7 @@ import time
 from conftest import SMALL_ENGINE
 from scale_out_fixtures import engine_flags, free_port, save_tiny_checkpoint
 
-from jaxserve.chat_cli import run_chat
+from jaxserve.chat_cli import ContextFull, run_chat
 
 
 def test_generate_wait_ready_started_with_serve_prints_the_answer(tmp_path):
@@ -48,6 +48,27 @@ def test_generate_wait_ready_started_with_serve_prints_the_answer(tmp_path):
     assert "health SERVING" in server_log and "engine ready in" in server_log, server_log[-3000:]
 
 
+def test_chat_against_a_server_runs_turns_through_its_template(tmp_path):
+    checkpoint = save_tiny_checkpoint(tmp_path / "tiny")
+    address = f"127.0.0.1:{free_port()}"
+    cli = [sys.executable, "-m", "jaxserve.cli"]
+    with open(tmp_path / "server.log", "w") as server_log_file:
+        server = subprocess.Popen(
+            [*cli, "serve", str(checkpoint), "--port", address.split(":")[1], "--http-port",
+             "0", *engine_flags(SMALL_ENGINE)], stderr=server_log_file, text=True)
+        try:  # no --max-tokens: each reply may run to the end of the context, as in chat
+            chat = subprocess.run([*cli, "chat", "--address", address, "--wait-ready", "600",
+                                   "--temperature", "0", "--system", "be brief"],
+                                  input="hello\nand again\n/exit\n", capture_output=True,
+                                  text=True, timeout=600)
+        finally:
+            server.terminate()
+            server.wait(timeout=120)
+    log = (tmp_path / "server.log").read_text()
+    assert chat.returncode == 0, f"{chat.stderr[-2000:]}\nserver:\n{log[-3000:]}"
+    assert len(chat.stdout.splitlines()) >= 2, f"expected two replies: {chat.stdout!r}"
+
+
 def _chat(lines: str, system=None):
     seen = []
 
@@ -77,3 +98,18 @@ def test_chat_reset_forgets_and_exit_stops():
 def test_chat_system_command_replaces_the_system_message():
     seen, _ = _chat("/system terse\nhi\n", system="verbose")
     assert seen == [[{"role": "system", "content": "terse"}, {"role": "user", "content": "hi"}]]
+
+
+def test_chat_drops_the_oldest_turns_when_the_conversation_outgrows_the_context():
+    seen, notes = [], io.StringIO()
+
+    def backend(messages):  # room for the system message and three more
+        if len(messages) > 4:
+            raise ContextFull("too long")
+        seen.append([m["content"] for m in messages])
+        yield "ok"
+
+    out = io.StringIO()
+    run_chat(backend, system="sys", stdin=io.StringIO("a\nb\nc\n"), stdout=out, notes=notes)
+    assert seen == [["sys", "a"], ["sys", "a", "ok", "b"], ["sys", "b", "ok", "c"]]
+    assert "oldest turn was dropped" in notes.getvalue()
