@@ -7,6 +7,7 @@ lifecycle (status, num_computed_tokens); the engine owns text.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -158,7 +159,7 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
+    @functools.cached_property  # read per request and step; the params never change
     def uses_processors(self) -> bool:
         """Whether any logits processor changes this request's logits."""
         return bool(self.presence_penalty or self.frequency_penalty
