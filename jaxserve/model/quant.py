@@ -23,6 +23,9 @@ import numpy as np
 
 MODES = ("none", "int8", "int4")
 INT4_GROUP = 32        # measured: see README "Quantized weights"
+# The int4 embedding (also the tied head) in groups of 16: on the default model mean KL to float32
+# 0.039 (0.063 with groups of 32) at 16.3% of float32's bytes (an int8 one: 0.000, but 17.9%).
+INT4_EMBED_GROUP = 16
 # The matrices weight-only quantization applies to (norms and biases stay float).
 MATRIX_NAMES = ("embed", "lm_head", "layers.wq", "layers.wk", "layers.wv", "layers.wo",
                 "layers.w_gate", "layers.w_up", "layers.w_down")
@@ -136,7 +139,8 @@ def quantize(w: np.ndarray, mode: str, name: str) -> QuantizedTensor:
     if mode == "int8":
         return quantize_int8(w_oi, transposed)
     if mode == "int4":
-        return quantize_int4(w_oi, INT4_GROUP, transposed)
+        return quantize_int4(w_oi, INT4_EMBED_GROUP if name == "embed" else INT4_GROUP,
+                             transposed)
     raise ValueError(f"quantization={mode!r} is not one of {MODES}")
 
 
