@@ -75,21 +75,25 @@ def measure(sides: dict[str, Path], counts: list[int], steps: int, rounds: int) 
 
 
 def print_table(after: dict, before: dict | None) -> None:
-    print("host ms per decode step of a tiny model (4 layers, hidden 64), all N decoding")
+    print("ms per decode step of a tiny model (4 layers, hidden 64), all N decoding; host-only: "
+          "the same host work with no device (see overhead_probe.py)")
     head = f"{'N':>5} {'wall':>7} {'host':>6} {'sched':>6} {'build':>6} {'disp':>6} " \
            f"{'wait':>6} {'upd':>6} {'emit':>6} {'busy':>5} {'tok/s':>8}"
+    head += f" {'host-only':>9}"
     if before:
-        head += f" | {'before wall':>11} {'host':>6} {'tok/s':>8} {'x tok/s':>8}"
+        head += f" | {'before wall':>11} {'host':>6} {'host-only':>9} {'tok/s':>8} {'x tok/s':>8}"
     print(head)
     for n, a in after.items():
         ph = a["phases_ms"]
         line = (f"{n:>5} {a['wall_ms']:7.2f} {a['host_ms']:6.2f} "
                 + " ".join(f"{ph.get(k, float('nan')):6.2f}" for k in
                            ("schedule", "build", "dispatch", "wait", "update", "emit"))
-                + f" {a['device_busy']:5.2f} {a['tokens_per_s']:8.0f}")
+                + f" {a['device_busy']:5.2f} {a['tokens_per_s']:8.0f}"
+                + f" {a['host_only_total_ms']:9.2f}")
         b = (before or {}).get(n)
         if b:
-            line += (f" | {b['wall_ms']:11.2f} {b['host_ms']:6.2f} {b['tokens_per_s']:8.0f} "
+            line += (f" | {b['wall_ms']:11.2f} {b['host_ms']:6.2f} "
+                     f"{b['host_only_total_ms']:9.2f} {b['tokens_per_s']:8.0f} "
                      f"{a['tokens_per_s'] / b['tokens_per_s']:8.2f}")
         print(line)
 

@@ -18,6 +18,9 @@ STEPS decode steps of all N are timed (greedy, ignore_eos). Reported per step:
   blocking on each step's output right after dispatch (what its np.asarray did anyway).
 * device_ms: the step's executable alone on the same inputs, back to back (the device's busy
   time per step), and device_busy = device_ms / wall_ms.
+* host_only_ms: the same host work (schedule, layout, update, emit) with no device at all, for
+  N requests decoding: on a CPU the engine's own phases include the time its thread waits for
+  the cores XLA computes on, these do not. A heap freeze applies to both sides alike.
 """
 
 from __future__ import annotations
@@ -80,6 +83,66 @@ def _device_ms(step, inputs, repeats: int = 20) -> float:
     return 1000 * statistics.median(times[2:])
 
 
+def host_only(n: int, steps: int, tokenizer) -> dict:
+    """The same loop's host work with no device at all: scheduler, input layout, update with a
+    fixed token, output processing (ms per step). On a CPU the engine's own figures include
+    waiting for the cores XLA computes on; these do not."""
+    import gc
+
+    import numpy as np
+
+    from jaxserve.output_processor import OutputProcessor
+    from jaxserve.page_manager import PageManager
+    from jaxserve.request import Request, SamplingParams
+    from jaxserve.runner.batch import build_step_inputs
+    from jaxserve.runner.buckets import BucketTable
+    from jaxserve.scheduler import Scheduler
+
+    max_len = PROMPT_LEN + steps + 16
+    pages = PageManager(num_pages=n * (-(-max_len // 16)) + 2, page_size=16)
+    sched = Scheduler(pages, max_num_seqs=n, max_num_batched_tokens=max(64, PROMPT_LEN * n),
+                      max_model_len=max_len)
+    outputs = OutputProcessor(tokenizer, sched.finish)
+    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    for i in range(n):
+        request = Request(f"r{i}", [3 + (7 * i + j) % 250 for j in range(PROMPT_LEN)], params, 0)
+        outputs.add([request])
+        sched.add(request)
+    table = BucketTable.build(max(64, PROMPT_LEN * n), n, max_len, 16,
+                              tuple(sorted({n, max(64, PROMPT_LEN * n)})), (n,))
+    try:
+        from jaxserve.runner.host_page_tables import HostPageTables
+        layout = {"tables": HostPageTables(n + 1, table.max_pages_per_request)}
+    except ImportError:
+        layout = {}
+    totals = dict.fromkeys(("schedule", "build", "update", "emit"), 0.0)
+
+    def one(record: bool) -> None:
+        t0 = time.perf_counter()
+        plan = sched.schedule()
+        t1 = time.perf_counter()
+        build_step_inputs(plan, table, 16, **layout)
+        t2 = time.perf_counter()
+        tokens = np.full(len(plan.chunks), 100, np.int32)
+        events = sched.update(plan, tokens, np.zeros(len(plan.chunks), np.float32))
+        t3 = time.perf_counter()
+        outputs.process(events, lambda *_: None)
+        t4 = time.perf_counter()
+        if record:
+            for name, dt in zip(totals, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                totals[name] += dt
+
+    one(False)  # the prefill step
+    gc.collect()
+    gc.freeze()
+    try:
+        for _ in range(steps):
+            one(True)
+    finally:
+        gc.unfreeze()
+    return {name: 1000 * t / steps for name, t in totals.items()}
+
+
 def measure(n: int, steps: int) -> dict:
     import jaxserve
     from jaxserve.model.loader import load_model
@@ -127,12 +190,12 @@ def measure(n: int, steps: int) -> dict:
     while engine.has_unfinished():
         engine.step()
     step.run = run
-    if hasattr(engine, "timings"):
-        engine.drain() if hasattr(engine, "drain") else None
     decode_inputs = [x for x in captured if x.shape == (n, n)][-1]
     result["device_ms"] = _device_ms(step, decode_inputs)
     result["device_busy"] = min(1.0, result["device_ms"] / result["wall_ms"])
     llm.close()
+    result["host_only_ms"] = host_only(n, steps, tokenizer)
+    result["host_only_total_ms"] = sum(result["host_only_ms"].values())
     return result
 
 
