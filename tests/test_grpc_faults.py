@@ -15,12 +15,10 @@ import contextlib
 import re
 import threading
 import time
-from types import SimpleNamespace
 
 import grpc
 import pytest
 
-from conftest import SMALL_ENGINE
 from jaxserve import SamplingParams
 from jaxserve.server.client import JaxServeClient, JaxServeError
 from jaxserve.server.pb import jaxserve_pb2 as pb
@@ -28,25 +26,7 @@ from jaxserve.server.pb import jaxserve_pb2 as pb
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def served():
-    from tiny_models import tiny_loaded
-
-    from jaxserve.async_engine import AsyncEngine
-    from jaxserve.config import EngineConfig
-    from jaxserve.engine import Engine
-    from jaxserve.server.background import ServerThread
-
-    engine = Engine(EngineConfig.from_kwargs(**SMALL_ENGINE), loaded=tiny_loaded(),
-                    progress=False)
-    async_engine = AsyncEngine(engine)
-    async_engine.start()
-    server = ServerThread(async_engine, "127.0.0.1", 0)
-    client = JaxServeClient(server.address, timeout=60.0)
-    yield SimpleNamespace(engine=engine, async_engine=async_engine, server=server, client=client)
-    client.close()
-    server.stop(timeout=1.0)
-    async_engine.stop(timeout=10.0)
+from test_grpc import served  # noqa: E402,F401  (the same served tiny engine fixture)
 
 
 def wait_until_idle(engine, timeout: float = 10.0) -> None:
