@@ -24,9 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_probe import _decode_steps  # noqa: E402
+from engine_probe import _anyscale, _decode_steps  # noqa: E402
 
-from jaxserve.bench.workloads import anyscale_workload  # noqa: E402
 from jaxserve.llm import LLM  # noqa: E402
 from jaxserve.request import SamplingParams  # noqa: E402
 
@@ -52,16 +51,7 @@ def decode1(llm) -> list[float]:
 
 
 def anyscale16(llm) -> float:
-    engine = llm.engine
-    requests = anyscale_workload(16, engine.model_config.vocab_size, seed=0)
-    start = time.perf_counter()
-    for r in requests:
-        engine.add_request(r.prompt_token_ids, SamplingParams(
-            max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True))
-    num_tokens = 0
-    while engine.has_unfinished():
-        num_tokens += sum(len(o.new_token_ids) for o in engine.step())
-    return num_tokens / (time.perf_counter() - start)
+    return _anyscale(llm.engine, 16)["anyscale16_output_tok_s"]
 
 
 def main() -> int:

@@ -21,25 +21,7 @@ EXTRA = {"ignore_eos": True, "return_token_ids": True}
 ALL_PAGES = 47  # SMALL_ENGINE's 48, less the reserved page 0
 
 
-@pytest.fixture(scope="module")
-def server():
-    from http_server_main import drained_server_url
-
-    yield from drained_server_url("--api-key", KEY)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def offline():
-    from conftest import SMALL_ENGINE
-    from http_server_main import tiny_bpe_loaded
-
-    from jaxserve.llm import LLM
-    return LLM(loaded=tiny_bpe_loaded(), progress=False, **SMALL_ENGINE)
+from test_http import client, offline, server  # noqa: E402,F401  (the same fixtures)
 
 
 def run_offline(offline, prompt_ids, **params):
