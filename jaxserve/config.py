@@ -92,6 +92,11 @@ class EngineConfig:
     swap_space: int = setting(
         256 * 2**20, "host memory for swapped-out KV pages (preemption_mode=swap)",
         unit="bytes", cli_plain_unit="GiB", vllm="=")
+    host_prefix_cache_size: int = setting(
+        0, "host memory for a second tier of the prefix cache: pages evicted from the device "
+        "pool are kept there and copied back on a hit instead of recomputed (0: off). Counted "
+        "like swap_space: whole pages of K and V of every layer (a draft model's included)",
+        unit="bytes", cli_plain_unit="B")
     preemption_mode: str = setting(
         "recompute", "what a preempted request loses: recompute (its pages, re-prefilled "
         "later) or swap (pages copied to host memory)", choices=PREEMPTION_MODES, vllm="=")
@@ -177,6 +182,11 @@ class EngineConfig:
              "gpu_memory_utilization", self.gpu_memory_utilization,
              "unset when num_pages or kv_cache_memory is given")
         need(self.swap_space >= 0, "swap_space", self.swap_space, ">= 0 bytes")
+        need(self.host_prefix_cache_size >= 0, "host_prefix_cache_size",
+             self.host_prefix_cache_size, ">= 0 bytes")
+        need(self.host_prefix_cache_size == 0 or self.enable_prefix_caching,
+             "host_prefix_cache_size", self.host_prefix_cache_size,
+             "0 when enable_prefix_caching is off (it is the prefix cache's second tier)")
         need(self.preemption_mode in PREEMPTION_MODES, "preemption_mode", self.preemption_mode,
              f"one of {PREEMPTION_MODES}")
         need(self.batching in BATCHING_MODES, "batching", self.batching,

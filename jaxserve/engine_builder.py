@@ -10,11 +10,13 @@ step or touches a request.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine_info import EngineInfo
+from jaxserve.host_prefix_tier import HostPrefixTier
 from jaxserve.logging_setup import phase
 from jaxserve.page_manager import PageManager
 from jaxserve.scheduler import Scheduler, reusable_window
@@ -74,6 +76,30 @@ def size_page_pool(config: EngineConfig, kv_bytes_per_token: int, max_model_len:
     return int(num_pages)
 
 
+def host_prefix_tier(config: EngineConfig, bytes_per_page: int,
+                     num_processes: int) -> HostPrefixTier | None:
+    """The prefix cache's host tier from host_prefix_cache_size (None when 0). Its bytes and
+    swap_space's follow one rule (whole pages of bytes_per_page), and together they must fit
+    the host's memory."""
+    size = config.host_prefix_cache_size
+    if size == 0:
+        return None
+    if num_processes > 1:
+        raise ValueError(f"host_prefix_cache_size={size} is not supported with several JAX "
+                         f"processes ({num_processes}): each holds only its shard of the KV")
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if size + config.swap_space > total:
+        raise ValueError(f"host_prefix_cache_size={size} plus swap_space={config.swap_space} "
+                         f"bytes exceed this host's memory ({total} bytes)")
+    tier = HostPrefixTier(size, bytes_per_page)
+    if tier.num_slots == 0:
+        raise ValueError(f"host_prefix_cache_size={size} bytes holds no page of "
+                         f"{bytes_per_page} bytes; give at least that, or 0 for no host tier")
+    log.info("prefix cache host tier: %d pages, %.1f MiB", tier.num_slots,
+             tier.num_slots * bytes_per_page / 2**20)
+    return tier
+
+
 def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> EngineParts:
     """loaded: a LoadedModel (None: load config.model). Compiles every step before returning."""
     import jax
@@ -116,7 +142,9 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
     log.info("KV cache: %d pages x %d tokens = %d tokens, %.1f MiB", num_pages - 1,
              config.page_size, (num_pages - 1) * config.page_size,
              num_pages * config.page_size * kv_per_token / 2**20)
-    pages = PageManager(num_pages, config.page_size, config.enable_prefix_caching)
+    tier = host_prefix_tier(config, config.page_size * kv_per_token, jax.process_count())
+    pages = PageManager(num_pages, config.page_size, config.enable_prefix_caching,
+                        host_tier=tier)
     max_pages = -(-max_model_len // config.page_size)
     swap = HostSwapSpace(config.swap_space, config.page_size * kv_per_token,
                          page_buckets=powers_of_two(1, max_pages))
@@ -137,7 +165,8 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
         token_buckets=config.token_buckets or token_buckets_for(
             jax.default_backend(), config.max_num_batched_tokens),
         seq_buckets=config.seq_buckets,
-        compile_cache_dir=config.compile_cache_dir, mesh=mesh))
+        compile_cache_dir=config.compile_cache_dir, mesh=mesh,
+        host_prefix_slots=0 if tier is None else tier.num_slots))
     with phase(log, "warm-up: trace, compile (or read the compile cache) and run every step "
                     "bucket"):
         runner.warmup(progress=progress)

@@ -17,43 +17,28 @@ A request's pages are released deepest first, so a chain is evicted from its lea
 root, whose loss would make the rest of the chain unreachable. `release_window` gives back pages
 wholly before a sliding window (never read again; NULL_PAGE takes their table slots, and the
 attention masks it out); they keep their prefix-cache entries: their KV is still that prefix's.
+
+Host tier (optional, host_prefix_tier.py). An evicted cached page keeps its identity (key, token
+ids, serial, parent serial) in the host tier, and its KV is copied there; a lookup that misses
+on the device continues the chain there with the same checks. `take_prefix_ops` hands the
+runner each step's copies: stores (device page -> host slot, before the step overwrites the
+page) and loads (host slot -> the fresh device page a host hit was given, before the step
+reads it). A host entry whose store is still pending this step does not match (its KV is not
+on the host yet): that prefix is recomputed, never read wrong.
 """
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
-HashFn = Callable[[int | None, tuple[int, ...]], int]
+from jaxserve.host_prefix_tier import HostPrefixTier
+from jaxserve.page_invariants import check_invariants
+from jaxserve.page_stats import HashFn, PageStats, stable_page_hash  # noqa: F401 (re-export)
 
 _ROOT_SERIAL = 0  # parent serial of a prefix's first page; registrations count from 1
 NULL_PAGE = 0  # scratch page: what padding writes to, and the stand-in for released pages
-
-
-def stable_page_hash(parent_key: int | None, token_ids: tuple[int, ...]) -> int:
-    """64-bit blake2b of (parent key, token ids); stable across processes, unlike salted hash()."""
-    h = hashlib.blake2b(digest_size=8)
-    if parent_key is None:
-        h.update(b"\x00")
-    else:
-        h.update(b"\x01" + (parent_key & 0xFFFF_FFFF_FFFF_FFFF).to_bytes(8, "little"))
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    return int.from_bytes(h.digest(), "little")
-
-
-@dataclass(frozen=True)
-class PageStats:
-    num_pages: int  # allocatable pages (page 0 excluded)
-    num_free: int  # allocatable now, evictable cached pages included
-    num_used: int
-    num_cached: int  # pages holding a prefix-cache key, in use or not
-    usage: float  # num_used / num_pages
-    prefix_query_tokens: int
-    prefix_hit_tokens: int
-    prefix_hit_rate: float
 
 
 @dataclass
@@ -69,7 +54,7 @@ class _RequestPages:
 
 class PageManager:
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
-                 hash_fn: HashFn | None = None):
+                 hash_fn: HashFn | None = None, host_tier: HostPrefixTier | None = None):
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {num_pages}")
         if page_size < 1:
@@ -90,6 +75,11 @@ class PageManager:
         self._requests: dict[str, _RequestPages] = {}
         self._query_tokens = 0
         self._hit_tokens = 0
+        if host_tier is not None and not enable_prefix_caching:
+            raise ValueError("a host prefix tier needs enable_prefix_caching")
+        self.host_tier = host_tier
+        self._pending_stores: dict[int, int] = {}  # host slot -> device page, this step
+        self._pending_loads: list[tuple[int, int]] = []  # (host slot, device page), this step
 
     # ----------------------------------------------------------------- queries
 
@@ -110,13 +100,14 @@ class PageManager:
         return request_id in self._requests
 
     def lookup_prefix(self, token_ids: Sequence[int], record_stats: bool = False) -> list[int]:
-        """Pages of the longest cached chain of full pages matching a prefix of token_ids.
+        """Pages of the longest cached chain of full pages matching a prefix of token_ids
+        (NULL_PAGE for a page found in the host tier: it gets a device page when allocated).
 
         Token ids and parent serials are compared at every hit, so a wrong page is never
         returned. At least the last token is left to compute. No ref count changes. The hit
         statistics count admissions (`allocate`), so a peek before allocating, or a request
         that waits several steps, is not counted again unless record_stats is set."""
-        pages = self._match(token_ids)
+        pages = [page for page, _ in self._match(token_ids)]
         if record_stats:
             self._record(len(token_ids), len(pages) * self.page_size)
         return pages
@@ -124,12 +115,21 @@ class PageManager:
     def can_allocate(self, token_ids: Sequence[int], num_slots: int) -> bool:
         return self._can_take(self._match(token_ids), num_slots)
 
+    def take_prefix_ops(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """This step's host-tier copies, cleared: stores [(device page, host slot)] and loads
+        [(host slot, device page)]. The runner does the stores' device reads first, then the
+        loads, all before the step; a load reads its slot before any later store writes it."""
+        stores = [(page, slot) for slot, page in self._pending_stores.items()]
+        loads, self._pending_stores, self._pending_loads = self._pending_loads, {}, []
+        return stores, loads
+
     def stats(self) -> PageStats:
         total = self.num_pages - 1
         used = total - len(self._free)
         q, hit = self._query_tokens, self._hit_tokens
         return PageStats(total, len(self._free), used, len(self._cached), used / total,
-                         q, hit, hit / q if q else 0.0)
+                         q, hit, hit / q if q else 0.0,
+                         None if self.host_tier is None else self.host_tier.stats())
 
     # ----------------------------------------------------------------- changes
 
@@ -145,11 +145,10 @@ class PageManager:
             raise ValueError(f"request {request_id!r} already holds pages")
         if num_released_pages and (token_ids or num_released_pages * self.page_size > num_slots):
             raise ValueError(f"allocate({request_id!r}): released pages with token ids or slots")
-        cached = self._match(token_ids)
-        if not self._can_take(cached, num_slots - num_released_pages * self.page_size):
+        matched = self._match(token_ids)
+        if not self._can_take(matched, num_slots - num_released_pages * self.page_size):
             return None
-        for page in cached:
-            self._take_ref(page)
+        cached = self._take_matched(matched)
         num_fresh = max(self.num_pages_for(num_slots) - len(cached) - num_released_pages, 0)
         num_cached_tokens = len(cached) * self.page_size
         req = _RequestPages([NULL_PAGE] * num_released_pages + cached
@@ -270,6 +269,9 @@ class PageManager:
         """Forget every cached prefix; running requests keep their pages but stop registering."""
         for page in list(self._cached.values()):
             self._unregister(page)
+        if self.host_tier is not None:
+            self.host_tier.clear()
+            self._pending_stores.clear()  # pending loads stay: their pages count as computed
         for req in self._requests.values():
             req.can_register = False
 
@@ -285,27 +287,53 @@ class PageManager:
         self._query_tokens += num_query_tokens
         self._hit_tokens += num_hit_tokens
 
-    def _match(self, token_ids: Sequence[int]) -> list[int]:
+    def _match(self, token_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """[(device page, key)] of the longest cached chain; NULL_PAGE: found in the host tier."""
         if not self.enable_prefix_caching:
             return []
-        ps = self.page_size
-        pages: list[int] = []
+        ps, host = self.page_size, self.host_tier
+        matched: list[tuple[int, int]] = []
         key, serial = None, _ROOT_SERIAL
         for i in range((len(token_ids) - 1) // ps):  # never the whole prompt: one token computes
             page_tokens = tuple(token_ids[i * ps:(i + 1) * ps])
             key = self._hash_fn(key, page_tokens)
             page = self._cached.get(key)
-            if (page is None or self._tokens[page] != page_tokens
-                    or self._parent_serial[page] != serial):
+            if page is not None:
+                if self._tokens[page] != page_tokens or self._parent_serial[page] != serial:
+                    break
+                matched.append((page, key))
+                serial = self._serial[page]
+                continue
+            entry = None if host is None else host.get(key)
+            if (entry is None or entry.tokens != page_tokens or entry.parent_serial != serial
+                    or entry.slot in self._pending_stores):
                 break
-            pages.append(page)
-            serial = self._serial[page]
-        return pages
+            matched.append((NULL_PAGE, key))
+            serial = entry.serial
+        return matched
 
-    def _can_take(self, cached: list[int], num_slots: int) -> bool:
-        num_fresh = max(self.num_pages_for(num_slots) - len(cached), 0)
-        num_cached_free = sum(1 for p in cached if self._ref[p] == 0)
+    def _can_take(self, matched: list[tuple[int, int]], num_slots: int) -> bool:
+        on_device = [page for page, _ in matched if page != NULL_PAGE]  # host hits need pages
+        num_fresh = max(self.num_pages_for(num_slots) - len(on_device), 0)
+        num_cached_free = sum(1 for p in on_device if self._ref[p] == 0)
         return num_fresh <= len(self._free) - num_cached_free
+
+    def _take_matched(self, matched: list[tuple[int, int]]) -> list[int]:
+        """Hold the matched chain: a ref on each device page, and for each host hit a fresh
+        device page registered under the entry's identity, with its load pending."""
+        for page, _ in matched:
+            if page != NULL_PAGE:
+                self._take_ref(page)
+        # Off the host tier before any page is popped: those evictions must not drop them.
+        entries = {key: self.host_tier.take(key) for page, key in matched if page == NULL_PAGE}
+        pages = []
+        for page, key in matched:
+            if page == NULL_PAGE:
+                entry, page = entries[key], self._pop_free()
+                self._adopt(page, key, entry.tokens, entry.serial, entry.parent_serial)
+                self._pending_loads.append((entry.slot, page))
+            pages.append(page)
+        return pages
 
     def _take_ref(self, page: int) -> None:
         if self._ref[page] == 0:
@@ -314,8 +342,13 @@ class PageManager:
 
     def _pop_free(self) -> int:
         page, _ = self._free.popitem(last=False)
-        if self._key[page] is not None:
-            self._unregister(page)  # eviction
+        if self._key[page] is not None:  # eviction: to the host tier, when there is one
+            if self.host_tier is not None:
+                slot = self.host_tier.put(self._key[page], self._tokens[page], self._serial[page],
+                                          self._parent_serial[page])
+                if slot is not None:
+                    self._pending_stores[slot] = page
+            self._unregister(page)
         self._ref[page] = 1
         return page
 
@@ -334,15 +367,20 @@ class PageManager:
             if self._tokens[holder] == page_tokens and self._parent_serial[holder] == parent_serial:
                 return holder  # the same prefix is cached already: keep that entry
             orphan_parent = self._parent_serial[holder]
-            if orphan_parent == _ROOT_SERIAL or orphan_parent in self._live_serials:
+            if orphan_parent == _ROOT_SERIAL or orphan_parent in self._live_serials or (
+                    self.host_tier is not None and self.host_tier.holds_serial(orphan_parent)):
                 return None
             self._unregister(holder)  # its parent was evicted: unreachable, so replace it
-        self._key[page], self._tokens[page] = key, page_tokens
-        self._serial[page], self._parent_serial[page] = self._next_serial, parent_serial
-        self._cached[key] = page
-        self._live_serials[self._next_serial] = page
+        self._adopt(page, key, page_tokens, self._next_serial, parent_serial)
         self._next_serial += 1
         return page
+
+    def _adopt(self, page: int, key: int, page_tokens: tuple[int, ...], serial: int,
+               parent_serial: int) -> None:
+        self._key[page], self._tokens[page] = key, page_tokens
+        self._serial[page], self._parent_serial[page] = serial, parent_serial
+        self._cached[key] = page
+        self._live_serials[serial] = page
 
     def _unregister(self, page: int) -> None:
         del self._cached[self._key[page]]
@@ -354,43 +392,4 @@ class PageManager:
 
     def check_invariants(self) -> None:
         """Raise AssertionError describing the first broken accounting rule."""
-        def require(ok: bool, msg: str) -> None:
-            if not ok:
-                raise AssertionError(msg)
-
-        ps, owners = self.page_size, [0] * self.num_pages
-        for rid, req in self._requests.items():
-            require(len(req.pages) == self.num_pages_for(req.num_slots),
-                    f"{rid!r} holds {len(req.pages)} pages for {req.num_slots} slots")
-            released, held = req.pages[:req.num_released_pages], req.pages[req.num_released_pages:]
-            require(set(released) <= {NULL_PAGE}, f"{rid!r} has a live page among released ones")
-            require(len(set(held)) == len(held), f"{rid!r} holds a page twice")
-            require(req.num_hashed_pages * ps <= req.num_slots,
-                    f"{rid!r} has {req.num_hashed_pages} hashed pages beyond its slots")
-            for page in held:
-                require(0 < page < self.num_pages, f"{rid!r} holds invalid page {page}")
-                owners[page] += 1
-            for page in req.pages[req.num_slots // ps:]:
-                require(self._ref[page] == 1, f"partly filled page {page} of {rid!r} is shared")
-        require(self._ref[0] == 0 and 0 not in self._free, "scratch page 0 was handed out")
-        for page in range(1, self.num_pages):
-            require(self._ref[page] == owners[page],
-                    f"page {page} has ref {self._ref[page]} but {owners[page]} owners")
-            state = "free and owned" if owners[page] else "neither free nor owned"
-            require((page in self._free) == (owners[page] == 0), f"page {page} is {state}")
-        seen_cached = False
-        for page in self._free:
-            seen_cached |= self._key[page] is not None
-            require(self._key[page] is not None or not seen_cached,
-                    f"uncached free page {page} sits behind a cached one in the free list")
-        for key, page in self._cached.items():
-            require(page != NULL_PAGE, "the scratch page is registered in the prefix cache")
-            require(self._key[page] == key, f"key {key} points at page {page} with another key")
-            require(self._tokens[page] is not None and len(self._tokens[page]) == ps,
-                    f"cached page {page} does not store one full page of token ids")
-            require(self._live_serials.get(self._serial[page]) == page,
-                    f"cached page {page} has no live serial")
-        num_keyed = sum(k is not None for k in self._key)
-        require(num_keyed == len(self._cached) == len(self._live_serials),
-                f"{num_keyed} keyed pages, {len(self._cached)} cache entries, "
-                f"{len(self._live_serials)} live serials")
+        check_invariants(self)

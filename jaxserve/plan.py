@@ -126,6 +126,10 @@ class StepPlan:
     swap_in: list[SwapIn] = field(default_factory=list)
     dropped_swaps: list[str] = field(default_factory=list)  # host copies no longer needed
     preempted: list[str] = field(default_factory=list)
+    # prefix cache host tier (page_manager.take_prefix_ops), done before the step: evicted
+    # cached pages to host slots [(device page, slot)], host hits into fresh pages [(slot, page)]
+    prefix_stores: list[tuple[int, int]] = field(default_factory=list)
+    prefix_loads: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -145,4 +149,5 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not self.chunks and not self.swap_out and not self.swap_in
+        return not (self.chunks or self.swap_out or self.swap_in or self.prefix_stores
+                    or self.prefix_loads)

@@ -179,6 +179,8 @@ class Scheduler(SchedulerResults):
             request.num_computed_tokens += num_new  # being computed; update() confirms
             if chunk.sampling is not None:
                 request.num_pending_tokens += 1
+        if self.pages.host_tier is not None:
+            plan.prefix_stores, plan.prefix_loads = self.pages.take_prefix_ops()
         return plan
 
     def _schedule_running(self, plan: StepPlan, scheduled, budget: int) -> tuple[int, bool]:
