@@ -131,9 +131,10 @@ class ModelRunner:
                  max_num_batched_tokens: int, dtype: str = "auto",
                  attention_impl: str = "auto", layer_loop: str = "auto",
                  token_buckets=None, seq_buckets=None, compile_cache_dir: str | None = None,
-                 mesh=None):
+                 mesh=None, host_prefix_slots: int = 0):
         """mesh: a ("tp",) jax Mesh to shard weights, KV pages and the step over (None: one
-        device); see runner/tensor_parallel.py."""
+        device); see runner/tensor_parallel.py. host_prefix_slots: pages of the prefix cache's
+        host tier (runner/host_prefix_pool.py) each cache of this runner keeps."""
         backend = jax.default_backend()
         enable_compile_cache(compile_cache_dir)
         self.model_config = model_config
@@ -143,6 +144,7 @@ class ModelRunner:
         self.page_size = page_size
         self.num_pages = num_pages
         self.mesh = mesh
+        self.host_prefix_slots = host_prefix_slots
         self.buckets = BucketTable.build(max_num_batched_tokens, max_num_seqs, max_model_len,
                                          page_size, token_buckets, seq_buckets)
         self.placement = Placement(mesh, model_config)
@@ -176,7 +178,7 @@ class ModelRunner:
     def new_cache(self, placement: Placement) -> DeviceKV:
         """A zeroed KV cache for placement's model over this runner's page pool."""
         arrays = placement.kv_cache(self.num_pages, self.page_size, self.dtype)
-        return DeviceKV(arrays, self.buckets.max_pages_per_request)
+        return DeviceKV(arrays, self.buckets.max_pages_per_request, self.host_prefix_slots)
 
     @property
     def state(self):
