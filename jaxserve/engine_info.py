@@ -51,4 +51,9 @@ class EngineStats:
     kv_usage: float = 0.0           # fraction of allocatable pages held by requests
     num_free_pages: int = 0         # allocatable now, evictable cached pages included
     prefix_query_tokens: int = 0
-    prefix_hit_tokens: int = 0
+    prefix_hit_tokens: int = 0      # device and host tier hits together
+    host_prefix_pages: int = 0      # pages held by the prefix cache's host tier
+    host_prefix_capacity_pages: int = 0
+    host_prefix_hit_tokens: int = 0
+    host_prefix_bytes_to_host: int = 0
+    host_prefix_bytes_to_device: int = 0

@@ -48,15 +48,25 @@ class _EngineStateCollector(Collector):
                 ("kv_cache_usage_ratio", "Fraction of KV pages held by requests (0-1).",
                  st.kv_usage),
                 ("kv_cache_free_pages", "KV pages allocatable now (evictable cached included).",
-                 st.num_free_pages)):
+                 st.num_free_pages),
+                ("host_prefix_cache_pages", "Pages held by the prefix cache's host tier.",
+                 st.host_prefix_pages),
+                ("host_prefix_cache_capacity_pages", "Pages the prefix cache's host tier holds "
+                 "at most (0: no host tier).", st.host_prefix_capacity_pages)):
             yield GaugeMetricFamily(PREFIX + name, doc, value=value)
         for name, doc, value in (
                 ("preemptions", "Requests preempted for lack of KV pages.", st.num_preemptions),
                 ("swap_outs", "Preemptions that swapped KV pages to host memory.", st.num_swaps),
                 ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                  st.prefix_query_tokens),
-                ("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                 st.prefix_hit_tokens),
+                ("prefix_cache_hits", "Prompt tokens found in the prefix cache (device and "
+                 "host tier).", st.prefix_hit_tokens),
+                ("host_prefix_cache_hits", "Prompt tokens found in the prefix cache's host tier "
+                 "and copied back to the device.", st.host_prefix_hit_tokens),
+                ("host_prefix_cache_bytes_to_host", "Bytes of evicted prefix pages copied to "
+                 "the host tier.", st.host_prefix_bytes_to_host),
+                ("host_prefix_cache_bytes_to_device", "Bytes of host-tier prefix pages copied "
+                 "back to the device.", st.host_prefix_bytes_to_device),
                 ("engine_steps", "Engine steps run.", st.num_steps)):
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
 

@@ -153,12 +153,18 @@ class Scheduler(SchedulerResults):
 
     def stats(self, pages, num_steps: int) -> EngineStats:
         """An immutable snapshot for other threads (pages: the page manager's PageStats)."""
+        host = pages.host
         return EngineStats(
             num_running=len(self.running), num_waiting=len(self.waiting),
             num_swapped=len(self.swapped), num_preemptions=self.num_preemptions,
             num_swaps=self.num_swaps, num_steps=num_steps, kv_usage=pages.usage,
             num_free_pages=pages.num_free, prefix_query_tokens=pages.prefix_query_tokens,
-            prefix_hit_tokens=pages.prefix_hit_tokens)
+            prefix_hit_tokens=pages.prefix_hit_tokens,
+            **({} if host is None else dict(
+                host_prefix_pages=host.num_used, host_prefix_capacity_pages=host.num_slots,
+                host_prefix_hit_tokens=host.hit_tokens,
+                host_prefix_bytes_to_host=host.bytes_to_host,
+                host_prefix_bytes_to_device=host.bytes_to_device)))
 
     # ---- scheduling ----------------------------------------------------------------
     def schedule(self) -> StepPlan:
