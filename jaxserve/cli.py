@@ -149,6 +149,9 @@ def cmd_bench(args) -> int:
             print(f"jaxserve: error: bench overhead is unavailable: {exc}", file=sys.stderr)
             return 2
         return overhead_main(args)
+    if args.bench_command == "prefix-tier":
+        from jaxserve.bench.prefix_tier import main as prefix_tier_main
+        return prefix_tier_main(args, engine_config_from_args(args))
     from jaxserve.bench.serve import run_serve_bench
     return run_serve_bench(args)
 
@@ -227,7 +230,7 @@ def _add_chat(sub) -> None:
 
 def _add_bench(sub) -> None:
     from jaxserve.bench.offline import add_offline_flags
-    bench = sub.add_parser("bench", help="benchmarks: offline, serve, overhead")
+    bench = sub.add_parser("bench", help="benchmarks: offline, serve, overhead, prefix-tier")
     _global_flags(bench, top=False)
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     offline = bench_sub.add_parser("offline", help="throughput and latency through LLM")
@@ -248,6 +251,13 @@ def _add_bench(sub) -> None:
         pass
     else:
         add_arguments(overhead)
+    from jaxserve.bench import prefix_tier
+    tier = bench_sub.add_parser(
+        "prefix-tier", help="returning conversations with the prefix cache's host tier on and "
+        "off (jaxserve/bench/prefix_tier.py)")
+    _global_flags(tier, top=False)
+    add_engine_flags(tier)
+    prefix_tier.add_arguments(tier)
     bench.set_defaults(func=cmd_bench)
 
 

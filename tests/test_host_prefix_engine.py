@@ -101,3 +101,25 @@ def test_a_host_hit_loads_the_kv_a_recompute_writes():
     np.testing.assert_allclose(hit_k, again_k, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(hit_v, again_v, rtol=1e-5, atol=1e-6)
     assert_idle_and_no_leak(llm)
+
+
+def test_bench_prefix_tier_runs_both_sides_on_the_same_requests(tmp_path):
+    """`jaxserve bench prefix-tier` end to end on a tiny checkpoint: both sides ran, the tier
+    side was served from the host, and the greedy answers match (no speed threshold here)."""
+    import json
+
+    from jaxserve.cli import main
+    from scale_out_fixtures import save_tiny_checkpoint
+
+    checkpoint = save_tiny_checkpoint(tmp_path / "tiny")
+    out = tmp_path / "tier.json"
+    assert main(["bench", "prefix-tier", "--model", str(checkpoint), "--conversations", "5",
+                 "--turns", "2", "--history", "60", "--device-conversations", "1.5",
+                 "--unique-requests", "2", "--max-num-seqs", "4", "--max-num-batched-tokens",
+                 "32", "--max-model-len", "256", "--token-buckets", "16", "32", "--seq-buckets",
+                 "4", "--quiet", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    on, off = result["runs"]["on"][0], result["runs"]["off"][0]
+    assert result["summary"]["answers_identical"]
+    assert on["host_hit_tokens"] > 0 and on["bytes_to_device"] > 0 and "host_hit_tokens" not in off
+    assert result["summary"]["mean_ttft_off_over_on"] > 0
