@@ -32,8 +32,10 @@ from jaxserve.request import SamplingParams
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--conversations", type=int, default=32)
-    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--conversations", type=int, default=32,
+                        help="conversations, each with its own history")
+    parser.add_argument("--turns", type=int, default=4,
+                        help="turns per conversation; turns after the first return")
     parser.add_argument("--history", type=int, default=1000, help="tokens of each history")
     parser.add_argument("--user-tokens", type=int, default=32, help="new tokens per turn")
     parser.add_argument("--answer-tokens", type=int, default=16, help="max_tokens per turn")
