@@ -13,7 +13,8 @@ HOST_SIDE = ["jaxserve.scheduler", "jaxserve.page_manager", "jaxserve.swap_space
              "jaxserve.step_inputs", "jaxserve.engine_info", "jaxserve.outputs",
              "jaxserve.runner.batch", "jaxserve.runner.buckets", "jaxserve.runner.protocol",
              "jaxserve.spec.batch", "jaxserve.spec.policy", "jaxserve.spec.ngram",
-             "jaxserve.processor_slots", "jaxserve.step_rows", "jaxserve.output_processor"]
+             "jaxserve.processor_slots", "jaxserve.step_rows", "jaxserve.output_processor",
+             "jaxserve.host_prefix_tier", "jaxserve.page_stats", "jaxserve.page_invariants"]
 
 
 @pytest.mark.parametrize("module", HOST_SIDE)
