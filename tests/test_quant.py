@@ -123,8 +123,10 @@ def test_q4_k_blocks_map_up_to_float16_scales(mode):
                                                     ("unroll", 4096)])
 def test_quantized_forward_equals_the_float_model_on_the_dequantized_weights(
         mode, tied, layer_loop, chunk_bytes, monkeypatch):
-    """chunk_bytes 4096: every matrix and the head dequantized a few rows at a time."""
+    """chunk_bytes 4096: every matrix and the head dequantized a few rows at a time. The
+    dequantizing path on every backend (int8 activations: tests/test_quant_int8_dot.py)."""
     monkeypatch.setattr(qlinear, "CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(qlinear, "INT8_ACTIVATIONS", "off")
     config, params = tiny_model(seed=3, tie_word_embeddings=tied)
     quantized = quant.quantize_params(params, mode)
     tokens = np.random.default_rng(7).integers(0, config.vocab_size, 45).tolist()

@@ -4,7 +4,17 @@ token lookup and head that dequantize them inside the compiled step, next to the
 `QuantizedWeight` keeps q / scale / zero as separate nnx.Params in their stored dtypes (int8,
 uint8 nibbles, float16 / float32); `value()` gives a `QArray` pytree, which lax.scan slices by
 layer like any array. `linear(x, w)` is `x @ w` for a float [in, out] array, and for a QArray it
-dequantizes [out, in] to x's dtype and contracts on `in`.
+dequantizes [out, in] to x's dtype and contracts on `in` -- except per-channel int8 on the CPU.
+
+Per-channel int8 on the CPU (`int8_dot`): XLA's CPU dots take one dtype, so an int8 weight is
+widened before any float dot, and its own loops do not vectorize a multiply-and-reduce that
+would read int8 (measured: scripts/qmatmul_options.py). But an int8 x int8 -> int32 dot of two
+rows or more goes to YNNPACK, which reads the int8 weights as stored. So the activations are
+quantized too, per row, in two int8 levels (the value, then its rounding error), stacked as 2T
+rows of one integer dot: about 15 bits of the activation, the same accuracy as weight-only
+int8 on the default model, and exact int32 sums, so a row's result does not depend on the
+batch. Grouped forms (GGUF's blocks, int4) need a scale per group of 32 inside the sum, which
+one dot cannot apply: they are dequantized. `INT8_ACTIVATIONS` ('auto': the CPU only) chooses.
 
 Why the dequantization is tied to the activation: the weights do not depend on the step's
 inputs, so XLA's scheduler is free to run every layer's dequantization at the start of the step;
@@ -12,15 +22,16 @@ on the CPU it did, and the step then held all layers' float32 weights at once (5
 matrices of SmolLM2's MLP: 47 ms instead of 0.8 ms, past the 32 MB L3). `_after(x)` is a zero
 XLA cannot prove zero (a bit count shifted out), computed from x, which pins each
 dequantization after the activation it multiplies. XLA on the CPU does not fuse a convert into
-its dot: the float32 weights are written and read back, so a matrix is dequantized CHUNK_BYTES
-of output rows at a time, each chunk tied to the previous chunk's result, and the tied head
-loops (lax.map) over vocabulary chunks; on SmolLM2 the head alone went from ~42 ms a decode
-step (a 113 MB float32 copy of the embedding) to a few. Layout and formats: model/quant.py.
+its dot: the float32 weights are written and read back, so a matrix over CHUNK_BYTES is
+dequantized that many bytes of output rows at a time, each chunk tied to the previous chunk's
+result, and the tied head loops (lax.map) over vocabulary chunks; on SmolLM2 the head alone
+went from ~42 ms a decode step (a 113 MB float32 copy of the embedding) to a few. Layout and formats: model/quant.py.
 This module holds no host quantizers and knows nothing of files or shardings.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -87,9 +98,16 @@ def dequantize(w: QArray, dtype=jnp.float32, after=None) -> jax.Array:
     return groups.reshape(*lead, out, inp).astype(dtype)
 
 
-# Output rows dequantized at a time: a chunk's float32 weights stay in the CPU's L2 (1 MiB a
-# core here) instead of streaming a whole matrix through L3 (see the module docstring).
-CHUNK_BYTES = int(os.environ.get("JAXSERVE_DEQUANT_CHUNK_BYTES", 1 << 18))
+# Output rows dequantized at a time, as float32 bytes: a layer's matrix (3.4 MiB at most in
+# SmolLM2) whole, the head's 108 MiB in pieces that stay in the CPU's 32 MiB L3. Measured on
+# SmolLM2's 30 layers (scripts/qmatmul_options.py, int8 g32): 256 KiB pieces, 14 per MLP
+# matrix, cost more in per-piece dispatch than they saved (0.7-0.85x float32 against 1.2-1.35x
+# whole).
+CHUNK_BYTES = int(os.environ.get("JAXSERVE_DEQUANT_CHUNK_BYTES", 1 << 22))
+# 'auto' | 'on' | 'off': see int8_activations()
+INT8_ACTIVATIONS = os.environ.get("JAXSERVE_INT8_ACTIVATIONS", "auto")
+log = logging.getLogger(__name__)
+_logged: set = set()
 
 
 def _rows(w: QArray, lo: int, hi: int) -> QArray:
@@ -104,17 +122,96 @@ def _num_chunks(out: int, inp: int) -> int:
     return next((n for n in range(want, min(out, 4 * want) + 1) if out % n == 0), 1)
 
 
+def per_channel_int8(w: QArray) -> bool:
+    """One scale per output row, no zero: the form an integer dot can take whole."""
+    return w.bits == 8 and w.zero is None and w.scale.shape[-1] == 1
+
+
+def int8_activations() -> bool:
+    """Whether per-channel int8 weights multiply int8 activations (INT8_ACTIVATIONS: 'auto' is
+    the CPU only, where XLA hands an int8 x int8 -> int32 dot to YNNPACK, which reads the int8
+    weights as they are; elsewhere the weights are dequantized next to the dot)."""
+    backend = jax.default_backend()
+    chosen = backend == "cpu" if INT8_ACTIVATIONS == "auto" else INT8_ACTIVATIONS == "on"
+    if (backend, chosen) not in _logged:
+        _logged.add((backend, chosen))
+        log.info("per-channel int8 weights on %s: %s (INT8_ACTIVATIONS=%s)", backend,
+                 "int8 activations, one int8 x int8 -> int32 dot" if chosen
+                 else "dequantized next to a float dot", INT8_ACTIVATIONS)
+    return chosen
+
+
+def _quantize_rows(x) -> tuple[jax.Array, jax.Array]:
+    """x [T, in] -> (int8 [T, in], float32 [T, 1]): symmetric, one scale a row (a row alone
+    decides its scale, so a row's result does not depend on the batch around it)."""
+    x = x.astype(jnp.float32)
+    sx = jnp.maximum(jnp.max(jnp.abs(x), axis=-1, keepdims=True), 1e-30) / 127.0
+    return jnp.clip(jnp.round(x / sx), -127, 127).astype(jnp.int8), sx
+
+
+def int8_dot(x, w: QArray, out_dtype) -> jax.Array:
+    """x [T, in] times per-channel int8 w [out, in] -> [T, out] in one int8 x int8 -> int32 dot
+    of 2T rows: each row of x quantized to int8, and the rounding error it leaves quantized
+    again (x ~ qx * sx + qr * sr: about 15 bits, where one int8 alone lost too much: mean KL
+    0.05 to float32 on the default model); int32 sums are exact, so a row's result does not
+    depend on T. XLA on the CPU hands dots of two rows or more to YNNPACK, which reads the int8
+    weights as they are (a dot of one row goes to XLA's own loop, which widens them first)."""
+    rows = x.shape[0]
+    x = x.astype(jnp.float32)
+    qx, sx = _quantize_rows(x)
+    qr, sr = _quantize_rows(x - qx.astype(jnp.float32) * sx)
+    acc = jax.lax.dot_general(jnp.concatenate([qx, qr]), w.q, (((1,), (1,)), ((), ())),
+                              preferred_element_type=jnp.int32)  # [2T, out]
+    acc = acc.astype(jnp.float32)
+    y = (acc[:rows] * sx + acc[rows:] * sr) * w.scale[:, 0].astype(jnp.float32)
+    return y.astype(out_dtype)
+
+
+def _int4_halves(w: QArray, dtype, after=None) -> tuple[jax.Array, jax.Array]:
+    """int4 w as (even inputs, odd inputs): the low and high nibbles dequantized apart,
+    [..., out, in // 2] each in dtype, with no interleaving shuffle (which XLA's CPU loops ran
+    at a third of float32's speed on SmolLM2's layers)."""
+    scale = w.scale.astype(jnp.float32)
+    if after is not None:
+        scale = scale + _after(after)
+    *lead, out, half = w.q.shape
+    groups = scale.shape[-1]
+
+    def dequantized(nibbles):
+        g = nibbles.astype(jnp.float32).reshape(*lead, out, groups, half // groups)
+        g = g * scale[..., None]
+        if w.zero is not None:
+            g = g + w.zero.astype(jnp.float32)[..., None]
+        return g.reshape(*lead, out, half).astype(dtype)
+
+    return dequantized(w.q & 15), dequantized(w.q >> 4)
+
+
+def _dot(x, w: QArray, after=None, preferred=None) -> jax.Array:
+    """x [T, in] times w [out, in] dequantized (after `after`) -> [T, out]; int4 as two dots,
+    x's even inputs with the low nibbles and its odd inputs with the high ones."""
+    if w.bits == 8:
+        return jnp.einsum("ti,oi->to", x, dequantize(w, x.dtype, after=after),
+                          preferred_element_type=preferred)
+    even, odd = _int4_halves(w, x.dtype, after)
+    pairs = x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2)  # [T, in // 2, 2]
+    return (jnp.einsum("ti,oi->to", pairs[..., 0], even, preferred_element_type=preferred)
+            + jnp.einsum("ti,oi->to", pairs[..., 1], odd, preferred_element_type=preferred))
+
+
 def linear(x, w):
-    """x [T, in] @ w: a float [in, out] array, or a QArray [out, in] dequantized here, a chunk
-    of output rows at a time, each chunk after the previous one's result."""
+    """x [T, in] @ w: a float [in, out] array, or a QArray [out, in]: per-channel int8 times
+    int8 activations (int8_activations()), else dequantized here, a chunk of output rows at a
+    time, each chunk after the previous one's result."""
     if not isinstance(w, QArray):
         return x @ w
+    if per_channel_int8(w) and int8_activations():
+        return int8_dot(x, w, x.dtype)
     out, inp = w.q.shape[-2], w.q.shape[-1] * (8 // w.bits)
     n = _num_chunks(out, inp) if CHUNK_BYTES > 0 else 1
     rows, parts, after = out // n, [], x
     for i in range(n):
-        part = jnp.einsum("ti,oi->to", x, dequantize(_rows(w, i * rows, (i + 1) * rows),
-                                                     x.dtype, after=after))
+        part = _dot(x, _rows(w, i * rows, (i + 1) * rows), after=after)
         parts.append(part)
         after = part
     return parts[0] if n == 1 else jnp.concatenate(parts, axis=-1)
@@ -133,16 +230,16 @@ def lookup(w, ids, dtype):
 def head(h, w, transposed: bool):
     """h [R, D] -> logits [R, V] float32; w: the tied embedding [V, D] (transposed False) or
     lm_head [D, V], float or quantized ([V, D] either way)."""
+    if isinstance(w, QArray) and per_channel_int8(w) and int8_activations():
+        return int8_dot(h, w, jnp.float32)
     if isinstance(w, QArray):
         vocab, dim = w.q.shape[0], w.q.shape[1] * (8 // w.bits)
         n = _num_chunks(vocab, dim) if CHUNK_BYTES > 0 else 1
         if n == 1:
-            return jnp.einsum("td,vd->tv", h, dequantize(w, h.dtype, after=h),
-                              preferred_element_type=jnp.float32)
+            return _dot(h, w, after=h, preferred=jnp.float32)
         # a loop over vocabulary chunks: one chunk's float weights live at a time
         chunks = jax.tree.map(lambda a: a.reshape(n, vocab // n, *a.shape[1:]), w)
-        logits = jax.lax.map(lambda c: jnp.einsum("td,vd->tv", h, dequantize(c, h.dtype),
-                                                  preferred_element_type=jnp.float32), chunks)
+        logits = jax.lax.map(lambda c: _dot(h, c, preferred=jnp.float32), chunks)
         return jnp.moveaxis(logits, 0, 1).reshape(h.shape[0], vocab)  # [n, R, V/n] -> [R, V]
     head_ = w.T if not transposed else w
     return jnp.dot(h, head_, preferred_element_type=jnp.float32)
