@@ -101,12 +101,38 @@ class SamplingInputs:
 
 
 @dataclass
+class PageTableInputs:
+    """The plain step's page tables kept on the device by batch slot (runner/
+    device_page_tables.py): each request's slot, and this step's changed rows. The step
+    writes the rows, then gathers attention.page_table [S, P] by slot on the device, so
+    attention.page_table itself is not sent (None)."""
+
+    slots: np.ndarray         # [S] i32 batch slot of each request (padding: 0, scratch, zeros)
+    update_slots: np.ndarray  # [K] i32 slots whose row changed (unused: 0)
+    update_rows: np.ndarray   # [K, P] i32 their rows (unused: zeros)
+
+    @classmethod
+    def empty(cls, s: int, p: int) -> "PageTableInputs":
+        k = num_table_updates(s)
+        return cls(np.zeros(s, np.int32), np.zeros(k, np.int32), np.zeros((k, p), np.int32))
+
+
+def num_table_updates(s: int) -> int:
+    """Changed page-table rows a step of S requests carries itself (more: a separate scatter
+    before it). A decoding request gains a page every page_size tokens, so most steps change
+    a few rows; admissions change more."""
+    return min(s, max(8, s // 4))
+
+
+@dataclass
 class StepInputs:
     """Everything one plain step reads: the model's rows, attention metadata, sampling."""
 
     model: ModelInputs
     attention: AttentionMetadata
     sampling: SamplingInputs
+    # The plain step's device page tables; None: attention.page_table is sent whole.
+    tables: PageTableInputs | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -114,11 +140,17 @@ class StepInputs:
         return self.model.token_ids.shape[0], self.attention.kv_lens.shape[0]
 
     @classmethod
-    def empty(cls, t: int, s: int, p: int, w: int = 1) -> "StepInputs":
+    def empty(cls, t: int, s: int, p: int, w: int = 1,
+              device_tables: bool = False) -> "StepInputs":
         """All-padding inputs of bucket (t, s): also what warm-up compiles and runs. w: bitmask
-        words per row (ceil(V / 32) for steps that apply grammars)."""
-        return cls(ModelInputs.empty(t, s), AttentionMetadata.empty(s, p),
-                   SamplingInputs.empty(s, t, w))
+        words per row (ceil(V / 32) for steps that apply grammars); device_tables: page tables
+        as PageTableInputs (attention.page_table None)."""
+        inputs = cls(ModelInputs.empty(t, s), AttentionMetadata.empty(s, p),
+                     SamplingInputs.empty(s, t, w))
+        if device_tables:
+            inputs.attention.page_table = None
+            inputs.tables = PageTableInputs.empty(s, p)
+        return inputs
 
 
 @dataclass

@@ -72,9 +72,9 @@ def test_kv_pages_are_split_on_kv_heads_and_inputs_replicated(report, tp):
     for kv in run["kv"]:  # [L, N, page_size, Hkv, Dh]
         assert kv["spec"] == "P(None, None, None, 'tp', None)", kv
         assert kv["shard_shape"][3] == 4 // tp and kv["shard_shape"][:3] == kv["shape"][:3]
-    # Every StepInputs leaf but the one the reference path never reads (num_decode_seqs, which
-    # jit drops) enters the step, replicated.
-    assert run["inputs_replicated"] and run["num_step_inputs"] == run["num_input_leaves"] - 1
+    # Every StepInputs leaf (the page tables as slots and changed rows) enters the step,
+    # replicated.
+    assert run["inputs_replicated"] and run["num_step_inputs"] == run["num_input_leaves"]
 
 
 def test_checkpoint_restores_straight_into_the_shardings(report):

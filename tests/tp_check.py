@@ -76,7 +76,8 @@ def serve(checkpoint: Path, tp: int, layer_loop: str, preemption_mode: str, **sp
             "kv": [describe(x) for x in runner.kv],
             "inputs_replicated": all(s.is_fully_replicated for s in step_inputs),
             "num_step_inputs": len(step_inputs),
-            "num_input_leaves": len(jax.tree.leaves(StepInputs.empty(16, 4, 2)))}
+            "num_input_leaves": len(jax.tree.leaves(StepInputs.empty(16, 4, 2,
+                                                                       device_tables=True)))}
 
 
 def error_of(fn) -> str | None:

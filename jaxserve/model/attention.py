@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.model import device_select
+from jaxserve.model.decode_attention import WIDE_MAX_KV_HEADS, decode_attention, decode_work
 from jaxserve.model.device_select import ATTENTION_IMPLS  # noqa: F401  (re-exported)
 from jaxserve.step_inputs import AttentionMetadata
 
@@ -61,31 +62,78 @@ def resolve_attention_impl(impl: str, backend: str | None = None, dtype: str = "
 def get_attention(impl: str, shape: AttentionShape) -> PagedAttention:
     impl = resolve_attention_impl(impl)
     if impl == "reference":
-        return ReferenceAttention()
+        return ReferenceAttention(shape)
     return PallasAttention(shape, interpret=impl == "pallas-interpret")
 
 
 class _RowMetadata(NamedTuple):
     page_table: jax.Array  # [S, P]
+    kv_lens: jax.Array     # [S]
     seq_ids: jax.Array     # [T] request of each row (padding: 0)
     positions: jax.Array   # [T] position of each row (padding: -1)
+    num_decode_seqs: jax.Array  # []
+    any_ragged: jax.Array  # [] bool: some request has more than one row this step
+    decode: tuple          # per sliding window: decode_attention.DecodeWork
 
 
 class ReferenceAttention:
-    """pallas_kernels.reference over rows whose request and position are computed once."""
+    """The XLA path. Decode rows (one per request, the batch's first num_decode_seqs rows) as
+    one work list (model/decode_attention.py), the other rows through
+    pallas_kernels.reference (skipped by a lax.cond when the step has none); a model with more
+    than WIDE_MAX_KV_HEADS KV heads (per device) sends every row through the reference, where
+    the work list measured slower. Per-row metadata and work lists are made once a step."""
+
+    def __init__(self, shape: AttentionShape | None = None, *, tile_pages: int = 4,
+                 items_per_chunk: int = 64):
+        """shape: what the model's layers use (None: no sliding window; each layer then makes
+        its own work list); tile_pages: KV pages per decode work item; items_per_chunk: items
+        one loop iteration gathers (measured on the 2-core CPU, issue 18 note)."""
+        self.sliding_windows = (None,) if shape is None else shape.sliding_windows
+        self.page_size = None if shape is None else shape.page_size
+        self.work_list = shape is None or shape.num_kv_heads <= WIDE_MAX_KV_HEADS
+        self.tile_pages, self.items_per_chunk = tile_pages, items_per_chunk
 
     def prepare(self, metadata: AttentionMetadata, num_tokens: int) -> _RowMetadata:
         from pallas_kernels.reference import token_metadata
-        seq_ids, positions = token_metadata(metadata.kv_lens, metadata.cu_q_lens,
-                                            metadata.num_seqs, num_tokens)
-        return _RowMetadata(metadata.page_table, seq_ids, positions)
+        md = metadata
+        seq_ids, positions = token_metadata(md.kv_lens, md.cu_q_lens, md.num_seqs, num_tokens)
+        num_decode = jnp.reshape(md.num_decode_seqs, ()).astype(jnp.int32)
+        works = () if self.page_size is None or not self.work_list else tuple(
+            self._work(md.kv_lens, num_decode, md.page_table, self.page_size, w)
+            for w in self.sliding_windows)
+        return _RowMetadata(md.page_table, md.kv_lens, seq_ids, positions, num_decode,
+                            jnp.reshape(md.num_seqs, ()) > num_decode, works)
+
+    def _work(self, kv_lens, num_decode, page_table, page_size, window):
+        return decode_work(kv_lens, num_decode, page_table, page_size,
+                           tile_pages=self.tile_pages, sliding_window=window)
 
     def __call__(self, q, k_pages, v_pages, layer, prepared: _RowMetadata, *, sm_scale,
                  sliding_window=None, soft_cap=None):
         from pallas_kernels.reference import attend_rows
-        return attend_rows(q, k_pages, v_pages, layer, prepared.page_table, prepared.seq_ids,
-                           prepared.positions, sm_scale=sm_scale, soft_cap=soft_cap,
-                           sliding_window=sliding_window)
+        pr = prepared
+        kw = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+        if k_pages.shape[3] > WIDE_MAX_KV_HEADS:
+            return attend_rows(q, k_pages, v_pages, layer, pr.page_table, pr.seq_ids,
+                               pr.positions, **kw)
+        num_tokens, num_seqs = q.shape[0], pr.page_table.shape[0]
+        if pr.decode:
+            work = pr.decode[self.sliding_windows.index(sliding_window)]
+        else:  # made without the page size (a model run alone): this layer makes its own
+            work = self._work(pr.kv_lens, pr.num_decode_seqs, pr.page_table, k_pages.shape[2],
+                              sliding_window)
+        q_decode = q[:num_seqs] if num_tokens >= num_seqs else jnp.pad(
+            q, ((0, num_seqs - num_tokens), (0, 0), (0, 0)))
+        decoded = decode_attention(q_decode, k_pages, v_pages, layer, work, sm_scale=sm_scale,
+                                   items_per_chunk=self.items_per_chunk, soft_cap=soft_cap)
+        rows = jnp.arange(num_tokens)
+        is_decode = rows < pr.num_decode_seqs
+        ragged = jax.lax.cond(  # the other rows; decode rows as padding (no work)
+            pr.any_ragged, lambda a: attend_rows(*a, **kw), lambda a: jnp.zeros_like(a[0]),
+            (q, k_pages, v_pages, layer, pr.page_table, pr.seq_ids,
+             jnp.where(is_decode, -1, pr.positions)))
+        from_decode = decoded[jnp.minimum(rows, num_seqs - 1)]
+        return jnp.where(is_decode[:, None, None], from_decode, ragged)
 
 
 class _KernelMetadata(NamedTuple):

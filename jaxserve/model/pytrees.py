@@ -14,8 +14,8 @@ import jax
 from jaxserve import step_inputs
 
 _CLASSES = (step_inputs.ModelInputs, step_inputs.AttentionMetadata, step_inputs.SamplingInputs,
-            step_inputs.StepInputs, step_inputs.VerifyInputs, step_inputs.DraftInputs,
-            step_inputs.SpecStepInputs)
+            step_inputs.StepInputs, step_inputs.PageTableInputs, step_inputs.VerifyInputs,
+            step_inputs.DraftInputs, step_inputs.SpecStepInputs)
 for _cls in _CLASSES:
     jax.tree_util.register_dataclass(
         _cls, data_fields=[f.name for f in dataclasses.fields(_cls)], meta_fields=[])

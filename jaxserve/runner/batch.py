@@ -19,26 +19,31 @@ from jaxserve.step_inputs import SamplingInputs, StepInputs
 def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
                       chunks: list[ScheduledChunk] | None = None,
                       shape: tuple[int, int] | None = None, mask_words: int = 1,
-                      tables: HostPageTables | None = None) -> StepInputs:
+                      tables: HostPageTables | None = None,
+                      device_tables: bool = False) -> StepInputs:
     """chunks: the rows to lay out (default plan.chunks; speculation passes them with their
     draft rows appended); shape: a fixed (T, S) bucket instead of the smallest that fits;
     mask_words: grammar bitmask words per row (the step's compiled width); tables: the runner's
-    persistent page tables by batch slot (None: each chunk's table is copied)."""
+    persistent page tables by batch slot (None: each chunk's table is copied); device_tables:
+    send only the changed rows (StepInputs.tables; needs tables with a transient slot per
+    request row)."""
     chunks = plan.chunks if chunks is None else chunks
     padding = plan.static_padding if plan.chunks else None
     num_finished = 0 if padding is None else padding.num_finished_slots
     num_rows = sum(c.num_tokens for c in chunks) + plan.num_padding_rows
     t, s = shape or buckets.select(num_rows, len(chunks) + num_finished)
     p = buckets.max_pages_per_request
-    b = StepInputs.empty(t, s, p, mask_words)
+    b = StepInputs.empty(t, s, p, mask_words, device_tables=device_tables)
     num_seqs = len(chunks)
     num_decode = next((i for i, c in enumerate(chunks) if c.num_tokens != 1), num_seqs)
     for chunk in chunks:
         if len(chunk.page_table) > p or len(chunk.page_table) * page_size < chunk.kv_len:
             raise ValueError(f"request {chunk.request_id}: {len(chunk.page_table)} pages for "
                              f"{chunk.kv_len} tokens (page-table width {p})")
-    if tables is not None and all(c.batch_slot for c in chunks):
-        _layout_with_slots(b, chunks, num_decode, page_size, tables)
+    slots = None
+    if tables is not None and (tables.num_transient >= len(chunks)
+                               or all(c.batch_slot for c in chunks)):
+        slots = _layout_with_slots(b, chunks, num_decode, page_size, tables)
     else:
         _layout_each(b, chunks, num_decode, page_size)
     _fill_sampling(b, chunks)
@@ -46,7 +51,7 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
     row = int(a.cu_q_lens[num_seqs])
     a.num_decode_seqs[...] = num_decode
     if num_finished:
-        row = _fill_finished_slots(b, chunks, num_seqs, row, num_finished)
+        row = _fill_finished_slots(b, chunks, num_seqs, row, num_finished, slots)
         num_seqs += num_finished
     a.cu_q_lens[num_seqs + 1:] = row
     a.num_seqs[...] = num_seqs
@@ -54,14 +59,25 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
 
 
 def _layout_with_slots(b: StepInputs, chunks, num_decode: int, page_size: int,
-                       tables: HostPageTables) -> None:
-    """Page tables from the slots' persistent rows; the decode rows in one go each field."""
+                       tables: HostPageTables) -> np.ndarray:
+    """Page tables from the slots' persistent rows (b.tables: just the changed rows, the
+    first num_table_updates of them; tables.changed lists them all); the decode rows in one
+    go each field. Returns each request's table slot [n]."""
     m, a = b.model, b.attention
-    slots = np.fromiter((c.batch_slot for c in chunks), np.int32, len(chunks))
-    for chunk, slot in zip(chunks, slots.tolist()):
-        tables.update(slot, chunk.page_table)
+    first = tables.num_slots
+    slots = np.fromiter((c.batch_slot or first + i for i, c in enumerate(chunks)), np.int32,
+                        len(chunks))
+    tables.changed = [slot for chunk, slot in zip(chunks, slots.tolist())
+                      if tables.update(slot, chunk.page_table)]
     n = len(chunks)
-    a.page_table[:n] = tables.tables[slots]
+    if b.tables is None:
+        a.page_table[:n] = tables.tables[slots]
+    else:
+        t = b.tables
+        t.slots[:n] = slots
+        sent = tables.changed[:len(t.update_slots)]
+        t.update_slots[:len(sent)] = sent
+        t.update_rows[:len(sent)] = tables.tables[sent]
     if num_decode:
         d = chunks[:num_decode]
         pos = np.fromiter((c.start_position for c in d), np.int32, num_decode)
@@ -75,6 +91,7 @@ def _layout_with_slots(b: StepInputs, chunks, num_decode: int, page_size: int,
         a.kv_lens[:num_decode] = pos + 1
         a.cu_q_lens[1:num_decode + 1] = np.arange(1, num_decode + 1, dtype=np.int32)
     _layout_rows(b, chunks, num_decode, num_decode, page_size, copy_tables=False)
+    return slots
 
 
 def _layout_each(b: StepInputs, chunks, num_decode: int, page_size: int) -> None:
@@ -153,18 +170,22 @@ def _fill_processors(sp: SamplingInputs, i: int, pr: ProcessorRow) -> None:
 
 
 def _fill_finished_slots(b: StepInputs, chunks: list[ScheduledChunk], first: int, row: int,
-                         count: int) -> int:
+                         count: int, slots: np.ndarray | None) -> int:
     """Static batching: a finished member's slot is a decode row over the longest member's
-    pages (read only); its own K/V goes to scratch page 0 and nothing samples it. Returns the
-    next free row."""
-    longest = max(chunks, key=lambda c: c.kv_len)
-    table = np.asarray(longest.page_table, dtype=np.int32)
+    pages (read only); its own K/V goes to scratch page 0 and nothing samples it. slots: each
+    chunk's table slot (device tables: the row reads the longest's). Returns the next free
+    row."""
+    longest = max(range(len(chunks)), key=lambda i: chunks[i].kv_len)
+    table = np.asarray(chunks[longest].page_table, dtype=np.int32)
     a = b.attention
     for i in range(first, first + count):
-        b.model.positions[row] = longest.kv_len - 1
+        b.model.positions[row] = chunks[longest].kv_len - 1
         b.model.logits_indices[i] = row
-        a.page_table[i, :len(table)] = table
-        a.kv_lens[i] = longest.kv_len
+        if b.tables is not None:
+            b.tables.slots[i] = slots[longest]
+        else:
+            a.page_table[i, :len(table)] = table
+        a.kv_lens[i] = chunks[longest].kv_len
         a.cu_q_lens[i + 1] = row + 1
         row += 1
     return row

@@ -36,7 +36,9 @@ from jaxserve.runner import batch_tokens
 from jaxserve.runner.batch import build_step_inputs
 from jaxserve.runner.batch_tokens import BatchTokens
 from jaxserve.runner.buckets import BucketTable
+from jaxserve.runner import device_page_tables
 from jaxserve.runner.compiled_step import CompiledStep
+from jaxserve.runner.device_page_tables import DevicePageTables
 from jaxserve.runner.host_page_tables import HostPageTables
 from jaxserve.runner import logits_processors
 from jaxserve.runner.grammar_mask import maybe_apply_bitmask
@@ -97,9 +99,13 @@ def unpack(packed: np.ndarray, num_chunks: int, with_top: bool = False) -> StepR
 
 def plain_step(graphdef, attention, state, kv, inputs: StepInputs):
     """forward -> logits processors -> sample (+ top-k logprobs, + prompt logprobs). kv: (KV
-    pages, processor state, batch tokens). Returns ((packed [2, S, 1 + K] i32, prompt
-    [2, T, 1 + K] i32), kv); the prompt part is fetched only by steps that asked for it."""
-    kv_pages, processors, last_tokens = kv
+    pages, processor state, batch tokens, page tables by slot). Returns ((packed [2, S, 1 + K]
+    i32, prompt [2, T, 1 + K] i32), kv); the prompt part is fetched only by steps that asked
+    for it."""
+    kv_pages, processors, last_tokens, tables = kv
+    tables, page_table = device_page_tables.apply(tables, inputs.tables)
+    inputs = dataclasses.replace(inputs, attention=dataclasses.replace(
+        inputs.attention, page_table=page_table))
     model = nnx.merge(graphdef, state)
     rows = dataclasses.replace(inputs.model, token_ids=batch_tokens.feed(
         inputs.model.token_ids, inputs.model.token_slots, last_tokens))
@@ -114,7 +120,7 @@ def plain_step(graphdef, attention, state, kv, inputs: StepInputs):
     packed = pack(tokens, logprobs, top_logprobs(logits, sp))
     prompt_ids, prompt_lps = prompt_logprobs(model, hidden, sp)
     prompt = jnp.stack([prompt_ids, jax.lax.bitcast_convert_type(prompt_lps, jnp.int32)])
-    return (packed, prompt), (kv_pages, processors, last_tokens)
+    return (packed, prompt), (kv_pages, processors, last_tokens, tables)
 
 
 @dataclasses.dataclass
@@ -153,18 +159,23 @@ class ModelRunner:
         self.processors = ProcessorState(max_num_seqs + 1, model_config.vocab_size,
                                          self.placement.replicated)
         self.last_tokens = BatchTokens(max_num_seqs + 1, self.placement.replicated)
-        self.host_tables = HostPageTables(max_num_seqs + 1, self.buckets.max_pages_per_request)
+        p = self.buckets.max_pages_per_request
+        max_s = self.buckets.seq_buckets[-1]  # transient table slots: rows without a slot
+        self.host_tables = HostPageTables(max_num_seqs + 1, p, num_transient=max_s)
+        self.device_tables = DevicePageTables(max_num_seqs + 1 + max_s, p,
+                                              self.placement.replicated)
         self.timings = None  # a StepTimings (the engine's), or None
         self._launcher = ThreadPoolExecutor(1, thread_name_prefix="jaxserve-launch")
         self.attention = self.placement.attention(self.attention_impl, page_size)
         step = functools.partial(plain_step, self.graphdef, self.attention)
-        p = self.buckets.max_pages_per_request
         self.mask_words = -(-model_config.vocab_size // 32)  # grammar bitmask words per row
         self._unused_bitmasks: dict[tuple[int, int], jax.Array] = {}
         self.step = CompiledStep("step", step, state,
-                                 (self.cache, self.processors, self.last_tokens),
+                                 (self.cache, self.processors, self.last_tokens,
+                                  self.device_tables),
                                  self.buckets,
-                                 lambda shape: StepInputs.empty(*shape, p, self.mask_words),
+                                 lambda shape: StepInputs.empty(*shape, p, self.mask_words,
+                                                                device_tables=True),
                                  **self.placement.jit_shardings(processor_state=True))
 
     def _place_unused_bitmasks(self) -> None:
@@ -197,11 +208,12 @@ class ModelRunner:
         self._place_unused_bitmasks()
         self.cache.warmup()
         self.processors.warmup()
+        self.device_tables.warmup()
 
     def wait(self) -> None:
         self._launcher.submit(lambda: None).result()  # every launched step has its arrays
         jax.block_until_ready((self.state, self.kv, self.processors.arrays,
-                               self.last_tokens.arrays))
+                               self.last_tokens.arrays, self.device_tables.arrays))
 
     def close(self) -> None:
         self._launcher.shutdown(wait=True)
@@ -215,23 +227,30 @@ class ModelRunner:
     def dispatch(self, plan: StepPlan) -> PendingStep:
         """Lay the plan out as inputs, hand it to the launcher thread and return at once."""
         with self._phase("build"):
-            inputs = None
+            inputs, overflow = None, None
             if plan.chunks:
                 inputs = build_step_inputs(plan, self.buckets, self.page_size,
-                                           mask_words=self.mask_words, tables=self.host_tables)
+                                           mask_words=self.mask_words, tables=self.host_tables,
+                                           device_tables=True)
                 if not inputs.sampling.any_grammar:  # no upload of an unused [S, W] bitmask
                     inputs.sampling.grammar_bitmask = self._unused_bitmasks[inputs.shape]
+                overflow = self.host_tables.changed[len(inputs.tables.update_slots):]
+                if overflow:  # more changed rows than the step carries: written before it
+                    overflow = (np.asarray(overflow, np.int32), self.host_tables.tables[overflow])
         with self._phase("dispatch"):
-            launched = self._launcher.submit(self._launch, plan, inputs)
+            launched = self._launcher.submit(self._launch, plan, inputs, overflow)
         if inputs is None:
             launched.result()  # swaps only: done before the next plan is laid out
             return PendingStep(0)
         return PendingStep(len(plan.chunks), launched, bool(inputs.sampling.any_prompt_logprobs))
 
-    def _launch(self, plan: StepPlan, inputs: StepInputs | None):
-        """On the launcher thread: the plan's swaps and processor fills, then its step."""
+    def _launch(self, plan: StepPlan, inputs: StepInputs | None, table_rows=None):
+        """On the launcher thread: the plan's swaps, processor fills and page-table rows the
+        step does not carry, then its step."""
         self.cache.apply_swaps(plan)
         self.processors.apply_inits(plan)
+        if table_rows:
+            self.device_tables.write(*table_rows)
         return None if inputs is None else self.step.run(inputs)
 
     def collect(self, pending: PendingStep) -> StepResult:

@@ -47,7 +47,12 @@ def sample(logits, sampling: SamplingInputs):
     sp = sampling
     temperature, top_k, top_p, min_p = sp.temperature, sp.top_k, sp.top_p, sp.min_p
     seeds, output_index, any_sampling = sp.seeds, sp.output_index, sp.any_sampling
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    vocab = logits.shape[-1]
+    row_max = jnp.max(logits, axis=-1)
+    # argmax as two plain reductions (the first index of the maximum, as jnp.argmax): XLA on
+    # the CPU runs argmax's (value, index) reduction several times slower (issue 18 note)
+    greedy = jnp.min(jnp.where(logits == row_max[:, None], jnp.arange(vocab, dtype=jnp.int32),
+                               vocab - 1), axis=-1)  # (a NaN row: the last token)
 
     def sampled(_):
         filtered = filter_logits(logits, temperature, top_k, top_p, min_p)
@@ -56,8 +61,10 @@ def sample(logits, sampling: SamplingInputs):
         return jnp.where(temperature > 0, tokens, greedy)
 
     tokens = jax.lax.cond(any_sampling, sampled, lambda _: greedy, None)
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    # log_softmax's arithmetic for the sampled token only (no [S, V] of log-probabilities)
+    log_sum = jnp.log(jnp.sum(jnp.exp(logits - row_max[:, None]), axis=-1))
+    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
+    return tokens, (chosen - row_max) - log_sum
 
 
 def top_logprobs(logits, sampling: SamplingInputs):

@@ -1,0 +1,85 @@
+"""The XLA attention backend (model/attention.py ReferenceAttention: decode rows as one work
+list, model/decode_attention.py; other rows through the reference) against the reference
+(pallas_kernels/reference.py) on mixed batches: decode rows of different lengths, prefill
+chunks, padding rows, sliding windows, soft caps, steps with fewer rows than requests, and a
+model with more KV heads than the work list takes."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from jaxserve.model import pytrees  # noqa: E402,F401  (the step inputs as pytrees)
+from jaxserve.model.attention import AttentionShape, ReferenceAttention  # noqa: E402
+from jaxserve.step_inputs import AttentionMetadata  # noqa: E402
+from pallas_kernels import reference  # noqa: E402
+
+PAGE_SIZE, PAGES, MAX_SEQS, LAYERS, HEAD_DIM = 4, 9, 6, 2, 8
+
+
+def batch(rng, q_lens, kv_lens, num_kv_heads, num_tokens, group=2):
+    num_pages = MAX_SEQS * PAGES + 1
+    shape = (LAYERS, num_pages, PAGE_SIZE, num_kv_heads, HEAD_DIM)
+    k, v = (jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in range(2))
+    table = rng.permutation(np.arange(1, num_pages)).reshape(MAX_SEQS, PAGES).astype(np.int32)
+    q = jnp.asarray(rng.normal(size=(num_tokens, num_kv_heads * group, HEAD_DIM)), jnp.float32)
+    lens = np.zeros(MAX_SEQS, np.int32)
+    lens[:len(kv_lens)] = kv_lens
+    cu = np.full(MAX_SEQS + 1, sum(q_lens), np.int32)
+    cu[:len(q_lens) + 1] = np.concatenate([[0], np.cumsum(q_lens)])
+    num_decode = next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens))
+    md = AttentionMetadata(jnp.asarray(cu), jnp.asarray(lens), jnp.asarray(table),
+                           jnp.int32(len(q_lens)), jnp.int32(num_decode))
+    return q, k, v, md
+
+
+def run_both(q, k, v, md, shape, **kw):
+    backend = ReferenceAttention(shape)
+    num_tokens = q.shape[0]
+    out = jax.jit(lambda q, k, v, md: backend(q, k, v, jnp.int32(1),
+                                              backend.prepare(md, num_tokens), **kw))(q, k, v, md)
+    ref = reference.ragged_paged_attention(q, k, v, jnp.int32(1), md.kv_lens, md.page_table,
+                                           md.cu_q_lens, md.num_seqs, **kw)
+    return np.asarray(out), np.asarray(ref)
+
+
+CASES = {  # q_lens, kv_lens, rows in the bucket
+    "decode only, lengths from 1 to the table's width": ([1] * 6, [1, 5, 36, 17, 4, 30], 8),
+    "decode then prefill chunks and padding": ([1, 1, 1, 5, 7], [9, 36, 2, 20, 7], 16),
+    "prefill only": ([6, 3], [6, 30], 16),
+    "fewer rows than requests": ([1, 1, 1], [3, 33, 12], 4),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (7, None), (None, 5.0)])
+def test_xla_backend_matches_the_reference(name, window, soft_cap):
+    q_lens, kv_lens, num_tokens = CASES[name]
+    rng = np.random.default_rng(len(name))
+    q, k, v, md = batch(rng, q_lens, kv_lens, 2, max(num_tokens, MAX_SEQS)
+                        if name != "fewer rows than requests" else num_tokens)
+    shape = AttentionShape(2, 2, PAGE_SIZE, (None, window))
+    out, ref = run_both(q, k, v, md, shape, sm_scale=HEAD_DIM ** -0.5,
+                        sliding_window=window, soft_cap=soft_cap)
+    live = np.arange(q.shape[0]) < sum(q_lens)
+    assert not out[~live].any(), f"{name}: padding rows are not zero"
+    err = np.abs(out - ref).max()
+    assert err < 1e-5, f"{name} (window {window}, cap {soft_cap}): max error {err:.2e}"
+
+
+def test_many_kv_heads_take_the_reference_path_and_match_it():
+    rng = np.random.default_rng(3)
+    q, k, v, md = batch(rng, [1, 1, 4], [7, 30, 12], 8, 8, group=1)
+    out, ref = run_both(q, k, v, md, AttentionShape(1, 8, PAGE_SIZE), sm_scale=0.3)
+    assert np.abs(out - ref).max() < 1e-5
+
+
+def test_backend_without_a_shape_makes_its_work_list_in_the_layer():
+    rng = np.random.default_rng(4)
+    q, k, v, md = batch(rng, [1, 1, 3], [5, 21, 9], 2, 8)
+    out, ref = run_both(q, k, v, md, None, sm_scale=0.3)
+    assert np.abs(out - ref).max() < 1e-5
