@@ -42,6 +42,13 @@ def test_tensor_parallel_gives_the_same_greedy_tokens_as_one_device(report, tp):
                        f"vs {want[differ[0]]}"
 
 
+def test_host_prefix_tier_under_tensor_parallelism(report):
+    """Sharded KV pages go to the host tier and come back (second pass): same tokens."""
+    run, want = report["runs"]["host_tier"], report["runs"]["1"]["tokens"]
+    assert run["host_hit_tokens"] > 0 and run["loaded_pages"] > 0, run
+    assert run["passes"][0] == want and run["passes"][1] == want
+
+
 def test_the_mixed_batch_preempted_and_swapped_under_tensor_parallelism(report):
     run = report["runs"]["2"]
     assert run["preemptions"] > 0 and run["swaps"] > 0, f"no preemption/swap to test: {run}"

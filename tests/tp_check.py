@@ -80,6 +80,19 @@ def serve(checkpoint: Path, tp: int, layer_loop: str, preemption_mode: str, **sp
                                                                        device_tables=True)))}
 
 
+def serve_twice_with_host_tier(checkpoint: Path) -> dict:
+    """tensor_parallel_size 2 with the prefix cache's host tier: the mixed requests twice; the
+    second pass finds the first's prefixes on the host (the 20-page pool evicted them)."""
+    llm = LLM(str(checkpoint), progress=False, tensor_parallel_size=2,
+              host_prefix_cache_size=16 << 20, **LEAN_ENGINE)
+    prompts, params = mixed_requests()
+    passes = [[o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+              for _ in range(2)]
+    host = llm.engine.pages.stats().host
+    return {"passes": passes, "host_hit_tokens": host.hit_tokens,
+            "loaded_pages": host.loaded_pages}
+
+
 def error_of(fn) -> str | None:
     try:
         fn()
@@ -97,6 +110,7 @@ def main() -> int:
             result["runs"][str(tp)] = serve(checkpoint, tp, layer_loop, mode)
         for name, spec in SPEC_RUNS.items():
             result["runs"][name] = serve(checkpoint, 2, "unroll", "recompute", **spec)
+        result["runs"]["host_tier"] = serve_twice_with_host_tier(checkpoint)
         restored = tensor_parallel.load_model(str(checkpoint), make_mesh(2), progress=False)
         result["restored"] = {name: describe(restored.params[name])
                               for name in ("layers.wq", "layers.wk", "layers.w_up", "embed")}
