@@ -2,8 +2,10 @@
 
     python scripts/bench_quant.py [--rounds 2] [--out scripts/bench_results/quant.json]
 
-Builds one engine per weight form (float32, int8, int4: the GGUF's blocks mapped straight to
-each, model/gguf_quant.py), then alternates between them, round by round: the batch-1 decode
+Builds one engine per weight form (float32; int8 and int4: the GGUF's blocks mapped straight to
+each, model/gguf_quant.py, groups of 32; int8 per channel: the float32 weights quantized at load,
+the form a Hugging Face or Orbax model gets, which the CPU multiplies with int8 activations,
+qlinear.int8_dot), then alternates between them, round by round: the batch-1 decode
 step (median and min ms over 48 steps) and the 16-concurrent anyscale workload's output tok/s.
 Each form's weight bytes on device come with its bandwidth bound, bytes / measured read
 bandwidth (a jitted sum over a 1 GiB float32 array, the same run): the step time if it did
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -27,9 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_probe import _anyscale, _decode_steps  # noqa: E402
 
 from jaxserve.llm import LLM  # noqa: E402
+from jaxserve.model import qlinear  # noqa: E402
+from jaxserve.model.loader import load_model  # noqa: E402
 from jaxserve.request import SamplingParams  # noqa: E402
 
-MODES = ("none", "int8", "int4")
+MODES = ("none", "int8", "int8pc", "int4")
+NAMES = {"none": "float32", "int8": "int8 g32", "int8pc": "int8 pc", "int4": "int4 g32"}
 
 
 def read_bandwidth_gb_s(num_bytes: int = 1 << 30) -> float:
@@ -59,8 +65,13 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    llms = {mode: LLM("default", quantization=mode, progress=False, max_model_len=1024,
-                      max_num_seqs=16) for mode in MODES}
+    settings = dict(progress=False, max_model_len=1024, max_num_seqs=16)
+    load_before = os.getloadavg()
+    llms = {mode: LLM("default", quantization=mode, **settings) for mode in MODES
+            if mode != "int8pc"}
+    llms["int8pc"] = LLM("default", loaded=load_model("default", progress=False),
+                         quantization="int8", **settings)
+    llms = {mode: llms[mode] for mode in MODES}
     bandwidth = read_bandwidth_gb_s()
     steps = {mode: [] for mode in MODES}
     tok_s = {mode: [] for mode in MODES}
@@ -83,12 +94,15 @@ def main() -> int:
         row["anyscale16_vs_float32"] = row["anyscale16_tok_s"] / base["anyscale16_tok_s"]
         row["bytes_vs_float32"] = row["weight_bytes"] / base["weight_bytes"]
     result = dict(machine=f"{jax.default_backend()} x{jax.device_count()}",
-                  read_bandwidth_gb_s=bandwidth, rounds=args.rounds, modes=rows)
-    print(f"read bandwidth {bandwidth:.1f} GB/s")
+                  read_bandwidth_gb_s=bandwidth, rounds=args.rounds,
+                  int8_activations=qlinear.int8_activations(),
+                  dequant_chunk_bytes=qlinear.CHUNK_BYTES,
+                  load_before=load_before, load_after=os.getloadavg(), modes=rows)
+    print(f"read bandwidth {bandwidth:.1f} GB/s; load {load_before} -> {os.getloadavg()}")
     print(f"{'weights':8} {'MiB':>7} {'bytes':>6} {'decode1 ms':>11} {'min':>6} {'bound ms':>9} "
           f"{'x f32':>6} {'any16 tok/s':>12} {'x f32':>6}")
     for mode, r in rows.items():
-        name = "float32" if mode == "none" else mode
+        name = NAMES[mode]
         print(f"{name:8} {r['weight_bytes'] / 2**20:7.1f} {r['bytes_vs_float32']:6.1%} "
               f"{r['decode1_ms_median']:11.2f} {r['decode1_ms_min']:6.2f} "
               f"{r['bandwidth_bound_ms']:9.2f} {r['decode1_speedup_vs_float32']:6.2f} "
