@@ -14,8 +14,9 @@ recomputed, with it the pages come back from host memory. Reported per side: mea
 TTFT of the returning turns (t >= 1) and of the first turns, the host tier's hit tokens and
 bytes moved; then output tokens/s of a workload that never returns (--unique-requests fresh
 prompts of the same length, all at once), where the tier only costs its copies to the host.
-Both sides run the same requests on the same loaded model, alternating for --rounds rounds
-(the median round is kept). The tier's size is --host-prefix-cache-size, or by default room
+Both sides run the same requests on the same loaded model, alternating for --rounds rounds;
+the ratios are taken within each round (its two sides ran back to back) and their median is
+reported. The tier's size is --host-prefix-cache-size, or by default room
 for every conversation's pages. Timing is generation only (engines are built and warmed up
 first). It prints and writes JSON; it changes no setting of a running server.
 """
@@ -136,18 +137,18 @@ def main(args, config) -> int:
                 conv["unique"] = unique_side(engine, args, loaded.config.vocab_size, config.seed)
             runs[side].append(conv)
             _print_side(side, conv)
-    med = {side: sorted(rs, key=lambda r: r["returning_ttft_s"]["mean"])[len(rs) // 2]
-           for side, rs in runs.items()}
-    same = all(a == b for a, b in zip(med["off"].pop("answers"), med["on"].pop("answers")))
+    same = all(off["answers"] == on["answers"] for off, on in zip(runs["off"], runs["on"]))
     for rs in runs.values():
         for r in rs:
-            r.pop("answers", None)
-    off, on = med["off"], med["on"]
+            r.pop("answers")
+    pairs = list(zip(runs["off"], runs["on"]))  # one round's two sides, run back to back
+    ratio = lambda f: float(np.median([f(off) / f(on) for off, on in pairs]))  # noqa: E731
     summary = dict(
-        mean_ttft_off_over_on=off["returning_ttft_s"]["mean"] / on["returning_ttft_s"]["mean"],
-        p99_ttft_off_over_on=off["returning_ttft_s"]["p99"] / on["returning_ttft_s"]["p99"],
-        unique_tokens_per_s_on_over_off=(on["unique"]["output_throughput"]
-                                         / off["unique"]["output_throughput"]),
+        mean_ttft_off_over_on=ratio(lambda r: r["returning_ttft_s"]["mean"]),
+        p99_ttft_off_over_on=ratio(lambda r: r["returning_ttft_s"]["p99"]),
+        unique_tokens_per_s_on_over_off=float(np.median([
+            on["unique"]["output_throughput"] / off["unique"]["output_throughput"]
+            for off, on in pairs])),
         answers_identical=same, num_pages=configs["on"].num_pages,
         host_prefix_cache_size=configs["on"].host_prefix_cache_size)
     print(f"returning turns, mean TTFT off/on: {summary['mean_ttft_off_over_on']:.2f}x, p99 "
