@@ -343,7 +343,8 @@ class PageManager:
     def _pop_free(self) -> int:
         page, _ = self._free.popitem(last=False)
         if self._key[page] is not None:  # eviction: to the host tier, when there is one
-            if self.host_tier is not None:
+            # (not a page whose own load is pending this step: the store would read it first)
+            if self.host_tier is not None and all(p != page for _, p in self._pending_loads):
                 slot = self.host_tier.put(self._key[page], self._tokens[page], self._serial[page],
                                           self._parent_serial[page])
                 if slot is not None:
