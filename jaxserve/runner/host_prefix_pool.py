@@ -38,10 +38,6 @@ class HostPrefixPool:
         self.swapper = swapper
         self._in_flight: deque[tuple[np.ndarray, HostPages]] = deque()  # (slots, copies), in order
 
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
-
     def apply(self, kv: KVCache, stores: Sequence[tuple[int, int]],
               loads: Sequence[tuple[int, int]]) -> KVCache:
         """stores [(device page, slot)], loads [(slot, device page)]; kv is donated when there
@@ -55,15 +51,6 @@ class HostPrefixPool:
         for host_pages, group in read:
             kv = self.swapper.swap_in(kv, host_pages, [page for _, page in group])
         return kv
-
-    def flush(self) -> None:
-        """Land every store in flight (tests and shutdown; serving never needs it)."""
-        self._land(all_of_them=True)
-
-    def read_slot(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
-        """One slot's (K, V), each [layers, page_size, kv_heads, head_dim] (tests compare them)."""
-        self.flush()
-        return self.k[:, slot].copy(), self.v[:, slot].copy()
 
     def _land(self, all_of_them: bool) -> None:
         while self._in_flight:
