@@ -11,38 +11,10 @@ import pytest
 
 pytest.importorskip("transformers")
 
-import jax.numpy as jnp  # noqa: E402
 
-from jaxserve.model.attention import ReferenceAttention  # noqa: E402
-from jaxserve.model.llama import Llama, init_kv_cache  # noqa: E402
-from jaxserve.step_inputs import AttentionMetadata, ModelInputs  # noqa: E402
+from jaxserve.model.llama import Llama  # noqa: E402
+from model_chunks import NUM_PAGES, run_in_chunks  # noqa: E402
 from tiny_models import hf_logits, hf_model, tiny_model  # noqa: E402
-
-PAGE_SIZE = 8
-NUM_PAGES = 24
-
-
-def run_in_chunks(model, config, tokens, chunk_sizes, page_table, bucket=64):
-    """Feed `tokens` through the model chunk by chunk; return logits for every position."""
-    kv = init_kv_cache(config, NUM_PAGES, PAGE_SIZE)
-    attn = ReferenceAttention()
-    table = np.zeros((2, 16), np.int32)  # row 1 is an unused padding request
-    table[0, :len(page_table)] = page_table
-    logits, start = [], 0
-    for size in chunk_sizes:
-        pos = np.arange(start, start + size)
-        padded = lambda a: np.pad(a, (0, bucket - size)).astype(np.int32)
-        slots = np.asarray(page_table)[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
-        inputs = ModelInputs(
-            jnp.asarray(padded(np.asarray(tokens[start:start + size]))), jnp.asarray(padded(pos)),
-            jnp.asarray(padded(slots)), jnp.arange(size, dtype=jnp.int32))
-        metadata = AttentionMetadata(
-            jnp.asarray([0, size, size], jnp.int32), jnp.asarray([start + size, 0], jnp.int32),
-            jnp.asarray(table), jnp.int32(1), jnp.int32(1 if size == 1 else 0))
-        out, kv = model(inputs, metadata, kv, attn)
-        logits.append(np.asarray(out))
-        start += size
-    return np.concatenate(logits)
 
 
 CASES = {

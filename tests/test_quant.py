@@ -4,11 +4,9 @@ quantized forward pass against the float model on the same (dequantized) weights
 
 from __future__ import annotations
 
-import dataclasses
 
 import gguf
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -19,38 +17,9 @@ from jaxserve.model.gguf_loader import load_gguf
 from jaxserve.model.llama import Llama
 from jaxserve.model.loader import convert, load_model
 from jaxserve.runner.tensor_parallel import Placement
-from jaxserve.model.attention import ReferenceAttention
-from jaxserve.model.llama import init_kv_cache
-from jaxserve.step_inputs import AttentionMetadata, ModelInputs
+from model_chunks import run_in_chunks
 from model_fixtures import random_model, write_gguf
 from tiny_models import tiny_model
-
-PAGE_SIZE, NUM_PAGES = 8, 24
-
-
-def run_in_chunks(model, config, tokens, chunk_sizes, page_table, bucket=64):
-    """Feed `tokens` through the model chunk by chunk; the logits of every position."""
-    kv = init_kv_cache(config, NUM_PAGES, PAGE_SIZE)
-    table = np.zeros((2, 16), np.int32)  # row 1 is an unused padding request
-    table[0, :len(page_table)] = page_table
-    logits, start = [], 0
-    for size in chunk_sizes:
-        pos = np.arange(start, start + size)
-        padded = lambda a: jnp.asarray(np.pad(a, (0, bucket - size)).astype(np.int32))
-        slots = np.asarray(page_table)[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
-        inputs = ModelInputs.empty(bucket, size)
-        inputs = dataclasses.replace(
-            inputs, token_ids=padded(np.asarray(tokens[start:start + size])),
-            positions=padded(pos), slot_mapping=padded(slots),
-            logits_indices=jnp.arange(size, dtype=jnp.int32))
-        metadata = AttentionMetadata(
-            jnp.asarray([0, size, size], jnp.int32), jnp.asarray([start + size, 0], jnp.int32),
-            jnp.asarray(table), jnp.int32(1), jnp.int32(1 if size == 1 else 0))
-        out, kv = model(inputs, metadata, kv, ReferenceAttention())
-        logits.append(np.asarray(out))
-        start += size
-    return np.concatenate(logits)
-
 
 def _dequantized(params: dict) -> dict:
     return {k: v.dequantize() if isinstance(v, quant.QuantizedTensor) else v

@@ -96,7 +96,8 @@ def test_the_cpu_program_makes_no_wider_copy_of_the_int8_weights(t):
 def test_the_model_with_int8_activations_stays_close_to_the_float_model(monkeypatch):
     """The whole forward pass (tiny Llama, per-channel int8, tied head) against the float model
     on the same dequantized weights: only the activations' two-level rounding differs."""
-    from test_quant import _dequantized, run_in_chunks
+    from model_chunks import run_in_chunks
+    from test_quant import _dequantized
     from jaxserve.model.llama import Llama
     from tiny_models import tiny_model
 
