@@ -20,7 +20,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 # Engine shapes most engine tests share (same shapes -> compile-cache hits across engines).
 SMALL_ENGINE = dict(max_num_seqs=16, max_num_batched_tokens=32, max_model_len=512,
-                    page_size=16, num_pages=48, token_buckets=(16, 32), seq_buckets=(4, 16),
+                    page_size=16, num_pages=48, token_buckets=(16, 32), seq_buckets=(16,),
                     swap_space=64 << 20)
 
 

@@ -105,7 +105,7 @@ def test_default_model_greedy_tokens_are_the_same_with_async_scheduling():
     tokens = {}
     for on in (True, False):
         llm = LLM("default", loaded=real_default_model(), progress=False, max_model_len=128,
-                  max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(4, 32),
+                  max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(32,),
                   seq_buckets=(4,), async_scheduling=on)
         tokens[on] = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
         assert (llm.engine.num_overlapped_steps > 0) == on

@@ -89,12 +89,10 @@ def test_tensor_parallel_quantized_tokens_equal_one_device(tmp_path):
 
 
 def test_a_layers_draft_of_a_quantized_target_speculates_the_same_greedy_tokens(quantized):
-    mode, _, alone = quantized
-    llm = make_llm(quantization=mode, model_overrides=dict(num_layers=3),
-                   speculative_method="draft", speculative_draft="layers:1",
+    mode, _, alone = quantized  # alone: the same quantized model without speculation
+    llm = make_llm(quantization=mode, speculative_method="draft", speculative_draft="layers:1",
                    num_speculative_tokens=2)
-    plain = make_llm(quantization=mode, model_overrides=dict(num_layers=3))
     prompts, params = requests()
     spec = [o.token_ids for o in llm.generate(prompts[:8], params[:8], use_tqdm=False)]
-    want = [o.token_ids for o in plain.generate(prompts[:8], params[:8], use_tqdm=False)]
-    assert spec == want, f"{mode}: speculation with a layers:1 draft changed greedy tokens"
+    assert llm.engine.speculation.policy.stats.num_draft_tokens > 0, "nothing was drafted"
+    assert spec == alone[:8], f"{mode}: speculation with a layers:1 draft changed greedy tokens"

@@ -130,7 +130,10 @@ def test_structured_outputs_with_ignore_eos_is_refused():
 def test_default_model_fifty_requests_over_ten_schemas_all_validate():
     from jaxserve.llm import LLM
 
-    llm = LLM("default", progress=False, max_model_len=1024, max_num_seqs=16)
+    # scanned layers and two token buckets: a third of the unrolled default engine's compile
+    llm = LLM("default", progress=False, max_model_len=1024, max_num_seqs=16,
+              max_num_batched_tokens=128, token_buckets=(16, 128), seq_buckets=(16,),
+              layer_loop="scan")
     tok = llm.tokenizer
     names = list(JSON_SCHEMAS)
     prompts, params, schemas = [], [], []
