@@ -11,7 +11,6 @@ import pytest
 
 pytest.importorskip("transformers")
 
-
 from jaxserve.model.llama import Llama  # noqa: E402
 from model_chunks import NUM_PAGES, run_in_chunks  # noqa: E402
 from tiny_models import hf_logits, hf_model, tiny_model  # noqa: E402

@@ -4,7 +4,6 @@ quantized forward pass against the float model on the same (dequantized) weights
 
 from __future__ import annotations
 
-
 import gguf
 import jax
 import numpy as np
