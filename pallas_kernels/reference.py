@@ -33,7 +33,8 @@ def token_metadata(kv_lens, cu_q_lens, num_seqs, num_tokens: int):
     """
     rows = jnp.arange(num_tokens, dtype=jnp.int32)
     num_seqs = jnp.reshape(num_seqs, ())
-    seq_ids = jnp.searchsorted(cu_q_lens[1:], rows, side="right").astype(jnp.int32)
+    seq_ids = jnp.searchsorted(cu_q_lens[1:], rows, side="right",
+                               method="scan_unrolled").astype(jnp.int32)  # no while loop
     seq_ids = jnp.minimum(seq_ids, kv_lens.shape[0] - 1)
     valid = rows < cu_q_lens[num_seqs]
     q_lens = cu_q_lens[seq_ids + 1] - cu_q_lens[seq_ids]

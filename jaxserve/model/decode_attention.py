@@ -57,7 +57,10 @@ def decode_work(kv_lens, num_decode, page_table, page_size: int, *, tile_pages: 
     count = jnp.where(lens > 0, -(-lens // tile) - first, 0)  # [S] items of each request
     ends = jnp.cumsum(count).astype(jnp.int32)
     items = jnp.arange(num_seqs * tiles_per_seq, dtype=jnp.int32)
-    item_seq = jnp.searchsorted(ends, items, side="right").astype(jnp.int32)  # S past the end
+    # (S past the end) an unrolled binary search: no while loop, whose per-iteration dispatch
+    # cost ~20 us a step on the CPU at 64 requests, more than the search itself
+    item_seq = jnp.searchsorted(ends, items, side="right",
+                                method="scan_unrolled").astype(jnp.int32)
     valid = item_seq < num_seqs
     safe = jnp.minimum(item_seq, num_seqs - 1)
     item_tile = jnp.where(valid, first[safe] + items - (ends - count)[safe], 0)
