@@ -86,12 +86,13 @@ def test_q4_k_blocks_map_up_to_float16_scales(mode):
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-@pytest.mark.parametrize("tied", [False, True])
-@pytest.mark.parametrize("layer_loop,chunk_bytes", [("scan", 0), ("unroll", 0),
-                                                    ("unroll", 4096)])
+@pytest.mark.parametrize("layer_loop,chunk_bytes,tied", [
+    ("scan", 0, True), ("unroll", 0, False), ("unroll", 4096, True), ("unroll", 4096, False)])
 def test_quantized_forward_equals_the_float_model_on_the_dequantized_weights(
         mode, tied, layer_loop, chunk_bytes, monkeypatch):
-    """chunk_bytes 4096: every matrix and the head dequantized a few rows at a time. The
+    """chunk_bytes 4096: every matrix and the head dequantized a few rows at a time, for a
+    tied and an untied head; with whole matrices (0), scan and unroll take one head each (a
+    tied and an untied head run the same qlinear code, on the embedding or lm_head). The
     dequantizing path on every backend (int8 activations: tests/test_quant_int8_dot.py)."""
     monkeypatch.setattr(qlinear, "CHUNK_BYTES", chunk_bytes)
     monkeypatch.setattr(qlinear, "INT8_ACTIVATIONS", "off")
