@@ -244,6 +244,43 @@ def test_a_failing_detokenizer_fails_its_request_alone(served, monkeypatch):
     wait_until_idle(served.engine)
 
 
+def test_a_write_refused_by_a_call_that_already_ended_sends_no_status_and_frees_the_request(
+        served, caplog):
+    """A client cancel racing a write: grpc refuses the write (its context not yet done) and
+    would refuse any status after it; the handler returns quietly and the request is aborted."""
+    from grpc._cython import cygrpc
+
+    class EndedCall:
+        aborted = None
+
+        def __init__(self):
+            self.writes = 0
+
+        async def write(self, response):
+            self.writes += 1
+            raise cygrpc.ExecuteBatchError("Failed \"execute_batch\"")
+
+        async def abort(self, code, details):
+            self.aborted = (code, details)
+
+        def done(self):
+            return False
+
+        def time_remaining(self):
+            return None
+
+    call = EndedCall()
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7]), sampling=pb.SamplingParams(
+        max_tokens=50, temperature=0.0, ignore_eos=True))
+    servicer = served.server.handle.servicer
+    with caplog.at_level("INFO", logger="jaxserve.server.grpc_server"):
+        served.server.call(servicer.Generate(request, call), timeout=60)
+    assert call.writes == 1 and call.aborted is None, (call.writes, call.aborted)
+    assert "already ended" in caplog.text and "Traceback" not in caplog.text, caplog.text
+    wait_until_idle(served.engine)
+    assert served.client.health() == "SERVING"
+
+
 # ---- the engine's own failure ----------------------------------------------------------------
 def test_a_step_that_raises_fails_every_open_stream_and_refuses_new_requests():
     from conftest import make_llm

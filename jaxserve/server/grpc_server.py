@@ -32,6 +32,7 @@ import logging
 import time
 
 import grpc
+from grpc._cython import cygrpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -59,6 +60,19 @@ def _never_fits(engine, out, params) -> bool:
     """The scheduler's admission rule: prompt + max_tokens pages beyond the whole pool."""
     return not out.token_ids and engine.info.never_fits(
         len(out.prompt_token_ids) + params.max_tokens)
+
+
+async def _write(context, response) -> bool:
+    """Send one response; False when grpc refuses it because the call is already over: the
+    client cancelled or went away, or the deadline passed, as the write raced it (grpc's state
+    may not say so yet: context.done() can still be False). No status can follow a refused
+    write, so the handler just returns, and closing the stream aborts the engine request."""
+    try:
+        await context.write(response)
+        return True
+    except cygrpc.BaseError as exc:  # grpc's ExecuteBatchError / UsageError have no public type
+        log.info("a response write found the call already ended: %r", exc)
+        return False
 
 
 def _deadline(context) -> float | None:
@@ -129,7 +143,8 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
                         break
                     for response in convert.responses_from_output(
                             out, params.logprobs is not None, reported):
-                        await context.write(response)
+                        if not await _write(context, response):
+                            return
             except Exception as exc:
                 error = status_for_exception(exc, validating=not started)
         if error is not None and error[0] == grpc.StatusCode.DEADLINE_EXCEEDED:
