@@ -37,14 +37,14 @@ def run_in_chunks(model, config, tokens, chunk_sizes, page_table, bucket=64):
         pos = np.arange(start, start + size)
         padded = lambda a: jnp.asarray(np.pad(a, (0, bucket - size)).astype(np.int32))
         slots = np.asarray(page_table)[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
-        inputs = dataclasses.replace(
-            ModelInputs.empty(bucket, size),
+        inputs = dataclasses.replace(  # logits of `bucket` rows too: one shape for every chunk
+            ModelInputs.empty(bucket, bucket),
             token_ids=padded(np.asarray(tokens[start:start + size])), positions=padded(pos),
-            slot_mapping=padded(slots), logits_indices=jnp.arange(size, dtype=jnp.int32))
+            slot_mapping=padded(slots), logits_indices=padded(np.arange(size)))
         metadata = AttentionMetadata(
             jnp.asarray([0, size, size], jnp.int32), jnp.asarray([start + size, 0], jnp.int32),
             jnp.asarray(table), jnp.int32(1), jnp.int32(1 if size == 1 else 0))
         out, kv = forward(state, inputs, metadata, kv)
-        logits.append(np.asarray(out))
+        logits.append(np.asarray(out)[:size])
         start += size
     return np.concatenate(logits)
