@@ -103,10 +103,10 @@ def test_default_model_greedy_tokens_are_the_same_with_async_scheduling():
                "List three colors:"]
     greedy = SamplingParams(max_tokens=16, temperature=0.0)
     tokens = {}
-    for on in (True, False):
+    for on in (True, False):  # scanned layers: a third of the unrolled engine's compile
         llm = LLM("default", loaded=real_default_model(), progress=False, max_model_len=128,
                   max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(32,),
-                  seq_buckets=(4,), async_scheduling=on)
+                  seq_buckets=(4,), layer_loop="scan", async_scheduling=on)
         tokens[on] = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
         assert (llm.engine.num_overlapped_steps > 0) == on
         llm.close()
