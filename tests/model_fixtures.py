@@ -160,3 +160,15 @@ def real_default_model():
     """The real SmolLM2-135M-Instruct, loaded once per session (tests must not mutate it)."""
     from jaxserve.model.loader import load_model
     return load_model("default", progress=False)
+
+
+@functools.lru_cache(maxsize=1)
+def hf_default_model():
+    """transformers' own load of the default GGUF in float32 (the oracle), once per session:
+    it takes ~12 s (tests must not mutate it)."""
+    import torch
+    import transformers
+
+    path = default_gguf_path()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32).eval()

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from model_fixtures import default_gguf_path, real_default_model  # noqa: E402
+from model_fixtures import hf_default_model, real_default_model  # noqa: E402
 
 from jaxserve import SamplingParams  # noqa: E402
 
@@ -37,10 +37,7 @@ NUM_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def hf():
-    path = default_gguf_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, torch_dtype=torch.float32).eval()
-    return model
+    return hf_default_model()
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from jaxserve.model.config import ModelConfig, RopeScaling
 from jaxserve.model.gguf_loader import llama3_rope_factors, load_gguf
 from jaxserve.model.loader import convert, load_model, save_hf_directory
 from jaxserve.model.weights import to_hf_state_dict
-from model_fixtures import (default_gguf_path, gguf_tensors, random_model, real_default_model,
+from model_fixtures import (gguf_tensors, hf_default_model, random_model, real_default_model,
                             tiny_tokenizer, write_gguf)
 
 
@@ -307,12 +307,8 @@ def test_other_quant_types_dequantize_like_transformers(qtype):
 @pytest.mark.slow
 def test_default_model_params_equal_transformers_gguf_loader():
     pytest.importorskip("transformers")
-    import torch
-    from transformers import AutoModelForCausalLM
-
     model = real_default_model()
-    path = default_gguf_path()
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    hf = hf_default_model()
     theirs = {k: v.numpy() for k, v in hf.state_dict().items()}
     ours = to_hf_state_dict(model.config, model.params)
     assert set(ours) <= set(theirs)
