@@ -196,6 +196,7 @@ def mistral_window_run(loaded, prompts, *, reuse: bool, **engine_settings):
 
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     with LLM(loaded=loaded, page_size=4, max_num_batched_tokens=16, max_num_seqs=6,
+             token_buckets=(16,), seq_buckets=(6,),  # one bucket: one compile per engine
              max_model_len=128, progress=False, **engine_settings) as llm:
         scheduler = llm.engine.scheduler
         scheduler.kv_window = reusable_window(loaded.config.layer_windows) if reuse else None
