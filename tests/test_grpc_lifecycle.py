@@ -176,9 +176,16 @@ def test_a_step_that_raises_fails_every_in_flight_request_internal_and_exits_non
 def test_a_device_error_in_swap_in_fails_the_in_flight_requests_and_exits_nonzero():
     with server_process("--preemption-mode", "swap", "--fail-swap-in") as server:
         ends, health, exit_code = fail_in_flight(server, 8, 300)
-    failed = [details for status, details, _ in ends if status != "OK"]
+    failed = [details for status, details, _ in ends if status == "INTERNAL"]
     assert failed, "no request was in flight at the swap-in (was anything preempted?)"
     assert all("injected device error" in d for d in failed), ends
-    assert {status for status, _, _ in ends} <= {"OK", "INTERNAL"}, ends
+    # On a loaded machine the first swap-in can come before the last of the 8 calls reaches
+    # the engine: a call that arrives after the failure is refused UNAVAILABLE (engine
+    # stopped), and one grpc had not yet sent when the process exited finds no server
+    # (failed to connect); neither got a token, and neither was ever in the engine.
+    late = [e for e in ends if e[0] == "UNAVAILABLE"]
+    assert all(n == 0 and ("Failed to connect" in d or "engine stopped" in d)
+               for _, d, n in late), ends
+    assert {status for status, _, _ in ends} <= {"OK", "INTERNAL", "UNAVAILABLE"}, ends
     assert "NOT_SERVING" in health, health
     assert exit_code != 0, "the process exited 0 after its engine failed"
