@@ -10,6 +10,8 @@ is):
   scan:     stacked weights (12 leaves): the TPU/GPU default
   numpy / placed: the step inputs as host numpy arrays, or already on the device
   launcher: the call handed to ModelRunner's launcher thread (the engine thread's cost)
+  flatten:  what flattening the weights costs per call, as the NNX state (what each call paid
+            before CompiledStep passed them as one flat tuple) and as that tuple
 It measures; the choice it informs is written in model_runner.py and the README.
 """
 
@@ -48,7 +50,7 @@ def measure(layer_loop: str, loaded) -> dict:
     placed = jax.device_put(numpy_inputs)
 
     def call(inputs):
-        out, kv = exe(step.state, step.kv, inputs)
+        out, kv = exe(step._leaves, step.kv, inputs)
         step._set_kv(kv)
         return out
 
@@ -59,6 +61,8 @@ def measure(layer_loop: str, loaded) -> dict:
     result["placed_queued_ms"] = _median_ms(lambda: call(placed),
                                             lambda: (idle(), call(placed)))
     result["compute_ms"] = _median_ms(lambda: jax.block_until_ready(call(placed)), idle)
+    result["state_flatten_ms"] = _median_ms(lambda: jax.tree.flatten(step.state))
+    result["tuple_flatten_ms"] = _median_ms(lambda: jax.tree.flatten(step._leaves))
     pool = ThreadPoolExecutor(1)
     result["launcher_submit_ms"] = _median_ms(lambda: pool.submit(call, placed),
                                               lambda: (pool.submit(idle).result()))
@@ -74,11 +78,11 @@ def main() -> int:
     loaded = load_model("default", progress=False)
     results = {loop: measure(loop, loaded) for loop in ("unroll", "scan")}
     print(f"{'':8} {'leaves':>6} {'numpy idle':>10} {'placed idle':>11} {'placed queued':>13} "
-          f"{'launcher':>8} {'compute':>8}   (ms on the calling thread)")
+          f"{'launcher':>8} {'compute':>8} {'flatten state / tuple':>22}   (ms on the calling thread)")
     for loop, r in results.items():
         print(f"{loop:8} {r['leaves']:6d} {r['numpy_idle_ms']:10.2f} {r['placed_idle_ms']:11.2f} "
               f"{r['placed_queued_ms']:13.2f} {r['launcher_submit_ms']:8.3f} "
-              f"{r['compute_ms']:8.2f}")
+              f"{r['compute_ms']:8.2f} {r['state_flatten_ms']:10.3f} / {r['tuple_flatten_ms']:.3f}")
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(results, f, indent=1)
