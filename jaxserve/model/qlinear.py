@@ -8,8 +8,9 @@ dequantizes [out, in] to x's dtype and contracts on `in` -- except per-channel i
 
 Per-channel int8 on the CPU (`int8_dot`): XLA's CPU dots take one dtype, so an int8 weight is
 widened before any float dot, and its own loops do not vectorize a multiply-and-reduce that
-would read int8 (measured: scripts/qmatmul_options.py). But an int8 x int8 -> int32 dot of two
-rows or more goes to YNNPACK, which reads the int8 weights as stored. So the activations are
+would read int8 (measured: scripts/qmatmul_options.py). But an int8 x int8 -> int32 dot can
+read them as stored: jaxserve's own CPU kernel (model/cpu_int8.py), else XLA's (YNNPACK, which
+repacks the weights every call: 2x the kernel's time at batch 1). So the activations are
 quantized too, per row, in two int8 levels (the value, then its rounding error), stacked as 2T
 rows of one integer dot: about 15 bits of the activation, the same accuracy as weight-only
 int8 on the default model, and exact int32 sums, so a row's result does not depend on the
@@ -40,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.model import cpu_int8
 from jaxserve.model.quant import QuantizedTensor
 
 
@@ -154,14 +156,13 @@ def int8_dot(x, w: QArray, out_dtype) -> jax.Array:
     of 2T rows: each row of x quantized to int8, and the rounding error it leaves quantized
     again (x ~ qx * sx + qr * sr: about 15 bits, where one int8 alone lost too much: mean KL
     0.05 to float32 on the default model); int32 sums are exact, so a row's result does not
-    depend on T. XLA on the CPU hands dots of two rows or more to YNNPACK, which reads the int8
-    weights as they are (a dot of one row goes to XLA's own loop, which widens them first)."""
+    depend on T. The dot is cpu_int8.matmul: jaxserve's kernel, which reads the int8 weights
+    once as stored, or XLA's dot (YNNPACK, which repacks them every call), equal bit for bit."""
     rows = x.shape[0]
     x = x.astype(jnp.float32)
     qx, sx = _quantize_rows(x)
     qr, sr = _quantize_rows(x - qx.astype(jnp.float32) * sx)
-    acc = jax.lax.dot_general(jnp.concatenate([qx, qr]), w.q, (((1,), (1,)), ((), ())),
-                              preferred_element_type=jnp.int32)  # [2T, out]
+    acc = cpu_int8.matmul(jnp.concatenate([qx, qr]), w.q)  # [2T, out] int32
     acc = acc.astype(jnp.float32)
     y = (acc[:rows] * sx + acc[rows:] * sr) * w.scale[:, 0].astype(jnp.float32)
     return y.astype(out_dtype)
