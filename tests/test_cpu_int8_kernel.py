@@ -11,12 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.model import cpu_int8, qlinear
+from jaxserve.model import cpu_ffi, cpu_int8, qlinear
 
 
 def test_the_kernel_builds_and_registers_here():
     assert cpu_int8.available(), (
-        f"the CPU int8 kernel is not in use: {cpu_int8._state.get('reason')} (it needs a C++ "
+        f"the CPU int8 kernel is not in use: {cpu_ffi.reason(cpu_int8.NAME)} (it needs a C++ "
         "compiler; a machine without one runs XLA's slower dot)")
 
 

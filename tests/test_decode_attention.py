@@ -2,7 +2,8 @@
 list, model/decode_attention.py; other rows through the reference) against the reference
 (pallas_kernels/reference.py) on mixed batches: decode rows of different lengths, prefill
 chunks, padding rows, sliding windows, soft caps, steps with fewer rows than requests, and a
-model with more KV heads than the work list takes."""
+model with more KV heads than the work list takes; with the decode rows through XLA's ops and
+through jaxserve's CPU kernel (model/cpu_attention.py)."""
 
 import os
 
@@ -37,8 +38,8 @@ def batch(rng, q_lens, kv_lens, num_kv_heads, num_tokens, group=2):
     return q, k, v, md
 
 
-def run_both(q, k, v, md, shape, **kw):
-    backend = ReferenceAttention(shape)
+def run_both(q, k, v, md, shape, kernel=False, **kw):
+    backend = ReferenceAttention(shape, cpu_kernel=kernel)
     num_tokens = q.shape[0]
     out = jax.jit(lambda q, k, v, md: backend(q, k, v, jnp.int32(1),
                                               backend.prepare(md, num_tokens), **kw))(q, k, v, md)
@@ -55,15 +56,19 @@ CASES = {  # q_lens, kv_lens, rows in the bucket
 }
 
 
+KERNEL = pytest.mark.parametrize("kernel", [False, True], ids=["xla-ops", "cpu-kernel"])
+
+
+@KERNEL
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (7, None), (None, 5.0)])
-def test_xla_backend_matches_the_reference(name, window, soft_cap):
+def test_xla_backend_matches_the_reference(name, window, soft_cap, kernel):
     q_lens, kv_lens, num_tokens = CASES[name]
     rng = np.random.default_rng(len(name))
     q, k, v, md = batch(rng, q_lens, kv_lens, 2, max(num_tokens, MAX_SEQS)
                         if name != "fewer rows than requests" else num_tokens)
     shape = AttentionShape(2, 2, PAGE_SIZE, (None, window))
-    out, ref = run_both(q, k, v, md, shape, sm_scale=HEAD_DIM ** -0.5,
+    out, ref = run_both(q, k, v, md, shape, kernel, sm_scale=HEAD_DIM ** -0.5,
                         sliding_window=window, soft_cap=soft_cap)
     live = np.arange(q.shape[0]) < sum(q_lens)
     assert not out[~live].any(), f"{name}: padding rows are not zero"
@@ -71,10 +76,11 @@ def test_xla_backend_matches_the_reference(name, window, soft_cap):
     assert err < 1e-5, f"{name} (window {window}, cap {soft_cap}): max error {err:.2e}"
 
 
-def test_many_kv_heads_take_the_reference_path_and_match_it():
+@KERNEL
+def test_many_kv_heads_take_the_reference_path_and_match_it(kernel):
     rng = np.random.default_rng(3)
     q, k, v, md = batch(rng, [1, 1, 4], [7, 30, 12], 8, 8, group=1)
-    out, ref = run_both(q, k, v, md, AttentionShape(1, 8, PAGE_SIZE), sm_scale=0.3)
+    out, ref = run_both(q, k, v, md, AttentionShape(1, 8, PAGE_SIZE), kernel, sm_scale=0.3)
     assert np.abs(out - ref).max() < 1e-5
 
 

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 
-from jaxserve.model import device_select
+from jaxserve.model import cpu_attention, device_select
 from jaxserve.model.decode_attention import WIDE_MAX_KV_HEADS, decode_attention, decode_work
 from jaxserve.model.device_select import ATTENTION_IMPLS  # noqa: F401  (re-exported)
 from jaxserve.step_inputs import AttentionMetadata
@@ -78,16 +78,19 @@ class _RowMetadata(NamedTuple):
 
 class ReferenceAttention:
     """The XLA path. Decode rows (one per request, the batch's first num_decode_seqs rows) as
-    one work list (model/decode_attention.py), the other rows through
-    pallas_kernels.reference (skipped by a lax.cond when the step has none); a model with more
-    than WIDE_MAX_KV_HEADS KV heads (per device) sends every row through the reference, where
-    the work list measured slower. Per-row metadata and work lists are made once a step."""
+    one work list (model/decode_attention.py), or on a CPU through jaxserve's decode kernel
+    (model/cpu_attention.py) where it can run; the other rows through pallas_kernels.reference
+    (skipped by a lax.cond when the step has none). Without the kernel, a model with more than
+    WIDE_MAX_KV_HEADS KV heads (per device) sends every row through the reference, where the
+    work list measured slower. Per-row metadata and work lists are made once a step."""
 
     def __init__(self, shape: AttentionShape | None = None, *, tile_pages: int = 4,
-                 items_per_chunk: int = 64):
+                 items_per_chunk: int = 64, cpu_kernel: bool | None = None):
         """shape: what the model's layers use (None: no sliding window; each layer then makes
         its own work list); tile_pages: KV pages per decode work item; items_per_chunk: items
-        one loop iteration gathers (measured on the 2-core CPU, issue 18 note)."""
+        one loop iteration gathers (measured on the 2-core CPU, issue 18 note); cpu_kernel:
+        decode rows through model/cpu_attention.py's kernel (None: wherever it can run)."""
+        self.cpu_kernel = cpu_kernel
         self.sliding_windows = (None,) if shape is None else shape.sliding_windows
         self.page_size = None if shape is None else shape.page_size
         self.work_list = shape is None or shape.num_kv_heads <= WIDE_MAX_KV_HEADS
@@ -113,19 +116,25 @@ class ReferenceAttention:
         from pallas_kernels.reference import attend_rows
         pr = prepared
         kw = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
-        if k_pages.shape[3] > WIDE_MAX_KV_HEADS:
+        kernel = cpu_attention.usable(k_pages) if self.cpu_kernel is None else self.cpu_kernel
+        if k_pages.shape[3] > WIDE_MAX_KV_HEADS and not kernel:
             return attend_rows(q, k_pages, v_pages, layer, pr.page_table, pr.seq_ids,
                                pr.positions, **kw)
         num_tokens, num_seqs = q.shape[0], pr.page_table.shape[0]
-        if pr.decode:
-            work = pr.decode[self.sliding_windows.index(sliding_window)]
-        else:  # made without the page size (a model run alone): this layer makes its own
-            work = self._work(pr.kv_lens, pr.num_decode_seqs, pr.page_table, k_pages.shape[2],
-                              sliding_window)
         q_decode = q[:num_seqs] if num_tokens >= num_seqs else jnp.pad(
             q, ((0, num_seqs - num_tokens), (0, 0), (0, 0)))
-        decoded = decode_attention(q_decode, k_pages, v_pages, layer, work, sm_scale=sm_scale,
-                                   items_per_chunk=self.items_per_chunk, soft_cap=soft_cap)
+        if kernel:  # (the step's work lists, then unused, are dropped by XLA)
+            decoded = cpu_attention.decode(q_decode, k_pages, v_pages, layer, pr.page_table,
+                                           pr.kv_lens, pr.num_decode_seqs, **kw)
+        else:
+            if pr.decode:
+                work = pr.decode[self.sliding_windows.index(sliding_window)]
+            else:  # made without the page size (a model run alone): this layer makes its own
+                work = self._work(pr.kv_lens, pr.num_decode_seqs, pr.page_table,
+                                  k_pages.shape[2], sliding_window)
+            decoded = decode_attention(q_decode, k_pages, v_pages, layer, work,
+                                       sm_scale=sm_scale, items_per_chunk=self.items_per_chunk,
+                                       soft_cap=soft_cap)
         rows = jnp.arange(num_tokens)
         is_decode = rows < pr.num_decode_seqs
         ragged = jax.lax.cond(  # the other rows; decode rows as padding (no work)
