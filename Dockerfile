@@ -22,6 +22,13 @@ RUN case "$ACCELERATOR" in \
       *)    echo "ACCELERATOR must be cpu, cuda or tpu, not '$ACCELERATOR'" >&2; exit 1 ;; \
     esac
 
+# The CPU image carries a C++ compiler: jaxserve builds its CPU kernels (int8 matmul, decode
+# attention; jaxserve/model/cpu_ffi.py) on first use, for the CPU it runs on.
+RUN if [ "$ACCELERATOR" = cpu ]; then \
+      apt-get update && apt-get install -y --no-install-recommends g++ \
+      && rm -rf /var/lib/apt/lists/*; \
+    fi
+
 WORKDIR /opt/jaxserve
 COPY pyproject.toml README.md ./
 COPY jaxserve ./jaxserve

@@ -5,9 +5,10 @@ A kernel is used only where `ready(name)`: XLA's backend is the CPU with one dev
 would replicate a custom call's operands, so tensor parallelism keeps XLA's own ops), the
 build succeeded, and JAXSERVE_CPU_KERNELS is not 'off'. Otherwise its caller runs the XLA
 formulation it replaces, and the reason is logged once. Libraries are cached under
-$JAXSERVE_CACHE (default ~/.cache/jaxserve)/kernels, keyed by the source, jaxlib's version and
-the compiler flags; processes building at once each rename a whole file into place. This
-module knows nothing of what the kernels compute.
+$JAXSERVE_CACHE (default ~/.cache/jaxserve)/kernels, keyed by the source, jaxlib's version,
+the CPU (model and flags: they are built with -march=native) and the compiler flags;
+processes building at once each rename a whole file into place. This module knows nothing of
+what the kernels compute.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -34,9 +36,20 @@ _lock = threading.Lock()
 _reasons: dict[str, str | None] = {}  # kernel -> None (registered) or why not
 
 
+def _cpu_identity() -> bytes:
+    """The CPU's model and instruction-set flags: -march=native code built on one CPU may not
+    run on another sharing the cache (a network home, a mounted volume)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor().encode()
+    wanted = ("model name", "flags")
+    return "\n".join(next((x for x in lines if x.startswith(w)), "") for w in wanted).encode()
+
+
 def _library_path(source: Path, compiler: str) -> Path:
     from jaxserve.model.default_model import cache_dir
-    key = hashlib.sha256(source.read_bytes() + jaxlib.__version__.encode()
+    key = hashlib.sha256(source.read_bytes() + jaxlib.__version__.encode() + _cpu_identity()
                          + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
     return cache_dir() / "kernels" / f"{source.stem}-{key}.so"
 

@@ -38,8 +38,9 @@ struct Job {
   int64_t num_decode, window;
   float scale, cap;
   int64_t tasks;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
+  int64_t chunk;  // tasks claimed at a time
+  alignas(64) std::atomic<int64_t> next{0};
+  alignas(64) std::atomic<int64_t> done{0};
 };
 
 inline float Dot(const float* a, const float* b, int64_t n) {
@@ -90,28 +91,51 @@ inline void Scores(const float* qs, const float* const* rows, int64_t d, float* 
 #endif
 }
 
-// out[0:d] += sum_i p[i] * rows[i][0:d]: 64 columns at a time held in registers across the
-// rows (an add into memory per row and head measured half the kernel's time).
+#if defined(__AVX2__) && defined(__FMA__)
+// out[c:c+8V] += sum_i p[i] * rows[i][c:c+8V], held in registers across the rows, even and
+// odd rows in separate accumulators: 2V independent FMA chains (one chain a column block
+// measured latency-bound: half the kernel's time at head_dim 16).
+template <int V>
+inline void WeightedColumns(const float* p, const float* const* rows, int64_t n, int64_t c,
+                            float* out) {
+  __m256 a[2][V];
+  for (int k = 0; k < V; ++k) {
+    a[0][k] = _mm256_loadu_ps(out + c + 8 * k);
+    a[1][k] = _mm256_setzero_ps();
+  }
+  int64_t i = 0;
+  for (; i + 2 <= n; i += 2)
+    for (int r = 0; r < 2; ++r) {
+      const __m256 w = _mm256_set1_ps(p[i + r]);
+      const float* v = rows[i + r] + c;
+      for (int k = 0; k < V; ++k) a[r][k] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * k), a[r][k]);
+    }
+  if (i < n) {
+    const __m256 w = _mm256_set1_ps(p[i]);
+    for (int k = 0; k < V; ++k)
+      a[0][k] = _mm256_fmadd_ps(w, _mm256_loadu_ps(rows[i] + c + 8 * k), a[0][k]);
+  }
+  for (int k = 0; k < V; ++k) _mm256_storeu_ps(out + c + 8 * k, _mm256_add_ps(a[0][k], a[1][k]));
+}
+#endif
+
+// out[0:d] += sum_i p[i] * rows[i][0:d]
 inline void WeightedSum(const float* p, const float* const* rows, int64_t n, int64_t d,
                         float* out) {
   int64_t c = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-  for (; c + 64 <= d; c += 64) {
-    __m256 a[8];
-    for (int k = 0; k < 8; ++k) a[k] = _mm256_loadu_ps(out + c + 8 * k);
-    for (int64_t i = 0; i < n; ++i) {
-      const __m256 w = _mm256_set1_ps(p[i]);
-      const float* v = rows[i] + c;
-      for (int k = 0; k < 8; ++k) a[k] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * k), a[k]);
-    }
-    for (int k = 0; k < 8; ++k) _mm256_storeu_ps(out + c + 8 * k, a[k]);
+  for (; c + 64 <= d; c += 64) WeightedColumns<8>(p, rows, n, c, out);
+  switch ((d - c) / 8) {
+    case 7: WeightedColumns<7>(p, rows, n, c, out); break;
+    case 6: WeightedColumns<6>(p, rows, n, c, out); break;
+    case 5: WeightedColumns<5>(p, rows, n, c, out); break;
+    case 4: WeightedColumns<4>(p, rows, n, c, out); break;
+    case 3: WeightedColumns<3>(p, rows, n, c, out); break;
+    case 2: WeightedColumns<2>(p, rows, n, c, out); break;
+    case 1: WeightedColumns<1>(p, rows, n, c, out); break;
+    default: break;
   }
-  for (; c + 8 <= d; c += 8) {
-    __m256 a = _mm256_loadu_ps(out + c);
-    for (int64_t i = 0; i < n; ++i)
-      a = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), _mm256_loadu_ps(rows[i] + c), a);
-    _mm256_storeu_ps(out + c, a);
-  }
+  c += (d - c) / 8 * 8;
 #endif
   for (; c < d; ++c)
     for (int64_t i = 0; i < n; ++i) out[c] += p[i] * rows[i][c];
@@ -223,9 +247,10 @@ void Task(const Job& j, int64_t t, std::vector<float>& scratch) {
 
 void Work(Job& j) {
   std::vector<float> scratch;
-  for (int64_t t; (t = j.next.fetch_add(1, std::memory_order_relaxed)) < j.tasks;) {
-    Task(j, t, scratch);
-    j.done.fetch_add(1, std::memory_order_release);
+  for (int64_t t0; (t0 = j.next.fetch_add(j.chunk, std::memory_order_relaxed)) < j.tasks;) {
+    const int64_t t1 = std::min(j.tasks, t0 + j.chunk);
+    for (int64_t t = t0; t < t1; ++t) Task(j, t, scratch);
+    j.done.fetch_add(t1 - t0, std::memory_order_release);
   }
 }
 
@@ -263,7 +288,17 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   job->cap = soft_cap;
   job->tasks = job->seqs * job->kv_heads;
   // As in int8_matmul.cc: the caller works too and waits only for tasks others started.
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), job->tasks) - 1;
+  // Tasks go in contiguous chunks (one atomic and one output region per chunk, not per
+  // task), and a step with little work runs on the caller alone: waking a helper and
+  // sharing counters cost more than ~30 us of work (tiny models: 250 us a layer for 128
+  // small tasks over two threads, 60 us on one).
+  int64_t work = 0;
+  for (int64_t s = 0; s < job->num_decode; ++s)
+    work += std::clamp<int64_t>(job->lens[s], 0, td[1] * kd[2]);
+  work *= job->heads * job->dim;  // multiply-adds of the scores (as many again for values)
+  const int64_t threads = work < (int64_t(1) << 18) ? 1 : std::max<int64_t>(1, pool.num_threads());
+  job->chunk = std::max<int64_t>(1, job->tasks / (4 * threads));
+  const int64_t helpers = std::min<int64_t>(threads, (job->tasks + job->chunk - 1) / job->chunk) - 1;
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([job] { Work(*job); });
   Work(*job);
   while (job->done.load(std::memory_order_acquire) < job->tasks) std::this_thread::yield();

@@ -28,8 +28,8 @@ struct Job {
   const int8_t* w;
   int32_t* out;
   int64_t rows, k, n, block, num_blocks;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
+  alignas(64) std::atomic<int64_t> next{0};
+  alignas(64) std::atomic<int64_t> done{0};
 };
 
 inline int32_t Scalar(const int8_t* a, const int8_t* w, int64_t from, int64_t k) {
