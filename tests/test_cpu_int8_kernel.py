@@ -63,3 +63,12 @@ def test_a_per_channel_int8_layers_program_calls_the_kernel(monkeypatch):
     w = qlinear.QArray(jnp.ones((192, 576), jnp.int8), jnp.ones((192, 1)), None, 8, 576)
     text = jax.jit(lambda x: qlinear.linear(x, w)).lower(jnp.ones((2, 576))).as_text()
     assert cpu_int8.TARGET in text, "per-channel int8 linear does not call the CPU kernel"
+
+
+def test_a_failed_build_or_the_off_switch_is_a_reason_not_an_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path))  # nothing built there yet
+    monkeypatch.setenv("CXX", "/bin/false")
+    reason = cpu_ffi._load(cpu_int8.NAME, {"jaxserve_test_unused": "JaxserveInt8Matmul"})
+    assert reason and "/bin/false failed" in reason, reason
+    monkeypatch.setattr(cpu_ffi, "SETTING", "off")
+    assert cpu_ffi._load(cpu_int8.NAME, {}) == "JAXSERVE_CPU_KERNELS=off"

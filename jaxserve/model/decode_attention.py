@@ -10,7 +10,9 @@ scatter. So the work follows the real contexts (no request pays for a longer one
 no padding row costs anything), and a layer costs a few dozen XLA ops per chunk whatever the
 number of requests: the reference path (pallas_kernels/reference.py, this module's oracle)
 runs one small loop per 4 rows, ~700 ops a layer at 64 decode rows, which on the CPU cost
-more than the arithmetic (measured in the issue 18 note). Pure jnp; no requests, no scheduling.
+more than the arithmetic (measured in the issue 18 note). Where jaxserve's CPU kernel can
+run (model/cpu_attention.py: a one-device CPU process, float32 pages) attention.py sends
+decode rows there instead. Pure jnp; no requests, no scheduling.
 """
 
 from __future__ import annotations
