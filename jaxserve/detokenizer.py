@@ -8,6 +8,8 @@ include_stop_str_in_output). Pure host code; no jax.
 
 from __future__ import annotations
 
+from jaxserve.byte_level import ByteStream, ByteTable
+
 try:
     from tokenizers.decoders import DecodeStream
 except ImportError:  # tokenizers < 0.21
@@ -28,14 +30,20 @@ class IncrementalDetokenizer:
         # A Hugging Face `tokenizers` backend decodes one step per token with its own stream
         # decoder (it holds back incomplete characters itself); other tokenizers re-decode a
         # few tokens of context per token.
+        # A byte-level BPE tokenizer streams by table (byte_level.py), cheaper still.
         backend = getattr(tokenizer, "backend", None)
-        self._stream = None if DecodeStream is None or backend is None else (
+        table = ByteTable.of(tokenizer)
+        self._bytes = None if table is None else ByteStream(table, context,
+                                                            skip_special_tokens)
+        self._stream = None if self._bytes or DecodeStream is None or backend is None else (
             backend, DecodeStream(context, skip_special_tokens))
         self._ids = context
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
-        self.text = ""          # everything decoded so far (stop string excluded once found)
-        self._emitted = 0       # characters of self.text already handed out
+        # Text decoded and not handed out yet. A stop string never starts in text already
+        # handed out (take_delta holds back any tail that could begin one), so only this is
+        # searched, and the history is never re-copied per token.
+        self._pending = ""
         self.stopped = False
 
     def add_tokens(self, token_ids) -> int:
@@ -46,13 +54,15 @@ class IncrementalDetokenizer:
                 return num_taken
             piece = self._step(int(token_id))
             if piece:
-                self.text += piece
+                self._pending += piece
                 if self.stop:
                     self._check_stop()
         return len(token_ids)
 
     def _step(self, token_id: int) -> str | None:
         """The text token_id completes (None or "": nothing yet)."""
+        if self._bytes is not None:
+            return self._bytes.step(token_id)
         if self._stream is not None:
             backend, stream = self._stream
             return stream.step(backend, token_id)
@@ -68,32 +78,30 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _check_stop(self) -> None:
-        if not self.stop:
-            return
-        longest = max(len(s) for s in self.stop)
-        search_from = max(0, self._emitted - longest)
-        hits = [(i, s) for i, s in ((self.text.find(s, search_from), s) for s in self.stop)
-                if i >= 0]
+        pending = self._pending
+        hits = [(i, s) for i, s in ((pending.find(s), s) for s in self.stop) if i >= 0]
         if hits:
             start, stop = min(hits)
-            self.text = self.text[:start + len(stop) if self.include_stop_str else start]
+            self._pending = pending[:start + len(stop) if self.include_stop_str else start]
             self.stopped = True
 
     def take_delta(self, final: bool = False) -> str:
         """New text since the last call; holds back a possible stop-string prefix unless final."""
-        end = len(self.text)
+        delta = self._pending
         if self.stop and not final and not self.stopped:
-            end = max(self._emitted, end - self._held_back())
-        delta = self.text[self._emitted:end]
-        self._emitted = end
+            held = self._held_back(delta)
+            if held:
+                self._pending = delta[len(delta) - held:]
+                return delta[:len(delta) - held]
+        self._pending = ""
         return delta
 
-    def _held_back(self) -> int:
+    def _held_back(self, text: str) -> int:
         """Length of the longest tail of text that is a proper prefix of some stop string."""
         best = 0
         for s in self.stop:
-            for n in range(min(len(s) - 1, len(self.text)), best, -1):
-                if self.text.endswith(s[:n]):
+            for n in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:n]):
                     best = n
                     break
         return best

@@ -118,13 +118,15 @@ class OutputProcessor:
         out = group.output
         if out.time_to_first_token is None and new_tokens:
             out.time_to_first_token = time.monotonic() - group.arrival_time
-        tops = event.new_top_logprobs
-        c.append(list(new_tokens[:num_used]), detok.take_delta(final=reason is not None),
-                 list(event.new_logprobs[:num_used]),
-                 [dict(top) for top in tops[:num_used]] if tops else [])
+        tops, logprobs = event.new_top_logprobs, event.new_logprobs
+        if num_used < len(new_tokens):
+            new_tokens, logprobs, tops = (new_tokens[:num_used], logprobs[:num_used],
+                                          tops[:num_used])
+        c.append(list(new_tokens), detok.take_delta(reason is not None), list(logprobs),
+                 [dict(top) for top in tops] if tops else [])
         if request.sample_index == 0:
             out.num_cached_tokens = request.num_cached_tokens
-            if (request.sampling.prompt_logprobs is not None and out.prompt_logprobs is None
+            if (out.prompt_logprobs is None and request.sampling.prompt_logprobs is not None
                     and (new_tokens or reason is not None)):
                 out.prompt_logprobs = [None] + list(request.prompt_logprobs)
         if reason is not None:
@@ -140,10 +142,11 @@ class OutputProcessor:
             out.finished = True
             out.latency = time.monotonic() - group.arrival_time
             del self._groups[out.request_id]
+        outputs = out.outputs
         snapshot = RequestOutput(out.request_id, out.prompt_token_ids,
-                                 [c.snapshot() for c in out.outputs], out.finished, out.error,
+                                 [c.snapshot() for c in outputs], out.finished, out.error,
                                  out.num_cached_tokens, out.time_to_first_token, out.latency,
                                  out.prompt_logprobs)
-        for c in out.outputs:  # deltas belong to the step that produced them
-            c.new_token_ids, c.new_text, c.new_logprobs, c.new_top_logprobs = [], "", [], []
+        for c in outputs:  # deltas belong to the step that produced them
+            c.clear_deltas()
         return snapshot

@@ -49,6 +49,8 @@ class CompletionOutput:
     def _cut(self, name: str, items, count: int):
         if self._counts is None or items is None:
             return items
+        if self._cache is None:
+            self._cache = {}
         value = self._cache.get(name)
         if value is None:
             value = self._cache[name] = items[:count]
@@ -69,6 +71,8 @@ class CompletionOutput:
         """All output text so far."""
         if self._counts is None:
             return "".join(self._texts)
+        if self._cache is None:
+            self._cache = {}
         value = self._cache.get("text")
         if value is None:
             value = self._cache["text"] = "".join(self._texts[:self._counts[1]])
@@ -86,14 +90,20 @@ class CompletionOutput:
         """The live record takes one step's output (the deltas become new_*)."""
         self.new_token_ids, self.new_text = token_ids, text
         self.new_logprobs, self.new_top_logprobs = logprobs, top_logprobs
-        self._tokens.extend(token_ids)
+        self._tokens += token_ids
         if text:
             self._texts.append(text)
-        self.cumulative_logprob += sum(logprobs)
+        for logprob in logprobs:
+            self.cumulative_logprob += logprob
         if self._logprobs is not None:
-            self._logprobs.extend(logprobs)
+            self._logprobs += logprobs
         if self._tops is not None:
-            self._tops.extend(top_logprobs)
+            self._tops += top_logprobs
+
+    def clear_deltas(self) -> None:
+        """The live record after a snapshot: this step's deltas were handed out."""
+        self.new_token_ids, self.new_text, self.new_logprobs, self.new_top_logprobs = (
+            [], "", [], [])
 
     def snapshot(self) -> "CompletionOutput":
         """A view of the record as it is now, that later appends never change."""
@@ -107,7 +117,7 @@ class CompletionOutput:
         snap._counts = (len(self._tokens), len(self._texts),
                         0 if self._logprobs is None else len(self._logprobs),
                         0 if self._tops is None else len(self._tops))
-        snap._cache = {}
+        snap._cache = None  # made on first read
         return snap
 
     def __repr__(self) -> str:
@@ -133,7 +143,7 @@ class RequestOutput:
     @property
     def num_tokens(self) -> int:
         """len(token_ids), without cutting them."""
-        return len(self._tokens) if self._counts is None else self._counts[0]
+        return self.outputs[0].num_tokens
 
     @property
     def token_ids(self) -> list[int]:

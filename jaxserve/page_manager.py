@@ -82,7 +82,6 @@ class PageManager:
         self._pending_loads: list[tuple[int, int]] = []  # (host slot, device page), this step
 
     # ----------------------------------------------------------------- queries
-
     @property
     def num_free_pages(self) -> int:
         return len(self._free)
@@ -92,6 +91,9 @@ class PageManager:
 
     def page_table(self, request_id: str) -> list[int]:
         return list(self._get(request_id).pages)
+
+    def page_table_tuple(self, request_id: str) -> tuple[int, ...]:  # a chunk's, no list copy
+        return tuple(self._get(request_id).pages)
 
     def num_slots(self, request_id: str) -> int:
         return self._get(request_id).num_slots
@@ -132,7 +134,6 @@ class PageManager:
                          None if self.host_tier is None else self.host_tier.stats())
 
     # ----------------------------------------------------------------- changes
-
     def allocate(self, request_id: str, token_ids: Sequence[int], num_slots: int, *,
                  num_released_pages: int = 0) -> int | None:
         """Admit a new request: reuse its cached prefix pages, then fresh pages up to num_slots.
@@ -168,7 +169,10 @@ class PageManager:
     def append_slots(self, request_id: str, num_slots: int) -> bool:
         """Grow to >= num_slots slots in total; False, nothing changed, if pages run out."""
         req = self._get(request_id)
-        num_new = self.num_pages_for(num_slots) - len(req.pages)
+        num_new = -(-num_slots // self.page_size) - len(req.pages)
+        if num_new <= 0:  # most calls: a decode within its last page
+            req.num_slots = max(req.num_slots, num_slots)
+            return True
         if num_new > len(self._free):
             return False
         req.pages.extend(self._pop_free() for _ in range(num_new))
@@ -276,7 +280,6 @@ class PageManager:
             req.can_register = False
 
     # ----------------------------------------------------------------- internals
-
     def _get(self, request_id: str) -> _RequestPages:
         try:
             return self._requests[request_id]

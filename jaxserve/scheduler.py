@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import bisect
 
-import numpy as np
 
 from jaxserve.batching import make_batching_policy
 from jaxserve.engine_info import EngineStats
 from jaxserve.page_manager import PageManager
-from jaxserve.plan import DraftRows, ScheduledChunk, StepPlan, SwapIn, SwapOut
+from jaxserve.plan import DraftRows, StepPlan, SwapIn, SwapOut
 from jaxserve.processor_slots import ProcessorSlots
 from jaxserve.request import FinishReason, Request, RequestStatus, TokenEvent
 from jaxserve.scheduler_results import SchedulerResults
@@ -180,8 +179,12 @@ class Scheduler(SchedulerResults):
             budget = self._schedule_waiting(scheduled, budget)
         plan.static_padding = self.batching.padding(budget, self.requests)
         scheduled.sort(key=lambda item: item[1] != 1)  # decode rows first
-        plan.chunks = [self._chunk(r, n, plan) for r, n in scheduled]
-        for (request, num_new), chunk in zip(scheduled, plan.chunks):
+        chunks, table_of, drafts = plan.chunks, self.pages.page_table_tuple, plan.drafts
+        for request, num_new in scheduled:
+            draft = drafts.get(request.request_id) if drafts else None
+            chunk = build_chunk(request, num_new, table_of(request.request_id),
+                                self.processor_slots, draft.token_ids if draft else ())
+            chunks.append(chunk)
             request.num_computed_tokens += num_new  # being computed; update() confirms
             if chunk.sampling is not None:
                 request.num_pending_tokens += 1
@@ -197,16 +200,25 @@ class Scheduler(SchedulerResults):
                      and self.speculation.should_speculate(sum(
                          r.num_scheduled_tokens - r.num_computed_tokens == 1
                          for r in self.running)))
+        max_model_len, chunked = self.max_model_len, self.enable_chunked_prefill
         for index, request in enumerate(list(self.running)):
             if budget == 0:
                 break
-            if request.status != RequestStatus.RUNNING or self._awaits_finish(request):
-                continue  # preempted earlier in this loop, or its last token is in flight
-            num_new = self._num_new_tokens(request, budget)
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            # (this runs per request and step: plain locals, no helper calls)
+            num_outputs, pending = len(request.output_token_ids), request.num_pending_tokens
+            num_scheduled = len(request.prompt_token_ids) + num_outputs + pending
+            if pending and (num_outputs + pending >= request.sampling.max_tokens
+                            or num_scheduled >= max_model_len):
+                continue  # its token in flight is its last (max_tokens, max_model_len)
+            remaining = num_scheduled - request.num_computed_tokens
+            # a prefill chunk that doesn't fit waits unless chunked prefill is on
+            num_new = 0 if remaining > budget and not chunked else min(remaining, budget)
             if num_new == 0:
                 continue
             num_draft, draft_ids = 0, ()
-            if speculate and request.num_scheduled_tokens - request.num_computed_tokens == 1:
+            if speculate and remaining == 1:
                 # Drafts never take the row another running request needs for its decode.
                 room = budget - 1 - (len(self.running) - index - 1)
                 num_draft, draft_ids = self.speculation.propose(
@@ -229,19 +241,6 @@ class Scheduler(SchedulerResults):
         """Drafts that fit the budget, max_tokens (the bonus token counts) and max_model_len."""
         left = request.sampling.max_tokens - len(request.output_token_ids) - 1
         return max(0, min(room, left, self.max_model_len - request.num_tokens))
-
-    def _awaits_finish(self, request: Request) -> bool:
-        """Its token in flight is its last (max_tokens, max_model_len): nothing to schedule."""
-        return request.num_pending_tokens > 0 and (
-            len(request.output_token_ids) + request.num_pending_tokens
-            >= request.sampling.max_tokens
-            or request.num_scheduled_tokens >= self.max_model_len)
-
-    def _num_new_tokens(self, request: Request, budget: int) -> int:
-        remaining = request.num_scheduled_tokens - request.num_computed_tokens
-        if remaining > budget and not self.enable_chunked_prefill:
-            return 0
-        return min(remaining, budget)
 
     def _schedule_swapped(self, plan: StepPlan, scheduled, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -367,8 +366,3 @@ class Scheduler(SchedulerResults):
             return 0
         kv_len = request.num_computed_tokens if kv_len is None else kv_len
         return self.pages.release_window(request.request_id, kv_len - self.kv_window + 1)
-
-    def _chunk(self, request: Request, num_new: int, plan: StepPlan) -> ScheduledChunk:
-        drafts = plan.drafts.get(request.request_id)
-        return build_chunk(request, num_new, self.pages.page_table(request.request_id),
-                           self.processor_slots, drafts.token_ids if drafts else ())

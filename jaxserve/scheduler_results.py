@@ -30,15 +30,17 @@ class SchedulerResults:
         alternatives), when a chunk reports prompt logprobs."""
         events, verified, next_row = [], [], 0  # next_row: the chunk's rows end there
         token_rows, logprob_rows = np.asarray(token_ids).tolist(), np.asarray(logprobs).tolist()
+        requests, held, page_size = self.requests, self._held, self.pages.page_size
         for i, chunk in enumerate(plan.chunks):
-            next_row += chunk.num_tokens
-            request = self.requests.get(chunk.request_id)
+            num_rows = len(chunk.token_ids)
+            next_row += num_rows
+            request = requests.get(chunk.request_id)
             if request is None:
                 continue  # finished (aborted, stopped) while the step ran: drop its tokens
             running = request.status == RequestStatus.RUNNING
             if chunk.prompt_logprob_next:
                 request.prompt_logprobs.extend(
-                    prompt_logprob_entries(chunk, next_row - chunk.num_tokens, prompt))
+                    prompt_logprob_entries(chunk, next_row - num_rows, prompt))
             if chunk.sampling is None:
                 if running:
                     self._commit(request, chunk.start_position, chunk.kv_len)
@@ -48,15 +50,20 @@ class SchedulerResults:
             if isinstance(row, list):  # a speculative row: accepted drafts, bonus, -1 padding
                 num_emitted = sum(t >= 0 for t in row)
                 new_tokens, new_logprobs = row[:num_emitted], row_logprobs[:num_emitted]
-            else:
-                num_emitted, new_tokens, new_logprobs = 1, [row], [row_logprobs]
-            reason = self._take_tokens(request, new_tokens, new_logprobs)
-            if reason is not None and len(new_tokens) < num_emitted:
-                new_logprobs = new_logprobs[:len(new_tokens)]
-            if request.grammar is not None and not request.grammar.accept(new_tokens):
-                request.error = f"the grammar refused sampled tokens {new_tokens}"
+                reason = self._take_tokens(request, new_tokens, new_logprobs)
+                if reason is not None and len(new_tokens) < num_emitted:
+                    new_logprobs = new_logprobs[:len(new_tokens)]
+            else:  # one token (as _take_tokens, inline: this runs per request and step)
+                num_emitted, new_tokens, new_logprobs = 1, (row,), (row_logprobs,)
+                outputs = request.output_token_ids
+                outputs.append(row)
+                request.output_logprobs.append(row_logprobs)
+                reason = (FinishReason.STOP if row in request.stop_ids else FinishReason.LENGTH
+                          if len(outputs) >= request.max_output_tokens else None)
+            if request.grammar is not None and not request.grammar.accept(list(new_tokens)):
+                request.error = f"the grammar refused sampled tokens {list(new_tokens)}"
                 reason = FinishReason.ERROR  # never expected: the step masked them
-            kv_len = chunk.kv_len
+            start, kv_len = chunk.start_position, chunk.start_position + num_rows
             num_draft = plan.num_drafts_of(chunk.request_id) if plan.drafts else 0
             if num_draft:  # speculative steps run synchronously: the request is running
                 verified.append((num_draft, num_emitted - 1))
@@ -64,9 +71,10 @@ class SchedulerResults:
                 request.num_computed_tokens += len(new_tokens) - 1
                 kv_len += len(new_tokens) - 1
                 self.pages.truncate(request.request_id, request.num_computed_tokens)
-            if running:
-                self._commit(request, chunk.start_position, kv_len)
-            if self._held:
+            if running and (kv_len // page_size > start // page_size
+                            or self.kv_window is not None):
+                self._commit(request, start, kv_len)
+            if held:
                 self._release_held(request.request_id)  # its prompt KV is final: share it
             if reason is not None:
                 self._finish(request, reason)

@@ -17,46 +17,50 @@ from jaxserve.processor_slots import ProcessorSlots
 from jaxserve.request import Request
 
 
-def build_chunk(request: Request, num_new: int, page_table: list[int],
+def build_chunk(request: Request, num_new: int, page_table: tuple[int, ...],
                 processor_slots: ProcessorSlots, drafts: tuple[int, ...] = ()) -> ScheduledChunk:
     """The request's next num_new tokens, from num_computed_tokens on. drafts: the host's
-    proposals verified after them (speculative steps), which its grammar masks too."""
+    proposals verified after them (speculative steps), which its grammar masks too. Called
+    per request and step: the common cases (a decode, no grammar) take the fewest steps."""
     sp, start = request.sampling, request.num_computed_tokens
     end = start + num_new
-    known = request.num_tokens  # the rest, up to num_scheduled_tokens, is still on the device
+    prompt, outputs = request.prompt_token_ids, request.output_token_ids
+    num_prompt = len(prompt)
+    known = num_prompt + len(outputs)  # the rest, to num_scheduled_tokens, is on the device
     sampling = None
     if end == known + request.num_pending_tokens:
-        masks: list[bytes | None] = [None]
+        mask, draft_masks = None, ()
         if request.grammar is not None:  # the tokens its grammar allows next, and per draft
             from jaxserve.structured.matcher import fill_draft_rows
             rows = np.empty((len(drafts) + 1, request.grammar.num_words), np.int32)
             has = fill_draft_rows([(request.grammar, drafts, 0)], rows)
             masks = [row.tobytes() if ok else None for row, ok in zip(rows, has)]
+            mask, draft_masks = masks[0], tuple(masks[1:])
         sampling = SamplingRow(sp.temperature, sp.top_k, sp.top_p, sp.min_p, request.seed,
-                               len(request.output_token_ids) + request.num_pending_tokens,
-                               sp.top_logprobs,
-                               processor_slots.row(request), masks[0], tuple(masks[1:]))
+                               len(outputs) + request.num_pending_tokens, sp.top_logprobs,
+                               processor_slots.row(request) if sp.uses_processors else None,
+                               mask, draft_masks)
     k, first, nxt = 0, 0, ()
     if sp.prompt_logprobs is not None and request.sample_index == 0:
         # positions p < len(prompt) - 1 not reported yet (a recompute skips those that were)
         p0 = max(start, len(request.prompt_logprobs))
-        p1 = min(end, len(request.prompt_token_ids) - 1)
+        p1 = min(end, num_prompt - 1)
         if p0 < p1:
             k, first = sp.prompt_logprobs, p0 - start
-            nxt = tuple(request.prompt_token_ids[p0 + 1:p1 + 1])
-    num_prompt = len(request.prompt_token_ids)
-    if end <= num_prompt:
-        tokens = tuple(request.prompt_token_ids[start:end])
-    elif start >= num_prompt:
-        tokens = tuple(request.output_token_ids[start - num_prompt:end - num_prompt])
+            nxt = tuple(prompt[p0 + 1:p1 + 1])
+    if start >= known:  # a decode of the token the step in flight samples: a placeholder
+        tokens = (0,) * num_new
     else:
-        tokens = tuple(request.prompt_token_ids[start:]) + tuple(
-            request.output_token_ids[:end - num_prompt])
-    on_device = end > known
-    if on_device:  # a decode of the token the step in flight samples: a placeholder here
-        tokens = tokens + (0,) * (end - max(start, known))
-    return ScheduledChunk(request.request_id, tokens, start, tuple(page_table), sampling, k,
-                          first, nxt, request.batch_slot, on_device)
+        if end <= num_prompt:
+            tokens = tuple(prompt[start:end])
+        elif start >= num_prompt:
+            tokens = tuple(outputs[start - num_prompt:end - num_prompt])
+        else:
+            tokens = tuple(prompt[start:]) + tuple(outputs[:end - num_prompt])
+        if end > known:  # its last tokens: the step in flight samples them, placeholders
+            tokens += (0,) * (end - known)
+    return ScheduledChunk(request.request_id, tokens, start, page_table, sampling, k,
+                          first, nxt, request.batch_slot, end > known)
 
 
 def prompt_logprob_entries(chunk: ScheduledChunk, first_row: int,

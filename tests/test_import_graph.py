@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DATA = {"step_inputs", "plan", "request", "engine_info", "outputs", "config", "page_manager",
         "page_stats", "page_invariants", "host_prefix_tier",
-        "swap_space", "batching", "detokenizer", "structured"}
+        "swap_space", "batching", "detokenizer", "byte_level", "structured"}
 
 
 def module_graph() -> dict[str, set[str]]:

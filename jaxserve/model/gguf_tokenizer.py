@@ -16,6 +16,8 @@ import logging
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
+from jaxserve.byte_level import bytes_to_unicode
+
 log = logging.getLogger(__name__)
 
 TOKEN_TYPE_UNKNOWN, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 2, 3, 4
@@ -31,20 +33,6 @@ _LLAMA3 = {"llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx", "sma
 _QWEN2 = {"qwen2", "deepseek-r1-qwen", "megrez"}
 _GPT2 = {"gpt2"}
 KNOWN_PRE_TOKENIZERS = frozenset(_DIGITS_THEN_GPT2 | _LLAMA3 | _QWEN2 | _GPT2)
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's map from each byte to a printable character (the byte-level BPE alphabet)."""
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
-    chars = printable[:]
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return dict(zip(printable, map(chr, chars)))
 
 
 def build_backend(metadata: dict) -> Backend:
