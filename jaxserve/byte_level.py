@@ -42,11 +42,13 @@ def _token_bytes(token: str, decoder: dict[str, int]) -> bytes:
 
 
 class ByteTable:
-    """Each token id's bytes, and the ids of special tokens (skipped on request)."""
+    """Each token id's bytes, its text where those bytes are whole characters on their own
+    (None: part of a character), and the ids of special tokens (skipped on request)."""
 
     def __init__(self, token_bytes: list[bytes], special: frozenset[int]):
         self.token_bytes = token_bytes
         self.special = special
+        self.token_text = [_whole_text(b) for b in token_bytes]
 
     @classmethod
     def of(cls, tokenizer) -> "ByteTable | None":
@@ -88,17 +90,33 @@ class ByteTable:
         return result
 
 
+def _whole_text(data: bytes) -> str | None:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
 class ByteStream:
-    """One output stream: token ids in, the text each completes out."""
+    """One output stream: token ids in, the text each completes out. A token whose bytes are
+    whole characters, with nothing held back before it, is one table lookup; the rest goes
+    through the incremental UTF-8 decoder."""
 
     def __init__(self, table: ByteTable, context: list[int], skip_special_tokens: bool):
-        self._bytes = table.token_bytes
+        self._bytes, self._text = table.token_bytes, table.token_text
         self._skip = table.special if skip_special_tokens else frozenset()
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._partial = False  # the decoder holds part of a character
         for token_id in context:  # a prompt ending inside a character completes it here
             self.step(token_id)
 
     def step(self, token_id: int) -> str:
         if token_id in self._skip or not 0 <= token_id < len(self._bytes):
             return ""
-        return self._decoder.decode(self._bytes[token_id])
+        if not self._partial:
+            text = self._text[token_id]
+            if text is not None:
+                return text
+        text = self._decoder.decode(self._bytes[token_id])
+        self._partial = bool(self._decoder.getstate()[0])
+        return text

@@ -49,10 +49,11 @@ class IncrementalDetokenizer:
     def add_tokens(self, token_ids) -> int:
         """Decode token_ids; returns how many were taken: all, or up to the one that completed
         a stop string (the rest are not part of the output)."""
+        step = self._bytes.step if self._bytes is not None else self._step
         for num_taken, token_id in enumerate(token_ids):
             if self.stopped:
                 return num_taken
-            piece = self._step(int(token_id))
+            piece = step(int(token_id))
             if piece:
                 self._pending += piece
                 if self.stop:
@@ -60,9 +61,7 @@ class IncrementalDetokenizer:
         return len(token_ids)
 
     def _step(self, token_id: int) -> str | None:
-        """The text token_id completes (None or "": nothing yet)."""
-        if self._bytes is not None:
-            return self._bytes.step(token_id)
+        """The text token_id completes (None or "": nothing yet), without a byte table."""
         if self._stream is not None:
             backend, stream = self._stream
             return stream.step(backend, token_id)

@@ -245,8 +245,8 @@ class Engine:
         with self.timings.phase("emit"):
             outputs = self._process(events)
             self._publish_stats()
+            self.metrics.observe_outputs(outputs)
         self.metrics.observe_step(time.perf_counter() - start)
-        self.metrics.observe_outputs(outputs)
         return outputs
 
     def _take_in(self, plan, result) -> list[TokenEvent]:

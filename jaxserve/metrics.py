@@ -118,10 +118,16 @@ class EngineMetrics:
     def observe_outputs(self, outputs: Iterable[RequestOutput]) -> None:
         total_new = 0  # one counter update per step, not per request
         for out in outputs:
-            num_new = sum(len(c.new_token_ids) for c in out.outputs)  # every sample's
+            samples = out.outputs
+            if len(samples) == 1:  # (per request and step: no generator for the usual n = 1)
+                num_new = len(samples[0].new_token_ids)
+                first = num_new and samples[0].num_tokens == num_new
+            else:
+                num_new = sum(len(c.new_token_ids) for c in samples)  # every sample's
+                first = num_new and sum(c.num_tokens for c in samples) == num_new
             if num_new:
                 total_new += num_new
-                if sum(c.num_tokens for c in out.outputs) == num_new:  # the first tokens
+                if first:  # the request's first tokens
                     self.prompt_tokens.inc(len(out.prompt_token_ids))
                     self.ttft.observe(out.time_to_first_token)
             if out.finished:

@@ -168,7 +168,7 @@ class PageManager:
 
     def append_slots(self, request_id: str, num_slots: int) -> bool:
         """Grow to >= num_slots slots in total; False, nothing changed, if pages run out."""
-        req = self._get(request_id)
+        req = self._requests.get(request_id) or self._get(request_id)  # (per request and step)
         num_new = -(-num_slots // self.page_size) - len(req.pages)
         if num_new <= 0:  # most calls: a decode within its last page
             req.num_slots = max(req.num_slots, num_slots)

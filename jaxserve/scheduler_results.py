@@ -83,7 +83,7 @@ class SchedulerResults:
                 top = top_logprob_pairs(chunk, top_ids[i], top_logprobs[i])
             events.append(TokenEvent(
                 request.request_id, tuple(new_tokens), tuple(new_logprobs), reason,
-                request.error if reason == FinishReason.ERROR else None, top))
+                request.error if reason is FinishReason.ERROR else None, top))
         if self.speculation is not None:
             self.speculation.record_step(verified)
         return events

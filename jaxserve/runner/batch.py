@@ -121,27 +121,29 @@ def _layout_rows(b: StepInputs, chunks, first: int, row: int, page_size: int,
 
 
 def _fill_sampling(b: StepInputs, chunks) -> None:
-    """Each sampling row's settings: one array per field; processors, grammars and prompt
-    logprobs (rare) row by row."""
+    """Each sampling row's settings: one array per field from one pass over the rows;
+    processors, grammars and prompt logprobs (rare) row by row."""
     sp = b.sampling
-    rows = [(i, c.sampling) for i, c in enumerate(chunks) if c.sampling is not None]
-    if rows:
-        index = np.fromiter((i for i, _ in rows), np.int64, len(rows))
-        for name, field, dtype in _SAMPLING_FIELDS:
-            getattr(sp, name)[index] = np.fromiter(
-                (getattr(r, field) for _, r in rows), dtype, len(rows))
-        sp.sample_slots[index] = np.fromiter(
-            (chunks[i].batch_slot for i, _ in rows), np.int32, len(rows))
-    any_processors = any_top = False
-    for i, sr in rows:
-        any_top |= sr.top_logprobs > 0
-        if sr.processors is not None:
-            _fill_processors(sp, i, sr.processors)
-            any_processors = True
-        if sr.grammar_bitmask is not None:
-            sp.grammar_bitmask[i] = np.frombuffer(sr.grammar_bitmask, np.int32)
-            sp.has_grammar[i] = True
-    any_prompt = False
+    any_top = any_processors = any_prompt = False
+    values = [(i, r.temperature, r.top_k, r.top_p, r.min_p, r.seed, r.output_index, c.batch_slot,
+               r.top_logprobs, r.processors is not None or r.grammar_bitmask is not None)
+              for i, c in enumerate(chunks) if (r := c.sampling) is not None]
+    if values:
+        index, *columns = zip(*values)
+        rows = (slice(0, len(index)) if index[-1] == len(index) - 1  # rows 0..n-1: the usual
+                else np.array(index, np.int64))
+        for name, column in zip(_SAMPLING_FIELDS, columns):
+            getattr(sp, name)[rows] = column
+        any_top = any(columns[-2])
+        if any(columns[-1]):
+            for i in index:
+                sr = chunks[i].sampling
+                if sr.processors is not None:
+                    _fill_processors(sp, i, sr.processors)
+                    any_processors = True
+                if sr.grammar_bitmask is not None:
+                    sp.grammar_bitmask[i] = np.frombuffer(sr.grammar_bitmask, np.int32)
+                    sp.has_grammar[i] = True
     row = 0
     for chunk in chunks:
         if chunk.prompt_logprob_next:
@@ -149,7 +151,7 @@ def _fill_sampling(b: StepInputs, chunks) -> None:
             sp.prompt_next_token[first:first + len(chunk.prompt_logprob_next)] = \
                 chunk.prompt_logprob_next
             any_prompt = True
-        row += chunk.num_tokens
+        row += len(chunk.token_ids)
     sp.any_sampling[...] = bool(np.any(sp.temperature > 0))
     sp.any_processors[...] = any_processors
     sp.any_top_logprobs[...] = any_top
@@ -157,9 +159,9 @@ def _fill_sampling(b: StepInputs, chunks) -> None:
     sp.any_grammar[...] = bool(sp.has_grammar.any())
 
 
-_SAMPLING_FIELDS = (("temperature", "temperature", np.float32), ("top_k", "top_k", np.int32),
-                    ("top_p", "top_p", np.float32), ("min_p", "min_p", np.float32),
-                    ("seeds", "seed", np.uint32), ("output_index", "output_index", np.int32))
+# the SamplingInputs fields _fill_sampling's columns fill, in order
+_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seeds", "output_index",
+                    "sample_slots")
 
 
 def _fill_processors(sp: SamplingInputs, i: int, pr: ProcessorRow) -> None:
