@@ -62,11 +62,13 @@ def test_special_tokens_skipped_on_request(tokenizer):
     assert "".join(ByteStream(table, [], True).step(i) for i in ids) == "hi"
     assert "".join(ByteStream(table, [], False).step(i) for i in ids) == \
         "hi" + backend.id_to_token(special)
-    assert ByteStream(table, [], True).step(len(table.token_bytes)) == "", "an id past the vocabulary"
+    past_vocabulary = len(table.token_bytes)
+    assert ByteStream(table, [], True).step(past_vocabulary) == ""
 
 
 def test_other_decoders_keep_decode_stream():
-    backend = Backend(models.WordLevel({"▁hello": 0, "▁world": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    vocab = {"▁hello": 0, "▁world": 1, "[UNK]": 2}
+    backend = Backend(models.WordLevel(vocab, unk_token="[UNK]"))
     backend.decoder = decoders.Metaspace()
 
     class Wrapped:
