@@ -119,6 +119,10 @@ class EngineConfig:
         "the device never waits for the host's bookkeeping (falls back to one step at a time "
         "while speculation, static batching, a grammar or a multi-token bad word needs every "
         "result first)", vllm="--async-scheduling")
+    xla_cpu_nice: int = setting(
+        10, "CPU backend only: how much lower XLA's compute threads run than the engine's own "
+        "thread, so the host loop keeps a core while the next step computes (0: as they are)",
+        unit="nice levels")
     max_queued_requests: int | None = setting(
         None, "waiting requests beyond which new ones are refused (gRPC RESOURCE_EXHAUSTED, "
         "HTTP 429); unset: no bound", unit="requests")
@@ -198,6 +202,7 @@ class EngineConfig:
              f"one of {LAYER_LOOPS}")
         need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
              self.max_model_len, ">= 1")
+        need(0 <= self.xla_cpu_nice <= 19, "xla_cpu_nice", self.xla_cpu_nice, "in [0, 19]")
         need(self.max_queued_requests is None or self.max_queued_requests >= 1,
              "max_queued_requests", self.max_queued_requests, ">= 1")
         need(self.tensor_parallel_size >= 1, "tensor_parallel_size", self.tensor_parallel_size,

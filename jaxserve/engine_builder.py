@@ -107,6 +107,7 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
     from jaxserve.model.sharding import make_mesh
     from jaxserve.runner import multihost, tensor_parallel
     from jaxserve.runner.buckets import powers_of_two, token_buckets_for
+    from jaxserve.runner.cpu_threads import lower_xla_cpu_threads
     from jaxserve.runner.model_runner import ModelRunner, resolve_dtype
     from jaxserve.spec.setup import Speculation
     from jaxserve.model.loader import quantize
@@ -170,6 +171,8 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
     with phase(log, "warm-up: trace, compile (or read the compile cache) and run every step "
                     "bucket"):
         runner.warmup(progress=progress)
+    if jax.default_backend() == "cpu":  # the host loop keeps a core beside XLA's threads
+        lower_xla_cpu_threads(config.xla_cpu_nice)
     # Several JAX processes: process 0 broadcasts each plan, the others follow it.
     runner = multihost.for_this_process(runner)
     dtype_name = jax.numpy.dtype(dtype).name
