@@ -60,6 +60,16 @@ class IncrementalDetokenizer:
                     self._check_stop()
         return len(token_ids)
 
+    def feed(self, token_ids, final: bool) -> tuple[int, str]:
+        """add_tokens then take_delta(final), in one call: (tokens taken, the text to hand out).
+        The usual decode (one token, a byte table, no stop strings) is one table lookup."""
+        if len(token_ids) == 1 and self._bytes is not None and not self.stop:
+            piece = self._bytes.step(int(token_ids[0]))
+            if self._pending:  # (only a stop string ever holds text back)
+                piece, self._pending = self._pending + piece, ""
+            return 1, piece
+        return self.add_tokens(token_ids), self.take_delta(final)
+
     def _step(self, token_id: int) -> str | None:
         """The text token_id completes (None or "": nothing yet), without a byte table."""
         if self._stream is not None:

@@ -19,15 +19,15 @@ from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.request import FinishReason, Request, TokenEvent
 
 
-@dataclass
-class _Group:
+@dataclass(eq=False, slots=True)
+class _Group:  # (hashed by identity)
     """One caller's request: the output it is handed, and its samples still running."""
     output: RequestOutput
     arrival_time: float
     running: set[str] = field(default_factory=set)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Sample:
     request: Request
     completion: CompletionOutput   # the running record; snapshots are copies of it
@@ -75,9 +75,10 @@ class OutputProcessor:
         """Apply one step's events; one snapshot per request they touched, in event order.
         on_error(sample_id, exc) is called when an event can't be processed: that request
         fails, the others go on."""
-        touched: dict[str, _Group] = {}
-        for event in events:
-            sample = self._samples.get(event.request_id)
+        touched: dict[_Group, None] = {}
+        samples = self._samples
+        for event in events:  # (per request and step: few calls)
+            sample = samples.get(event.request_id)
             if sample is None:
                 continue
             try:
@@ -85,8 +86,8 @@ class OutputProcessor:
             except Exception as exc:
                 on_error(event.request_id, exc)
                 self.fail(sample.group.output.request_id, f"internal error: {exc!r}")
-            touched[sample.group.output.request_id] = sample.group
-        return [self._snapshot(group) for group in touched.values()]
+            touched[sample.group] = None
+        return [self._snapshot(group) for group in touched]
 
     def fail(self, request_id: str, message: str) -> RequestOutput | None:
         """End every sample of a request with an error; its final output (None if unknown)."""
@@ -106,7 +107,7 @@ class OutputProcessor:
     def _apply(self, sample: _Sample, event: TokenEvent) -> None:
         request, c, detok, group = sample.request, sample.completion, sample.detok, sample.group
         new_tokens, reason = event.new_token_ids, event.finish_reason
-        num_used = detok.add_tokens(new_tokens)
+        num_used, delta = detok.feed(new_tokens, reason is not None)
         if detok.stopped:
             # A stop string, found here, ends the output at the token that completed it: any
             # tokens after it in a multi-token (speculative) event are dropped, and it is a
@@ -122,7 +123,7 @@ class OutputProcessor:
         if num_used < len(new_tokens):
             new_tokens, logprobs, tops = (new_tokens[:num_used], logprobs[:num_used],
                                           tops[:num_used])
-        c.append(list(new_tokens), detok.take_delta(reason is not None), list(logprobs),
+        c.append(list(new_tokens), delta, list(logprobs),
                  [dict(top) for top in tops] if tops else [])
         if request.sample_index == 0:
             out.num_cached_tokens = request.num_cached_tokens
@@ -143,10 +144,9 @@ class OutputProcessor:
             out.latency = time.monotonic() - group.arrival_time
             del self._groups[out.request_id]
         outputs = out.outputs
-        snapshot = RequestOutput(out.request_id, out.prompt_token_ids,
-                                 [c.snapshot() for c in outputs], out.finished, out.error,
-                                 out.num_cached_tokens, out.time_to_first_token, out.latency,
-                                 out.prompt_logprobs)
-        for c in outputs:  # deltas belong to the step that produced them
-            c.clear_deltas()
-        return snapshot
+        # (deltas belong to the step that produced them: handing them out clears them)
+        return RequestOutput(out.request_id, out.prompt_token_ids,
+                             [outputs[0].hand_out()] if len(outputs) == 1
+                             else [c.hand_out() for c in outputs], out.finished, out.error,
+                             out.num_cached_tokens, out.time_to_first_token, out.latency,
+                             out.prompt_logprobs)

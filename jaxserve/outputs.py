@@ -100,24 +100,21 @@ class CompletionOutput:
         if self._tops is not None:
             self._tops += top_logprobs
 
-    def clear_deltas(self) -> None:
-        """The live record after a snapshot: this step's deltas were handed out."""
-        self.new_token_ids, self.new_text, self.new_logprobs, self.new_top_logprobs = (
-            [], "", [], [])
-
-    def snapshot(self) -> "CompletionOutput":
-        """A view of the record as it is now, that later appends never change."""
+    def hand_out(self) -> "CompletionOutput":
+        """A snapshot: a view of the record as it is now, that later appends never change;
+        this step's deltas go with it (the live record's are cleared)."""
         snap = CompletionOutput.__new__(CompletionOutput)
         snap.index, snap.finish_reason = self.index, self.finish_reason
         snap.new_token_ids, snap.new_text = self.new_token_ids, self.new_text
         snap.cumulative_logprob = self.cumulative_logprob
         snap.new_logprobs, snap.new_top_logprobs = self.new_logprobs, self.new_top_logprobs
-        snap._tokens, snap._texts, snap._logprobs, snap._tops = (
+        tokens, texts, logprobs, tops = snap._tokens, snap._texts, snap._logprobs, snap._tops = (
             self._tokens, self._texts, self._logprobs, self._tops)
-        snap._counts = (len(self._tokens), len(self._texts),
-                        0 if self._logprobs is None else len(self._logprobs),
-                        0 if self._tops is None else len(self._tops))
+        snap._counts = (len(tokens), len(texts), 0 if logprobs is None else len(logprobs),
+                        0 if tops is None else len(tops))
         snap._cache = None  # made on first read
+        self.new_token_ids, self.new_text, self.new_logprobs, self.new_top_logprobs = (
+            [], "", [], [])
         return snap
 
     def __repr__(self) -> str:

@@ -155,10 +155,10 @@ def test_a_failure_while_emitting_one_request_fails_only_that_request(small_llm)
     good = engine.add_request([7, 8, 9], params)
     bad = engine.add_request([10, 11, 12, 13], params)
 
-    def broken(token_ids):
+    def broken(token_ids, final):
         raise RuntimeError("detokenizer broke")
 
-    engine._outputs._samples[bad].detok.add_tokens = broken
+    engine._outputs._samples[bad].detok.feed = broken
     outs = {}
     while engine.has_unfinished():
         for out in engine.step():

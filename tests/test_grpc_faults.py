@@ -217,10 +217,10 @@ def test_a_failing_detokenizer_fails_its_request_alone(served, monkeypatch):
             super().__init__(tokenizer, prompt_token_ids, *args, **kwargs)
             self.poisoned = list(prompt_token_ids) == poisoned
 
-        def add_tokens(self, token_ids):
+        def feed(self, token_ids, final):
             if self.poisoned:
                 raise UnicodeError("injected detokenizer failure")
-            return super().add_tokens(token_ids)
+            return super().feed(token_ids, final)
 
     monkeypatch.setattr(output_processor, "IncrementalDetokenizer", Detokenizer)
     prompts = [[5, 6], poisoned, [7, 8, 9], [10]]
