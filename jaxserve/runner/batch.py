@@ -30,23 +30,31 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
     chunks = plan.chunks if chunks is None else chunks
     padding = plan.static_padding if plan.chunks else None
     num_finished = 0 if padding is None else padding.num_finished_slots
-    num_rows = sum(c.num_tokens for c in chunks) + plan.num_padding_rows
-    t, s = shape or buckets.select(num_rows, len(chunks) + num_finished)
+    num_seqs = len(chunks)
+    # every chunk's scalars in one pass: start, tokens, pages, slot, token on device, first
+    # token, prompt-logprob rows [n, 7] (this runs per request and step)
+    meta = np.array([(c.start_position, len(c.token_ids), len(c.page_table), c.batch_slot,
+                      c.token_on_device, c.token_ids[0], len(c.prompt_logprob_next))
+                     for c in chunks], np.int64).reshape(num_seqs, 7)
+    starts, lens, num_pages = meta[:, 0], meta[:, 1], meta[:, 2]
+    kv_lens = starts + lens
+    num_rows = int(lens.sum()) + plan.num_padding_rows
+    t, s = shape or buckets.select(num_rows, num_seqs + num_finished)
     p = buckets.max_pages_per_request
     b = StepInputs.empty(t, s, p, mask_words, device_tables=device_tables)
-    num_seqs = len(chunks)
-    num_decode = next((i for i, c in enumerate(chunks) if c.num_tokens != 1), num_seqs)
-    for chunk in chunks:
-        if len(chunk.page_table) > p or len(chunk.page_table) * page_size < chunk.kv_len:
-            raise ValueError(f"request {chunk.request_id}: {len(chunk.page_table)} pages for "
-                             f"{chunk.kv_len} tokens (page-table width {p})")
+    longer = np.flatnonzero(lens != 1)
+    num_decode = int(longer[0]) if longer.size else num_seqs  # decode rows come first
+    bad = np.flatnonzero((num_pages > p) | (num_pages * page_size < kv_lens))
+    if bad.size:
+        chunk = chunks[int(bad[0])]
+        raise ValueError(f"request {chunk.request_id}: {len(chunk.page_table)} pages for "
+                         f"{chunk.kv_len} tokens (page-table width {p})")
     slots = None
-    if tables is not None and (tables.num_transient >= len(chunks)
-                               or all(c.batch_slot for c in chunks)):
-        slots = _layout_with_slots(b, chunks, num_decode, page_size, tables)
+    if tables is not None and (tables.num_transient >= num_seqs or meta[:, 3].all()):
+        slots = _layout_with_slots(b, chunks, meta, num_decode, page_size, tables)
     else:
-        _layout_each(b, chunks, num_decode, page_size)
-    _fill_sampling(b, chunks)
+        _layout_rows(b, chunks, 0, 0, page_size, copy_tables=True)
+    _fill_sampling(b, chunks, bool(meta[:, 6].any()))
     a = b.attention
     row = int(a.cu_q_lens[num_seqs])
     a.num_decode_seqs[...] = num_decode
@@ -58,18 +66,21 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
     return b
 
 
-def _layout_with_slots(b: StepInputs, chunks, num_decode: int, page_size: int,
-                       tables: HostPageTables) -> np.ndarray:
+def _layout_with_slots(b: StepInputs, chunks, meta: np.ndarray, num_decode: int,
+                       page_size: int, tables: HostPageTables) -> np.ndarray:
     """Page tables from the slots' persistent rows (b.tables: just the changed rows, the
     first num_table_updates of them; tables.changed lists them all); the decode rows in one
-    go each field. Returns each request's table slot [n]."""
+    go each field, from meta (build_step_inputs' per-chunk scalars). Returns each request's
+    table slot [n]."""
     m, a = b.model, b.attention
-    first = tables.num_slots
-    slots = np.fromiter((c.batch_slot or first + i for i, c in enumerate(chunks)), np.int32,
-                        len(chunks))
-    tables.changed = [slot for chunk, slot in zip(chunks, slots.tolist())
-                      if tables.update(slot, chunk.page_table)]
     n = len(chunks)
+    slots = meta[:, 3].astype(np.int32)
+    transient = slots == 0  # requests without a batch slot: row i uses slot num_slots + i
+    if transient.any():
+        slots[transient] = tables.num_slots + np.flatnonzero(transient)
+    update = tables.update
+    tables.changed = [slot for chunk, slot in zip(chunks, slots.tolist())
+                      if update(slot, chunk.page_table)]
     if b.tables is None:
         a.page_table[:n] = tables.tables[slots]
     else:
@@ -79,23 +90,18 @@ def _layout_with_slots(b: StepInputs, chunks, num_decode: int, page_size: int,
         t.update_slots[:len(sent)] = sent
         t.update_rows[:len(sent)] = tables.tables[sent]
     if num_decode:
-        d = chunks[:num_decode]
-        pos = np.fromiter((c.start_position for c in d), np.int32, num_decode)
-        m.token_ids[:num_decode] = np.fromiter((c.token_ids[0] for c in d), np.int32, num_decode)
+        d = meta[:num_decode]
+        pos = d[:, 0]
+        m.token_ids[:num_decode] = d[:, 5]
         m.positions[:num_decode] = pos
         pages = tables.tables[slots[:num_decode], pos // page_size]
         m.slot_mapping[:num_decode] = pages * page_size + pos % page_size
         m.logits_indices[:num_decode] = np.arange(num_decode, dtype=np.int32)
-        m.token_slots[:num_decode] = np.fromiter(
-            (c.batch_slot if c.token_on_device else 0 for c in d), np.int32, num_decode)
+        m.token_slots[:num_decode] = np.where(d[:, 4] != 0, d[:, 3], 0)
         a.kv_lens[:num_decode] = pos + 1
         a.cu_q_lens[1:num_decode + 1] = np.arange(1, num_decode + 1, dtype=np.int32)
     _layout_rows(b, chunks, num_decode, num_decode, page_size, copy_tables=False)
     return slots
-
-
-def _layout_each(b: StepInputs, chunks, num_decode: int, page_size: int) -> None:
-    _layout_rows(b, chunks, 0, 0, page_size, copy_tables=True)
 
 
 def _layout_rows(b: StepInputs, chunks, first: int, row: int, page_size: int,
@@ -120,9 +126,9 @@ def _layout_rows(b: StepInputs, chunks, first: int, row: int, page_size: int,
         row += n
 
 
-def _fill_sampling(b: StepInputs, chunks) -> None:
+def _fill_sampling(b: StepInputs, chunks, any_prompt_rows: bool) -> None:
     """Each sampling row's settings: one array per field from one pass over the rows;
-    processors, grammars and prompt logprobs (rare) row by row."""
+    processors, grammars and prompt logprobs (rare: any_prompt_rows) row by row."""
     sp = b.sampling
     any_top = any_processors = any_prompt = False
     values = [(i, r.temperature, r.top_k, r.top_p, r.min_p, r.seed, r.output_index, c.batch_slot,
@@ -145,7 +151,7 @@ def _fill_sampling(b: StepInputs, chunks) -> None:
                     sp.grammar_bitmask[i] = np.frombuffer(sr.grammar_bitmask, np.int32)
                     sp.has_grammar[i] = True
     row = 0
-    for chunk in chunks:
+    for chunk in chunks if any_prompt_rows else ():
         if chunk.prompt_logprob_next:
             first = row + chunk.prompt_logprob_first_row
             sp.prompt_next_token[first:first + len(chunk.prompt_logprob_next)] = \
