@@ -35,16 +35,18 @@ class ProcessorRow:
     init: ProcessorInit | None    # set on the step the slot was assigned
 
 
-@dataclass(slots=True)  # built per request and step: cheap to make, never changed
+@dataclass(slots=True)  # never changed once made
 class SamplingRow:
-    """Sampling settings of one request for the token it samples this step."""
+    """Sampling settings of one request for the token it samples this step. A request without
+    logits processors or a grammar has one for its whole life (the scheduler makes it when the
+    request is queued), so the runner's persistent batch (runner/host_sampling.py) recognizes
+    it by identity and writes its settings once per batch slot."""
 
     temperature: float
     top_k: int
     top_p: float
     min_p: float
     seed: int
-    output_index: int  # which output token this is: keys derive from (seed, output_index)
     top_logprobs: int = 0                    # alternatives to report (sampling.logprobs = k)
     processors: ProcessorRow | None = None   # None: no logits processor changes this row
     # structured output: the allowed next tokens, int32 [ceil(V / 32)] bitmask words as bytes;
@@ -72,6 +74,8 @@ class ScheduledChunk:
     # token the step before sampled, not yet on the host (async scheduling).
     batch_slot: int = 0
     token_on_device: bool = False
+    # with sampling: which output token it samples (keys derive from (seed, output_index))
+    output_index: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -214,6 +214,8 @@ class Request:
     # (max_tokens within max_model_len)
     stop_ids: frozenset = frozenset()
     max_output_tokens: int = 0
+    # plan.SamplingRow of its steps (no logits processors nor grammar), made when queued
+    sampling_row: object = None
 
     @property
     def all_token_ids(self) -> list[int]:

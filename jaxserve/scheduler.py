@@ -28,7 +28,7 @@ import bisect
 from jaxserve.batching import make_batching_policy
 from jaxserve.engine_info import EngineStats
 from jaxserve.page_manager import PageManager
-from jaxserve.plan import DraftRows, StepPlan, SwapIn, SwapOut
+from jaxserve.plan import DraftRows, SamplingRow, StepPlan, SwapIn, SwapOut
 from jaxserve.processor_slots import ProcessorSlots
 from jaxserve.request import FinishReason, Request, RequestStatus, TokenEvent
 from jaxserve.scheduler_results import SchedulerResults
@@ -86,6 +86,8 @@ class Scheduler(SchedulerResults):
         request.stop_ids = frozenset(sp.stop_token_ids) | frozenset(
             () if sp.ignore_eos else request.eos_token_ids)
         request.max_output_tokens = min(sp.max_tokens, self.max_model_len - request.num_tokens)
+        request.sampling_row = SamplingRow(sp.temperature, sp.top_k, sp.top_p, sp.min_p,
+                                           request.seed, sp.top_logprobs)
         self._num_plain_only += request.sampling.needs_plain_steps(self._host_drafts)
         self._num_host_bound += request.needs_host_tokens
         if needed > capacity:

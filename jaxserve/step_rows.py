@@ -27,19 +27,22 @@ def build_chunk(request: Request, num_new: int, page_table: tuple[int, ...],
     prompt, outputs = request.prompt_token_ids, request.output_token_ids
     num_prompt = len(prompt)
     known = num_prompt + len(outputs)  # the rest, to num_scheduled_tokens, is on the device
-    sampling = None
+    sampling, output_index = None, 0
     if end == known + request.num_pending_tokens:
-        mask, draft_masks = None, ()
-        if request.grammar is not None:  # the tokens its grammar allows next, and per draft
-            from jaxserve.structured.matcher import fill_draft_rows
-            rows = np.empty((len(drafts) + 1, request.grammar.num_words), np.int32)
-            has = fill_draft_rows([(request.grammar, drafts, 0)], rows)
-            masks = [row.tobytes() if ok else None for row, ok in zip(rows, has)]
-            mask, draft_masks = masks[0], tuple(masks[1:])
-        sampling = SamplingRow(sp.temperature, sp.top_k, sp.top_p, sp.min_p, request.seed,
-                               len(outputs) + request.num_pending_tokens, sp.top_logprobs,
-                               processor_slots.row(request) if sp.uses_processors else None,
-                               mask, draft_masks)
+        output_index = len(outputs) + request.num_pending_tokens
+        sampling = request.sampling_row  # the request's own, for life (the usual case)
+        if request.grammar is not None or sp.uses_processors:  # settings of this step only
+            mask, draft_masks = None, ()
+            if request.grammar is not None:  # the tokens its grammar allows next, per draft
+                from jaxserve.structured.matcher import fill_draft_rows
+                rows = np.empty((len(drafts) + 1, request.grammar.num_words), np.int32)
+                has = fill_draft_rows([(request.grammar, drafts, 0)], rows)
+                masks = [row.tobytes() if ok else None for row, ok in zip(rows, has)]
+                mask, draft_masks = masks[0], tuple(masks[1:])
+            sampling = SamplingRow(sp.temperature, sp.top_k, sp.top_p, sp.min_p, request.seed,
+                                   sp.top_logprobs,
+                                   processor_slots.row(request) if sp.uses_processors else None,
+                                   mask, draft_masks)
     k, first, nxt = 0, 0, ()
     if sp.prompt_logprobs is not None and request.sample_index == 0:
         # positions p < len(prompt) - 1 not reported yet (a recompute skips those that were)
@@ -60,7 +63,7 @@ def build_chunk(request: Request, num_new: int, page_table: tuple[int, ...],
         if end > known:  # its last tokens: the step in flight samples them, placeholders
             tokens += (0,) * (end - known)
     return ScheduledChunk(request.request_id, tokens, start, page_table, sampling, k,
-                          first, nxt, request.batch_slot, end > known)
+                          first, nxt, request.batch_slot, end > known, output_index)
 
 
 def prompt_logprob_entries(chunk: ScheduledChunk, first_row: int,

@@ -78,8 +78,9 @@ def device_rows(requests, logits):
     slots = ProcessorSlots(len(requests) + 1)
     chunks = []
     for i, r in enumerate(requests):
-        row = SamplingRow(0.0, 0, 1.0, 0.0, r.seed, len(r.output_token_ids), 5, slots.row(r))
-        chunks.append(ScheduledChunk(r.request_id, (3,), i, (1,), row))
+        row = SamplingRow(0.0, 0, 1.0, 0.0, r.seed, 5, slots.row(r))
+        chunks.append(ScheduledChunk(r.request_id, (3,), i, (1,), row,
+                                     output_index=len(r.output_token_ids)))
     plan = StepPlan(chunks=chunks)
     inputs = build_step_inputs(plan, BucketTable.build(64, 16, 64, 16), 16)
     arrays = list(lp.empty_arrays(len(requests) + 1, V))

@@ -116,8 +116,8 @@ def _health(client) -> str:
 def _plan(n: int):
     from jaxserve.plan import SamplingRow, ScheduledChunk, StepPlan, SwapIn
 
-    row = SamplingRow(temperature=0.5, top_k=3, top_p=0.9, min_p=0.0, seed=n, output_index=1)
-    chunk = ScheduledChunk(f"r{n}", tuple(range(3, 3 + 200 * n)), 0, (1, 2), row)
+    row = SamplingRow(temperature=0.5, top_k=3, top_p=0.9, min_p=0.0, seed=n)
+    chunk = ScheduledChunk(f"r{n}", tuple(range(3, 3 + 200 * n)), 0, (1, 2), row, output_index=1)
     return StepPlan(chunks=[chunk], swap_in=[SwapIn("s", (4,))], dropped_swaps=["d"])
 
 

@@ -119,6 +119,9 @@ def host_only(n: int, steps: int, tokenizer) -> dict:
     if "device_tables" in inspect.signature(build_step_inputs).parameters:  # as its runner
         layout = {"tables": HostPageTables(n + 1, table.max_pages_per_request, n),
                   "device_tables": True}
+    if "samplers" in inspect.signature(build_step_inputs).parameters:
+        from jaxserve.runner.host_sampling import HostSamplingRows
+        layout["samplers"] = HostSamplingRows(n + 1 + n)
     totals = dict.fromkeys(("schedule", "build", "update", "emit"), 0.0)
 
     def one(record: bool) -> None:

@@ -13,29 +13,32 @@ import numpy as np
 from jaxserve.plan import ProcessorRow, ScheduledChunk, StepPlan
 from jaxserve.runner.buckets import BucketTable
 from jaxserve.runner.host_page_tables import HostPageTables
+from jaxserve.runner.host_sampling import HostSamplingRows
 from jaxserve.step_inputs import SamplingInputs, StepInputs
 
 
 def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
                       chunks: list[ScheduledChunk] | None = None,
                       shape: tuple[int, int] | None = None, mask_words: int = 1,
-                      tables: HostPageTables | None = None,
-                      device_tables: bool = False) -> StepInputs:
+                      tables: HostPageTables | None = None, device_tables: bool = False,
+                      samplers: HostSamplingRows | None = None) -> StepInputs:
     """chunks: the rows to lay out (default plan.chunks; speculation passes them with their
     draft rows appended); shape: a fixed (T, S) bucket instead of the smallest that fits;
     mask_words: grammar bitmask words per row (the step's compiled width); tables: the runner's
     persistent page tables by batch slot (None: each chunk's table is copied); device_tables:
     send only the changed rows (StepInputs.tables; needs tables with a transient slot per
-    request row)."""
+    request row); samplers: the runner's persistent sampling settings by the same slots (None:
+    every row's are written)."""
     chunks = plan.chunks if chunks is None else chunks
     padding = plan.static_padding if plan.chunks else None
     num_finished = 0 if padding is None else padding.num_finished_slots
     num_seqs = len(chunks)
     # every chunk's scalars in one pass: start, tokens, pages, slot, token on device, first
-    # token, prompt-logprob rows [n, 7] (this runs per request and step)
+    # token, prompt-logprob rows, output index, samples [n, 9] (per request and step)
     meta = np.array([(c.start_position, len(c.token_ids), len(c.page_table), c.batch_slot,
-                      c.token_on_device, c.token_ids[0], len(c.prompt_logprob_next))
-                     for c in chunks], np.int64).reshape(num_seqs, 7)
+                      c.token_on_device, c.token_ids[0], len(c.prompt_logprob_next),
+                      c.output_index, c.sampling is not None)
+                     for c in chunks], np.int64).reshape(num_seqs, 9)
     starts, lens, num_pages = meta[:, 0], meta[:, 1], meta[:, 2]
     kv_lens = starts + lens
     num_rows = int(lens.sum()) + plan.num_padding_rows
@@ -54,7 +57,7 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
         slots = _layout_with_slots(b, chunks, meta, num_decode, page_size, tables)
     else:
         _layout_rows(b, chunks, 0, 0, page_size, copy_tables=True)
-    _fill_sampling(b, chunks, bool(meta[:, 6].any()))
+    _fill_sampling(b, chunks, meta, slots, samplers)
     a = b.attention
     row = int(a.cu_q_lens[num_seqs])
     a.num_decode_seqs[...] = num_decode
@@ -126,32 +129,37 @@ def _layout_rows(b: StepInputs, chunks, first: int, row: int, page_size: int,
         row += n
 
 
-def _fill_sampling(b: StepInputs, chunks, any_prompt_rows: bool) -> None:
-    """Each sampling row's settings: one array per field from one pass over the rows;
-    processors, grammars and prompt logprobs (rare: any_prompt_rows) row by row."""
+def _fill_sampling(b: StepInputs, chunks, meta: np.ndarray, slots: np.ndarray | None,
+                   samplers: HostSamplingRows | None) -> None:
+    """Each sampling row's settings, gathered by slot from the persistent rows (samplers: the
+    runner's, with slots; without them, each row's are written through a fresh set of rows);
+    processors, grammars and prompt logprobs (rare) row by row."""
     sp = b.sampling
     any_top = any_processors = any_prompt = False
-    values = [(i, r.temperature, r.top_k, r.top_p, r.min_p, r.seed, r.output_index, c.batch_slot,
-               r.top_logprobs, r.processors is not None or r.grammar_bitmask is not None)
-              for i, c in enumerate(chunks) if (r := c.sampling) is not None]
-    if values:
-        index, *columns = zip(*values)
-        rows = (slice(0, len(index)) if index[-1] == len(index) - 1  # rows 0..n-1: the usual
-                else np.array(index, np.int64))
-        for name, column in zip(_SAMPLING_FIELDS, columns):
-            getattr(sp, name)[rows] = column
-        any_top = any(columns[-2])
-        if any(columns[-1]):
-            for i in index:
-                sr = chunks[i].sampling
-                if sr.processors is not None:
-                    _fill_processors(sp, i, sr.processors)
-                    any_processors = True
-                if sr.grammar_bitmask is not None:
-                    sp.grammar_bitmask[i] = np.frombuffer(sr.grammar_bitmask, np.int32)
-                    sp.has_grammar[i] = True
+    n = len(chunks)
+    if slots is None or samplers is None:
+        slots, samplers = np.arange(n), HostSamplingRows(n)
+    rows = [c.sampling for c in chunks]
+    samplers.store(slots.tolist(), rows)
+    index = np.flatnonzero(meta[:, 8])
+    if index.size:
+        at = slice(0, index.size) if index[-1] == index.size - 1 else index  # 0..k-1: usual
+        by_slot = slots[index]
+        for name in ("temperature", "top_k", "top_p", "min_p", "seeds"):
+            getattr(sp, name)[at] = getattr(samplers, name)[by_slot]
+        sp.output_index[at] = meta[index, 7]
+        sp.sample_slots[at] = meta[index, 3]
+        any_top = bool(samplers.top_logprobs[by_slot].any())
+        for i in index[samplers.special[by_slot]].tolist():
+            sr = rows[i]
+            if sr.processors is not None:
+                _fill_processors(sp, i, sr.processors)
+                any_processors = True
+            if sr.grammar_bitmask is not None:
+                sp.grammar_bitmask[i] = np.frombuffer(sr.grammar_bitmask, np.int32)
+                sp.has_grammar[i] = True
     row = 0
-    for chunk in chunks if any_prompt_rows else ():
+    for chunk in chunks if meta[:, 6].any() else ():
         if chunk.prompt_logprob_next:
             first = row + chunk.prompt_logprob_first_row
             sp.prompt_next_token[first:first + len(chunk.prompt_logprob_next)] = \
@@ -163,11 +171,6 @@ def _fill_sampling(b: StepInputs, chunks, any_prompt_rows: bool) -> None:
     sp.any_top_logprobs[...] = any_top
     sp.any_prompt_logprobs[...] = any_prompt
     sp.any_grammar[...] = bool(sp.has_grammar.any())
-
-
-# the SamplingInputs fields _fill_sampling's columns fill, in order
-_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seeds", "output_index",
-                    "sample_slots")
 
 
 def _fill_processors(sp: SamplingInputs, i: int, pr: ProcessorRow) -> None:

@@ -40,6 +40,7 @@ from jaxserve.runner import device_page_tables
 from jaxserve.runner.compiled_step import CompiledStep
 from jaxserve.runner.device_page_tables import DevicePageTables
 from jaxserve.runner.host_page_tables import HostPageTables
+from jaxserve.runner.host_sampling import HostSamplingRows
 from jaxserve.runner import logits_processors
 from jaxserve.runner.grammar_mask import maybe_apply_bitmask
 from jaxserve.runner.kv_cache import DeviceKV
@@ -162,6 +163,7 @@ class ModelRunner:
         p = self.buckets.max_pages_per_request
         max_s = self.buckets.seq_buckets[-1]  # transient table slots: rows without a slot
         self.host_tables = HostPageTables(max_num_seqs + 1, p, num_transient=max_s)
+        self.host_samplers = HostSamplingRows(max_num_seqs + 1 + max_s)  # by the same slots
         self.device_tables = DevicePageTables(max_num_seqs + 1 + max_s, p,
                                               self.placement.replicated)
         self.timings = None  # a StepTimings (the engine's), or None
@@ -231,7 +233,7 @@ class ModelRunner:
             if plan.chunks:
                 inputs = build_step_inputs(plan, self.buckets, self.page_size,
                                            mask_words=self.mask_words, tables=self.host_tables,
-                                           device_tables=True)
+                                           device_tables=True, samplers=self.host_samplers)
                 if not inputs.sampling.any_grammar:  # no upload of an unused [S, W] bitmask
                     inputs.sampling.grammar_bitmask = self._unused_bitmasks[inputs.shape]
                 overflow = self.host_tables.changed[len(inputs.tables.update_slots):]
