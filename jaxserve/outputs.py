@@ -108,8 +108,8 @@ class CompletionOutput:
         snap.new_token_ids, snap.new_text = self.new_token_ids, self.new_text
         snap.cumulative_logprob = self.cumulative_logprob
         snap.new_logprobs, snap.new_top_logprobs = self.new_logprobs, self.new_top_logprobs
-        tokens, texts, logprobs, tops = snap._tokens, snap._texts, snap._logprobs, snap._tops = (
-            self._tokens, self._texts, self._logprobs, self._tops)
+        tokens, texts, logprobs, tops = self._tokens, self._texts, self._logprobs, self._tops
+        snap._tokens, snap._texts, snap._logprobs, snap._tops = tokens, texts, logprobs, tops
         snap._counts = (len(tokens), len(texts), 0 if logprobs is None else len(logprobs),
                         0 if tops is None else len(tops))
         snap._cache = None  # made on first read
