@@ -5,10 +5,10 @@ It turns a StepPlan into StepInputs (runner/batch.py) and one call of its Compil
 (forward -> logits processors -> grammar bitmasks -> sample, KV and processor state donated),
 and returns plain numpy results: execute(plan) at once, or dispatch(plan) now and collect() its
 results later (async scheduling: the device runs it while the host plans the next step; a row
-whose token is still on the device reads it from BatchTokens). A dispatched step is launched
-from one launcher thread, in order: XLA on the CPU runs a step inline in the launching call
-when its inputs are ready (measured: the whole 4 ms step of 256 requests inside the call), so
-the engine's own thread never launches one. Every (tokens, requests)
+whose token is still on the device reads it from BatchTokens). Dispatched steps are launched
+in order by a StepLauncher (runner/launcher.py): from the engine's thread when XLA will only
+queue the step, else from a launcher thread, so the engine's thread never sits in a step that
+XLA runs inline. Every (tokens, requests)
 bucket is compiled ahead of time; a shape outside the table raises instead of compiling. It
 never decides what runs: that is the scheduler's job. runner/protocol.py declares what every
 runner (plain, speculative, multi-host leader / follower) offers the engine.
@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import logging
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import nullcontext
 
 import jax
@@ -34,6 +34,7 @@ from jaxserve.model.config import ModelConfig
 from jaxserve.plan import StepPlan
 from jaxserve.runner import batch_tokens
 from jaxserve.runner.batch import build_step_inputs
+from jaxserve.runner.launcher import StepLauncher
 from jaxserve.runner.batch_tokens import BatchTokens
 from jaxserve.runner.buckets import BucketTable
 from jaxserve.runner import device_page_tables
@@ -167,7 +168,7 @@ class ModelRunner:
         self.device_tables = DevicePageTables(max_num_seqs + 1 + max_s, p,
                                               self.placement.replicated)
         self.timings = None  # a StepTimings (the engine's), or None
-        self._launcher = ThreadPoolExecutor(1, thread_name_prefix="jaxserve-launch")
+        self._launcher = StepLauncher()
         self.attention = self.placement.attention(self.attention_impl, page_size)
         step = functools.partial(plain_step, self.graphdef, self.attention)
         self.mask_words = -(-model_config.vocab_size // 32)  # grammar bitmask words per row
@@ -213,12 +214,12 @@ class ModelRunner:
         self.device_tables.warmup()
 
     def wait(self) -> None:
-        self._launcher.submit(lambda: None).result()  # every launched step has its arrays
+        self._launcher.drain()  # every launched step has its arrays
         jax.block_until_ready((self.state, self.kv, self.processors.arrays,
                                self.last_tokens.arrays, self.device_tables.arrays))
 
     def close(self) -> None:
-        self._launcher.shutdown(wait=True)
+        self._launcher.shutdown()
 
     def _phase(self, name: str):
         return nullcontext() if self.timings is None else self.timings.phase(name)
@@ -227,7 +228,7 @@ class ModelRunner:
         return self.collect(self.dispatch(plan))
 
     def dispatch(self, plan: StepPlan) -> PendingStep:
-        """Lay the plan out as inputs, hand it to the launcher thread and return at once."""
+        """Lay the plan out as inputs, hand it to the launcher and return at once."""
         with self._phase("build"):
             inputs, overflow = None, None
             if plan.chunks:
