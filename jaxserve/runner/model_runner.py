@@ -34,7 +34,6 @@ from jaxserve.model.config import ModelConfig
 from jaxserve.plan import StepPlan
 from jaxserve.runner import batch_tokens
 from jaxserve.runner.batch import build_step_inputs
-from jaxserve.runner.launcher import StepLauncher
 from jaxserve.runner.batch_tokens import BatchTokens
 from jaxserve.runner.buckets import BucketTable
 from jaxserve.runner import device_page_tables
@@ -45,6 +44,7 @@ from jaxserve.runner.host_sampling import HostSamplingRows
 from jaxserve.runner import logits_processors
 from jaxserve.runner.grammar_mask import maybe_apply_bitmask
 from jaxserve.runner.kv_cache import DeviceKV
+from jaxserve.runner.launcher import StepLauncher
 from jaxserve.runner.logits_processors import ProcessorState
 from jaxserve.runner.protocol import StepResult
 from jaxserve.runner.sampler import prompt_logprobs, sample, top_logprobs
