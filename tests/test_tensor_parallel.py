@@ -79,9 +79,9 @@ def test_kv_pages_are_split_on_kv_heads_and_inputs_replicated(report, tp):
     for kv in run["kv"]:  # [L, N, page_size, Hkv, Dh]
         assert kv["spec"] == "P(None, None, None, 'tp', None)", kv
         assert kv["shard_shape"][3] == 4 // tp and kv["shard_shape"][:3] == kv["shape"][:3]
-    # Every StepInputs leaf (the page tables as slots and changed rows) enters the step,
-    # replicated.
-    assert run["inputs_replicated"] and run["num_step_inputs"] == run["num_input_leaves"]
+    # The step's inputs enter as two leaves (step_layout.py: one buffer of every field, the
+    # grammar bitmask), replicated.
+    assert run["inputs_replicated"] and run["num_step_inputs"] == run["num_input_leaves"] == 2
 
 
 def test_checkpoint_restores_straight_into_the_shardings(report):

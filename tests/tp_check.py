@@ -29,7 +29,6 @@ from scale_out_fixtures import LEAN_ENGINE, mixed_requests, save_tiny_checkpoint
 from jaxserve.llm import LLM  # noqa: E402
 from jaxserve.model.sharding import make_mesh  # noqa: E402
 from jaxserve.runner import tensor_parallel  # noqa: E402
-from jaxserve.step_inputs import StepInputs  # noqa: E402
 
 RUNS = [  # (tensor_parallel_size, layer_loop, preemption_mode)
     (1, "unroll", "recompute"), (2, "scan", "swap"), (4, "unroll", "recompute")]
@@ -68,7 +67,7 @@ def serve(checkpoint: Path, tp: int, layer_loop: str, preemption_mode: str, **sp
     runner, sched = llm.engine.runner, llm.engine.scheduler
     if spec:
         return {"tokens": [o.token_ids for o in outs]}
-    exe = next(iter(runner.step._executables.values()))
+    shape, exe = next(iter(runner.step._executables.items()))
     step_inputs = jax.tree.leaves(exe.input_shardings[0][2:])
     return {"tokens": [o.token_ids for o in outs],
             "preemptions": sched.num_preemptions, "swaps": sched.num_swaps,
@@ -76,8 +75,7 @@ def serve(checkpoint: Path, tp: int, layer_loop: str, preemption_mode: str, **sp
             "kv": [describe(x) for x in runner.kv],
             "inputs_replicated": all(s.is_fully_replicated for s in step_inputs),
             "num_step_inputs": len(step_inputs),
-            "num_input_leaves": len(jax.tree.leaves(StepInputs.empty(16, 4, 2,
-                                                                       device_tables=True)))}
+            "num_input_leaves": len(jax.tree.leaves(runner.step.empty_inputs(shape)))}
 
 
 def serve_twice_with_host_tier(checkpoint: Path) -> dict:

@@ -122,6 +122,9 @@ def host_only(n: int, steps: int, tokenizer) -> dict:
     if "samplers" in inspect.signature(build_step_inputs).parameters:
         from jaxserve.runner.host_sampling import HostSamplingRows
         layout["samplers"] = HostSamplingRows(n + 1 + n)
+    if "layouts" in inspect.signature(build_step_inputs).parameters:  # one buffer per step
+        from jaxserve.step_layout import layouts_for
+        layout["layouts"] = layouts_for(table.shapes(), table.max_pages_per_request, 1)
     totals = dict.fromkeys(("schedule", "build", "update", "emit"), 0.0)
 
     def one(record: bool) -> None:

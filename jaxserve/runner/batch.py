@@ -1,7 +1,8 @@
 """A StepPlan laid out as the step's input dataclasses (step_inputs.py), padded to a bucket.
 
-Pure numpy; it must not import jax. Built once per step; the runner hands the whole StepInputs
-to the compiled step (one transfer per array). Padding rows write their K/V into reserved page
+Pure numpy; it must not import jax. Built once per step; the model runner lays its steps out in
+one buffer (step_layout.py: the fields are views of it, one transfer per step), the speculative
+runner as separate arrays (one transfer per array). Padding rows write their K/V into reserved page
 0 and sample nothing. Decode rows come first (the scheduler orders them so), and
 num_decode_seqs says where they end.
 """
@@ -15,20 +16,24 @@ from jaxserve.runner.buckets import BucketTable
 from jaxserve.runner.host_page_tables import HostPageTables
 from jaxserve.runner.host_sampling import HostSamplingRows
 from jaxserve.step_inputs import SamplingInputs, StepInputs
+from jaxserve.step_layout import PackedStepInputs, StepLayout
 
 
 def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
                       chunks: list[ScheduledChunk] | None = None,
                       shape: tuple[int, int] | None = None, mask_words: int = 1,
                       tables: HostPageTables | None = None, device_tables: bool = False,
-                      samplers: HostSamplingRows | None = None) -> StepInputs:
+                      samplers: HostSamplingRows | None = None,
+                      layouts: dict[tuple[int, int], StepLayout] | None = None
+                      ) -> StepInputs | PackedStepInputs:
     """chunks: the rows to lay out (default plan.chunks; speculation passes them with their
     draft rows appended); shape: a fixed (T, S) bucket instead of the smallest that fits;
     mask_words: grammar bitmask words per row (the step's compiled width); tables: the runner's
     persistent page tables by batch slot (None: each chunk's table is copied); device_tables:
     send only the changed rows (StepInputs.tables; needs tables with a transient slot per
     request row); samplers: the runner's persistent sampling settings by the same slots (None:
-    every row's are written)."""
+    every row's are written); layouts: one buffer layout per bucket (step_layout.py; with
+    device_tables): the result is then a PackedStepInputs whose `views` were filled."""
     chunks = plan.chunks if chunks is None else chunks
     padding = plan.static_padding if plan.chunks else None
     num_finished = 0 if padding is None else padding.num_finished_slots
@@ -44,7 +49,11 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
     num_rows = int(lens.sum()) + plan.num_padding_rows
     t, s = shape or buckets.select(num_rows, num_seqs + num_finished)
     p = buckets.max_pages_per_request
-    b = StepInputs.empty(t, s, p, mask_words, device_tables=device_tables)
+    if layouts is None:
+        packed, b = None, StepInputs.empty(t, s, p, mask_words, device_tables=device_tables)
+    else:
+        packed = layouts[t, s].new()
+        b = packed.views
     longer = np.flatnonzero(lens != 1)
     num_decode = int(longer[0]) if longer.size else num_seqs  # decode rows come first
     bad = np.flatnonzero((num_pages > p) | (num_pages * page_size < kv_lens))
@@ -66,7 +75,7 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
         num_seqs += num_finished
     a.cu_q_lens[num_seqs + 1:] = row
     a.num_seqs[...] = num_seqs
-    return b
+    return b if packed is None else packed
 
 
 def _layout_with_slots(b: StepInputs, chunks, meta: np.ndarray, num_decode: int,

@@ -1,8 +1,9 @@
 """ModelRunner: owns every device array of a plain step (weights, KV pages, host swap copies,
 the logits processors' state, the batch slots' last tokens).
 
-It turns a StepPlan into StepInputs (runner/batch.py) and one call of its CompiledStep
-(forward -> logits processors -> grammar bitmasks -> sample, KV and processor state donated),
+It turns a StepPlan into StepInputs laid out in one buffer (runner/batch.py, step_layout.py)
+and one call of its CompiledStep (unpack -> forward -> logits processors -> grammar bitmasks ->
+sample, KV and processor state donated),
 and returns plain numpy results: execute(plan) at once, or dispatch(plan) now and collect() its
 results later (async scheduling: the device runs it while the host plans the next step; a row
 whose token is still on the device reads it from BatchTokens). Dispatched steps are launched
@@ -41,7 +42,7 @@ from jaxserve.runner.compiled_step import CompiledStep
 from jaxserve.runner.device_page_tables import DevicePageTables
 from jaxserve.runner.host_page_tables import HostPageTables
 from jaxserve.runner.host_sampling import HostSamplingRows
-from jaxserve.runner import logits_processors
+from jaxserve.runner import logits_processors, packed_inputs
 from jaxserve.runner.grammar_mask import maybe_apply_bitmask
 from jaxserve.runner.kv_cache import DeviceKV
 from jaxserve.runner.launcher import StepLauncher
@@ -49,7 +50,7 @@ from jaxserve.runner.logits_processors import ProcessorState
 from jaxserve.runner.protocol import StepResult
 from jaxserve.runner.sampler import prompt_logprobs, sample, top_logprobs
 from jaxserve.runner.tensor_parallel import Placement
-from jaxserve.step_inputs import StepInputs
+from jaxserve.step_layout import PackedStepInputs, layouts_for
 
 log = logging.getLogger(__name__)
 
@@ -99,12 +100,13 @@ def unpack(packed: np.ndarray, num_chunks: int, with_top: bool = False) -> StepR
                       logprobs[:, 1:].copy())
 
 
-def plain_step(graphdef, attention, state, kv, inputs: StepInputs):
-    """forward -> logits processors -> sample (+ top-k logprobs, + prompt logprobs). kv: (KV
+def plain_step(graphdef, attention, state, kv, packed: PackedStepInputs):
+    """unpack -> forward -> logits processors -> sample (+ top-k logprobs, + prompt logprobs). kv: (KV
     pages, processor state, batch tokens, page tables by slot). Returns ((packed [2, S, 1 + K]
     i32, prompt [2, T, 1 + K] i32), kv); the prompt part is fetched only by steps that asked
     for it."""
     kv_pages, processors, last_tokens, tables = kv
+    inputs = packed_inputs.unpack(packed)
     tables, page_table = device_page_tables.apply(tables, inputs.tables)
     inputs = dataclasses.replace(inputs, attention=dataclasses.replace(
         inputs.attention, page_table=page_table))
@@ -173,19 +175,18 @@ class ModelRunner:
         step = functools.partial(plain_step, self.graphdef, self.attention)
         self.mask_words = -(-model_config.vocab_size // 32)  # grammar bitmask words per row
         self._unused_bitmasks: dict[tuple[int, int], jax.Array] = {}
+        self.layouts = layouts_for(self.buckets.shapes(), p, self.mask_words)
         self.step = CompiledStep("step", step, state,
                                  (self.cache, self.processors, self.last_tokens,
                                   self.device_tables),
-                                 self.buckets,
-                                 lambda shape: StepInputs.empty(*shape, p, self.mask_words,
-                                                                device_tables=True),
+                                 self.buckets, lambda shape: self.layouts[shape].new(),
                                  **self.placement.jit_shardings(processor_state=True))
 
     def _place_unused_bitmasks(self) -> None:
         """A device-resident [S, W] bitmask per bucket, for steps without grammars, placed
         where the bucket's executable wants it (after compiling, before serving)."""
         for shape in self.buckets.shapes():
-            sharding = self.step.input_shardings(shape).sampling.grammar_bitmask
+            sharding = self.step.input_shardings(shape).grammar_bitmask
             zeros = np.zeros((shape[1], self.mask_words), np.int32)
             self._unused_bitmasks[shape] = jax.device_put(zeros, sharding)
 
@@ -234,10 +235,11 @@ class ModelRunner:
             if plan.chunks:
                 inputs = build_step_inputs(plan, self.buckets, self.page_size,
                                            mask_words=self.mask_words, tables=self.host_tables,
-                                           device_tables=True, samplers=self.host_samplers)
-                if not inputs.sampling.any_grammar:  # no upload of an unused [S, W] bitmask
-                    inputs.sampling.grammar_bitmask = self._unused_bitmasks[inputs.shape]
-                overflow = self.host_tables.changed[len(inputs.tables.update_slots):]
+                                           device_tables=True, samplers=self.host_samplers,
+                                           layouts=self.layouts)
+                if not inputs.views.sampling.any_grammar:  # no upload of an unused bitmask
+                    inputs.grammar_bitmask = self._unused_bitmasks[inputs.shape]
+                overflow = self.host_tables.changed[len(inputs.views.tables.update_slots):]
                 if overflow:  # more changed rows than the step carries: written before it
                     overflow = (np.asarray(overflow, np.int32), self.host_tables.tables[overflow])
         with self._phase("dispatch"):
@@ -245,9 +247,10 @@ class ModelRunner:
         if inputs is None:
             launched.result()  # swaps only: done before the next plan is laid out
             return PendingStep(0)
-        return PendingStep(len(plan.chunks), launched, bool(inputs.sampling.any_prompt_logprobs))
+        return PendingStep(len(plan.chunks), launched,
+                           bool(inputs.views.sampling.any_prompt_logprobs))
 
-    def _launch(self, plan: StepPlan, inputs: StepInputs | None, table_rows=None):
+    def _launch(self, plan: StepPlan, inputs: PackedStepInputs | None, table_rows=None):
         """On the launcher thread: the plan's swaps, processor fills and page-table rows the
         step does not carry, then its step."""
         self.cache.apply_swaps(plan)
