@@ -73,6 +73,10 @@ class StepLayout:
             self._groups.append((group.name, type(part), tuple(packed), tuple(absent)))
         self.fields = tuple(fields)
         self.size = offset
+        # new()'s work per field: (path, start, end, dtype to view as, shape to reshape to)
+        self._slices = [(f.path, f.offset, f.offset + f.size,
+                         None if f.dtype in ("int32", "bool") else np.dtype(f.dtype),
+                         None if len(f.shape) == 1 else f.shape) for f in fields]
         self._template = np.concatenate(parts)
         self._key = (self.shape, self.mask_shape, self.fields)
 
@@ -89,11 +93,11 @@ class StepLayout:
         """All-padding inputs in a fresh buffer, with their host views to fill."""
         words = self._template.copy()
         views = {}
-        for f in self.fields:
-            view = words[f.offset:f.offset + f.size]
-            if f.dtype not in ("int32", "bool"):
-                view = view.view(f.dtype)
-            views[f.path] = view.reshape(f.shape)
+        for path, start, end, dtype, shape in self._slices:
+            view = words[start:end]
+            if dtype is not None:
+                view = view.view(dtype)
+            views[path] = view if shape is None else view.reshape(shape)
         bitmask = np.full(self.mask_shape, -1, np.int32)
         return PackedStepInputs(words, bitmask, self, self.assemble(views, bitmask))
 
@@ -101,13 +105,18 @@ class StepLayout:
         """A StepInputs of `values` by field path (numpy views on the host, traced arrays in
         the step); the fields the layout leaves out are None, the bitmask is `bitmask`."""
         parts = {}
-        for name, cls, packed, absent in self._groups:
-            kwargs = {field: values[(name, field)] for field in packed}
-            kwargs.update(dict.fromkeys(absent))
+        for name, cls, packed, absent in self._groups:  # (__init__ without its argument parsing)
+            part = parts[name] = object.__new__(cls)
+            fields = part.__dict__
+            for field in packed:
+                fields[field] = values[(name, field)]
+            for field in absent:
+                fields[field] = None
             if name == BITMASK[0]:
-                kwargs[BITMASK[1]] = bitmask
-            parts[name] = cls(**kwargs)
-        return StepInputs(**parts)
+                fields[BITMASK[1]] = bitmask
+        inputs = object.__new__(StepInputs)
+        inputs.__dict__.update(parts)
+        return inputs
 
 
 @dataclass
