@@ -6,6 +6,7 @@ prompt order. It holds no scheduling or device logic of its own.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 from tqdm.auto import tqdm
@@ -57,7 +58,11 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        requests = [self.engine.make_request(p, sp, priority=priorities[i] if priorities else 0)
+        # Only finished outputs are read here: the engine makes no per-step snapshots for them
+        # (as vLLM's LLM.generate asks for RequestOutputKind.FINAL_ONLY).
+        final = {id(sp): dataclasses.replace(sp, output_kind="final_only") for sp in params}
+        requests = [self.engine.make_request(p, final[id(sp)],
+                                             priority=priorities[i] if priorities else 0)
                     for i, (p, sp) in enumerate(zip(prompts, params))]
         for request in requests:
             self.engine.add(request)

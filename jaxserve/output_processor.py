@@ -4,7 +4,7 @@ A caller's request is a _Group (its RequestOutput, and its samples: one, or `n`)
 sample a _Sample (the scheduler's Request, its CompletionOutput, its incremental detokenizer
 with the stop strings). Events of one step are applied first; then every group they touched
 yields one snapshot, so an n > 1 request streams one RequestOutput per step holding the deltas
-of each of its samples. A stop string found here finishes the sample in the scheduler (through
+of each of its samples (output_kind "final_only": only the group's last, holding them all). A stop string found here finishes the sample in the scheduler (through
 `finish`). Plain Python: no jax, no device state, no scheduling.
 """
 
@@ -25,6 +25,7 @@ class _Group:  # (hashed by identity)
     output: RequestOutput
     arrival_time: float
     running: set[str] = field(default_factory=set)
+    final_only: bool = False  # sampling.output_kind "final_only": a snapshot only at the end
 
 
 @dataclass(slots=True)
@@ -57,7 +58,7 @@ class OutputProcessor:
         first = samples[0]
         sp = first.sampling
         group = _Group(RequestOutput(first.request_id, first.prompt_token_ids, outputs=[]),
-                       first.arrival_time)
+                       first.arrival_time, final_only=sp.output_kind == "final_only")
         for request in samples:
             completion = CompletionOutput(
                 request.sample_index, logprobs=[] if sp.logprobs is not None else None,
@@ -87,7 +88,8 @@ class OutputProcessor:
                 on_error(event.request_id, exc)
                 self.fail(sample.group.output.request_id, f"internal error: {exc!r}")
             touched[sample.group] = None
-        return [self._snapshot(group) for group in touched]
+        return [self._snapshot(group) for group in touched
+                if not group.final_only or not group.running]
 
     def fail(self, request_id: str, message: str) -> RequestOutput | None:
         """End every sample of a request with an error; its final output (None if unknown)."""

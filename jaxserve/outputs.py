@@ -21,7 +21,7 @@ class CompletionOutput:
 
     __slots__ = ("index", "new_token_ids", "new_text", "cumulative_logprob", "new_logprobs",
                  "new_top_logprobs", "finish_reason", "_tokens", "_texts", "_logprobs",
-                 "_tops", "_counts", "_cache")
+                 "_tops", "_counts", "_cache", "_marks", "_appends")
 
     def __init__(self, index: int, token_ids=None, text: str = "", new_token_ids=None,
                  new_text: str = "", cumulative_logprob: float = 0.0, logprobs=None,
@@ -41,6 +41,11 @@ class CompletionOutput:
         self._tops = None if top_logprobs is None else list(top_logprobs)
         self._counts = None  # a snapshot's lengths of the four lists; None: the live record
         self._cache = {}
+        # the live record: the lists' lengths at the last hand-out, and appends since it (more
+        # than one: a caller that takes final outputs only; the deltas are then cut at hand-out)
+        self._marks = (len(self._tokens), len(self._texts), len(self._logprobs or ()),
+                       len(self._tops or ()))
+        self._appends = 0
 
     @property
     def finished(self) -> bool:
@@ -88,6 +93,7 @@ class CompletionOutput:
 
     def append(self, token_ids, text: str, logprobs, top_logprobs) -> None:
         """The live record takes one step's output (the deltas become new_*)."""
+        self._appends += 1
         self.new_token_ids, self.new_text = token_ids, text
         self.new_logprobs, self.new_top_logprobs = logprobs, top_logprobs
         self._tokens += token_ids
@@ -102,17 +108,24 @@ class CompletionOutput:
 
     def hand_out(self) -> "CompletionOutput":
         """A snapshot: a view of the record as it is now, that later appends never change;
-        this step's deltas go with it (the live record's are cleared)."""
+        the deltas since the last hand-out go with it (the live record's are cleared)."""
         snap = CompletionOutput.__new__(CompletionOutput)
         snap.index, snap.finish_reason = self.index, self.finish_reason
-        snap.new_token_ids, snap.new_text = self.new_token_ids, self.new_text
         snap.cumulative_logprob = self.cumulative_logprob
-        snap.new_logprobs, snap.new_top_logprobs = self.new_logprobs, self.new_top_logprobs
         tokens, texts, logprobs, tops = self._tokens, self._texts, self._logprobs, self._tops
         snap._tokens, snap._texts, snap._logprobs, snap._tops = tokens, texts, logprobs, tops
-        snap._counts = (len(tokens), len(texts), 0 if logprobs is None else len(logprobs),
-                        0 if tops is None else len(tops))
+        counts = snap._counts = (len(tokens), len(texts), 0 if logprobs is None else len(logprobs),
+                                 0 if tops is None else len(tops))
         snap._cache = None  # made on first read
+        if self._appends > 1:  # several steps since the last hand-out: all of their deltas
+            m = self._marks
+            snap.new_token_ids, snap.new_text = tokens[m[0]:], "".join(texts[m[1]:])
+            snap.new_logprobs = [] if logprobs is None else logprobs[m[2]:]
+            snap.new_top_logprobs = [] if tops is None else tops[m[3]:]
+        else:
+            snap.new_token_ids, snap.new_text = self.new_token_ids, self.new_text
+            snap.new_logprobs, snap.new_top_logprobs = self.new_logprobs, self.new_top_logprobs
+        self._marks, self._appends = counts, 0
         self.new_token_ids, self.new_text, self.new_logprobs, self.new_top_logprobs = (
             [], "", [], [])
         return snap

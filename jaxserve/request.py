@@ -32,6 +32,7 @@ class RequestStatus(enum.Enum):
 MAX_LOGPROBS = 20          # top alternatives per token (logprobs=k), as vLLM's default cap
 MAX_LOGIT_BIAS = 1024      # logit_bias entries (OpenAI documents no cap; vLLM none either)
 MAX_N = 64                 # parallel samples per prompt
+OUTPUT_KINDS = ("cumulative", "final_only")  # SamplingParams.output_kind
 
 
 def sample_seed(seed: int, index: int) -> int:
@@ -55,6 +56,9 @@ class SamplingParams:
     in the output).
     logprobs: None (off), 0 (the sampled token's), k (plus the k most likely alternatives);
     True / False mean 0 / None. Logprobs are of the processed logits, before temperature.
+    output_kind (vLLM's RequestOutputKind): "cumulative", an output every step the request
+    makes progress (its totals so far and the step's deltas, new_*), or "final_only", one
+    output when it finishes (its new_* then hold everything; LLM.generate asks for this).
     """
 
     max_tokens: int = 16
@@ -80,6 +84,7 @@ class SamplingParams:
     skip_special_tokens: bool = True           # special tokens are left out of the text
     # the output must match a JSON schema, regex, choice or grammar (a dict is accepted)
     structured_outputs: StructuredOutputs | None = None
+    output_kind: str = "cumulative"             # or "final_only": one output, at the end
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -152,6 +157,9 @@ class SamplingParams:
         if self.structured_outputs is not None and self.ignore_eos:
             bad("ignore_eos", True, "false with structured_outputs (a complete output ends "
                 "with EOS)")
+        if self.output_kind not in OUTPUT_KINDS:
+            bad("output_kind", self.output_kind, f"one of {OUTPUT_KINDS} (every output carries "
+                "its step's deltas as new_text / new_token_ids: there is no \"delta\" kind)")
         if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
             bad("n", self.n, f"an integer in [1, {MAX_N}]")
 

@@ -1,0 +1,89 @@
+"""SamplingParams.output_kind: "cumulative" outputs every step, "final_only" one output at the
+end whose deltas hold everything (what LLM.generate asks for); the metrics count both alike."""
+
+import pytest
+
+from jaxserve.metrics import PREFIX, EngineMetrics
+from jaxserve.output_processor import OutputProcessor
+from jaxserve.request import FinishReason, Request, SamplingParams, TokenEvent
+from tiny_models import CharTokenizer
+
+
+def _processor(kinds):
+    outputs = OutputProcessor(CharTokenizer(), lambda *_: True)
+    for i, kind in enumerate(kinds):
+        outputs.add([Request(f"r{i}", [70, 71], SamplingParams(logprobs=0, output_kind=kind),
+                             0)])
+    return outputs
+
+
+def _step(outputs, tokens, last=False):
+    """Both requests take one token each ('a' + k)."""
+    reason = FinishReason.LENGTH if last else None
+    return outputs.process([TokenEvent(f"r{i}", (t,), (-0.5,), reason) for i, t in
+                            enumerate(tokens)], lambda *_: None)
+
+
+def test_final_only_hands_out_one_output_holding_every_delta():
+    outputs = _processor(["cumulative", "final_only"])
+    steps = [_step(outputs, (100, 100)), _step(outputs, (101, 101)),
+             _step(outputs, (102, 102), last=True)]
+    assert [[o.request_id for o in step] for step in steps] == [["r0"], ["r0"], ["r0", "r1"]]
+    every = [step[0].outputs[0] for step in steps]
+    assert [c.new_token_ids for c in every] == [[100], [101], [102]]
+    assert [c.new_text for c in every] == ["a", "b", "c"]
+    final = steps[2][1]
+    c = final.outputs[0]
+    assert final.finished and c.finish_reason == "length"
+    assert c.token_ids == c.new_token_ids == [100, 101, 102]
+    assert c.text == c.new_text == "abc" and c.new_logprobs == [-0.5] * 3
+    assert final.time_to_first_token is not None
+    # the cumulative request's final output is the same text, its deltas its last step's
+    assert steps[2][0].outputs[0].text == "abc" and steps[2][0].outputs[0].new_text == "c"
+
+
+def _sample(metric, name: str) -> float:
+    return next(s.value for family in metric.collect() for s in family.samples
+                if s.name == PREFIX + name)
+
+
+def test_metrics_count_a_final_only_request_as_a_streamed_one():
+    counts = {}
+    for kind in ("cumulative", "final_only"):
+        metrics, outputs = EngineMetrics(lambda: None), _processor([kind, kind])
+        for k in range(3):
+            metrics.observe_outputs(_step(outputs, (100 + k, 100 + k), last=k == 2))
+        counts[kind] = (_sample(metrics.generation_tokens, "generation_tokens_total"),
+                        _sample(metrics.prompt_tokens, "prompt_tokens_total"),
+                        _sample(metrics.ttft, "time_to_first_token_seconds_count"),
+                        _sample(metrics.finished, "requests_finished_total"))
+    assert counts["final_only"] == counts["cumulative"] == (6.0, 4.0, 2.0, 2.0)
+
+
+def test_an_abort_ends_a_final_only_request_with_its_output():
+    outputs = _processor(["final_only"])
+    assert outputs.process([TokenEvent("r0", (100,), (-0.5,), None)], lambda *_: None) == []
+    out, = outputs.process([TokenEvent("r0", (), (), FinishReason.ABORT)], lambda *_: None)
+    assert out.finished and out.outputs[0].new_token_ids == [100]
+    assert out.outputs[0].finish_reason == "abort"
+
+
+def test_an_unknown_output_kind_names_the_field():
+    with pytest.raises(ValueError, match="output_kind='delta'.*cumulative.*final_only"):
+        SamplingParams(output_kind="delta")
+
+
+def test_generate_asks_for_final_outputs_and_matches_a_stepped_engine(small_llm):
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0)
+    got = small_llm.generate(["hello", "abc"], params, use_tqdm=False)
+    assert params.output_kind == "cumulative"  # the caller's params are left as they were
+    engine = small_llm.engine
+    ids = [engine.add_request(engine.tokenizer.encode(p), params) for p in ("hello", "abc")]
+    last = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            last[out.request_id] = out
+    for out, rid in zip(got, ids):
+        assert out.finished and out.token_ids == last[rid].token_ids
+        assert out.outputs[0].new_token_ids == out.token_ids  # every delta in the one output
+        assert out.text == last[rid].text and out.outputs[0].new_text == out.text
