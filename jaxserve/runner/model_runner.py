@@ -102,9 +102,9 @@ def unpack(packed: np.ndarray, num_chunks: int, with_top: bool = False) -> StepR
 
 def plain_step(graphdef, attention, state, kv, packed: PackedStepInputs):
     """unpack (step_layout.py) -> forward -> logits processors -> sample (+ top-k logprobs, +
-    prompt logprobs). kv: (KV pages, processor state, batch tokens, page tables by slot). Returns ((packed [2, S, 1 + K]
-    i32, prompt [2, T, 1 + K] i32), kv); the prompt part is fetched only by steps that asked
-    for it."""
+    prompt logprobs). kv: (KV pages, processor state, batch tokens, page tables by slot).
+    Returns ((packed [2, S, 1 + K] i32, prompt [2, T, 1 + K] i32), kv); the prompt part is
+    fetched only by steps that asked for it."""
     kv_pages, processors, last_tokens, tables = kv
     inputs = packed_inputs.unpack(packed)
     tables, page_table = device_page_tables.apply(tables, inputs.tables)
