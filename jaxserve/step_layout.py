@@ -89,8 +89,11 @@ class StepLayout:
     def __repr__(self) -> str:
         return f"StepLayout(T, S={self.shape}, {self.size} words)"
 
-    def new(self) -> "PackedStepInputs":
-        """All-padding inputs in a fresh buffer, with their host views to fill."""
+    def new(self, with_bitmask: bool = True) -> "PackedStepInputs":
+        """All-padding inputs in a fresh buffer, with their host views to fill. with_bitmask
+        False: no [S, W] bitmask yet (None; runner/batch.py makes one for a step that has a
+        grammar, the runner sends a device-resident one otherwise): W is ceil(V / 32) words, a
+        few MiB a step at large vocabularies and batches."""
         words = self._template.copy()
         views = {}
         for path, start, end, dtype, shape in self._slices:
@@ -98,7 +101,7 @@ class StepLayout:
             if dtype is not None:
                 view = view.view(dtype)
             views[path] = view if shape is None else view.reshape(shape)
-        bitmask = np.full(self.mask_shape, -1, np.int32)
+        bitmask = np.full(self.mask_shape, -1, np.int32) if with_bitmask else None
         return PackedStepInputs(words, bitmask, self, self.assemble(views, bitmask))
 
     def assemble(self, values: dict[tuple[str, str], object], bitmask) -> StepInputs:

@@ -56,6 +56,7 @@ def test_unpacked_on_the_device_equals_the_separate_arrays():
     packed = _build(layouts_for(BUCKETS.shapes(), BUCKETS.max_pages_per_request, WORDS))
     assert packed.shape == want.shape and packed.words.dtype == np.int32
     assert packed.words.shape == (packed.layout.size,)
+    assert packed.grammar_bitmask is packed.views.sampling.grammar_bitmask  # a row has one
     got = jax.jit(unpack)(packed)
     want_fields, got_fields = _fields(want), _fields(got)
     assert [p for p, _ in got_fields] == [p for p, _ in want_fields]
@@ -88,6 +89,16 @@ def test_host_views_write_through_to_the_buffer_and_each_step_gets_a_fresh_one()
     assert ("attention", "page_table") not in words  # device page tables: not sent
     assert layout == StepLayout(8, 8, 4, 1) and hash(layout) == hash(StepLayout(8, 8, 4, 1))
     assert layout != StepLayout(8, 8, 4, 2)
+
+
+def test_a_step_without_grammars_makes_no_bitmask():
+    layouts = layouts_for(BUCKETS.shapes(), BUCKETS.max_pages_per_request, WORDS)
+    tables = HostPageTables(9, BUCKETS.max_pages_per_request, 8)
+    plan = StepPlan(chunks=[ScheduledChunk("a", (5,), 20, (1, 2), SamplingRow(0.0, 0, 1.0, 0.0,
+                                                                              1), batch_slot=1)])
+    packed = build_step_inputs(plan, BUCKETS, 16, mask_words=WORDS, tables=tables,
+                               device_tables=True, samplers=HostSamplingRows(17), layouts=layouts)
+    assert packed.grammar_bitmask is None and not packed.views.sampling.any_grammar
 
 
 def test_a_field_of_another_width_is_refused():

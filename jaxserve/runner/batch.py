@@ -33,7 +33,8 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
     send only the changed rows (StepInputs.tables; needs tables with a transient slot per
     request row); samplers: the runner's persistent sampling settings by the same slots (None:
     every row's are written); layouts: one buffer layout per bucket (step_layout.py; with
-    device_tables): the result is then a PackedStepInputs whose `views` were filled."""
+    device_tables): the result is then a PackedStepInputs whose `views` were filled, its
+    grammar_bitmask None when no row has a grammar."""
     chunks = plan.chunks if chunks is None else chunks
     padding = plan.static_padding if plan.chunks else None
     num_finished = 0 if padding is None else padding.num_finished_slots
@@ -52,7 +53,7 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
     if layouts is None:
         packed, b = None, StepInputs.empty(t, s, p, mask_words, device_tables=device_tables)
     else:
-        packed = layouts[t, s].new()
+        packed = layouts[t, s].new(with_bitmask=False)  # made below if a row has a grammar
         b = packed.views
     longer = np.flatnonzero(lens != 1)
     num_decode = int(longer[0]) if longer.size else num_seqs  # decode rows come first
@@ -66,7 +67,7 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
         slots = _layout_with_slots(b, chunks, meta, num_decode, page_size, tables)
     else:
         _layout_rows(b, chunks, 0, 0, page_size, copy_tables=True)
-    _fill_sampling(b, chunks, meta, slots, samplers)
+    _fill_sampling(b, chunks, meta, slots, samplers, mask_words)
     a = b.attention
     row = int(a.cu_q_lens[num_seqs])
     a.num_decode_seqs[...] = num_decode
@@ -75,7 +76,10 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
         num_seqs += num_finished
     a.cu_q_lens[num_seqs + 1:] = row
     a.num_seqs[...] = num_seqs
-    return b if packed is None else packed
+    if packed is None:
+        return b
+    packed.grammar_bitmask = b.sampling.grammar_bitmask  # None: no row has a grammar
+    return packed
 
 
 def _layout_with_slots(b: StepInputs, chunks, meta: np.ndarray, num_decode: int,
@@ -139,7 +143,7 @@ def _layout_rows(b: StepInputs, chunks, first: int, row: int, page_size: int,
 
 
 def _fill_sampling(b: StepInputs, chunks, meta: np.ndarray, slots: np.ndarray | None,
-                   samplers: HostSamplingRows | None) -> None:
+                   samplers: HostSamplingRows | None, mask_words: int) -> None:
     """Each sampling row's settings, gathered by slot from the persistent rows (samplers: the
     runner's, with slots; without them, each row's are written through a fresh set of rows);
     processors, grammars and prompt logprobs (rare) row by row."""
@@ -165,6 +169,8 @@ def _fill_sampling(b: StepInputs, chunks, meta: np.ndarray, slots: np.ndarray | 
                 _fill_processors(sp, i, sr.processors)
                 any_processors = True
             if sr.grammar_bitmask is not None:
+                if sp.grammar_bitmask is None:  # (a packed layout's: made on first use)
+                    sp.grammar_bitmask = np.full((len(sp.temperature), mask_words), -1, np.int32)
                 sp.grammar_bitmask[i] = np.frombuffer(sr.grammar_bitmask, np.int32)
                 sp.has_grammar[i] = True
     row = 0

@@ -237,7 +237,7 @@ class ModelRunner:
                                            mask_words=self.mask_words, tables=self.host_tables,
                                            device_tables=True, samplers=self.host_samplers,
                                            layouts=self.layouts)
-                if not inputs.views.sampling.any_grammar:  # no upload of an unused bitmask
+                if inputs.grammar_bitmask is None:  # no grammar: no [S, W] bitmask to upload
                     inputs.grammar_bitmask = self._unused_bitmasks[inputs.shape]
                 overflow = self.host_tables.changed[len(inputs.views.tables.update_slots):]
                 if overflow:  # more changed rows than the step carries: written before it
