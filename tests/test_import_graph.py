@@ -11,7 +11,7 @@ import inspect
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DATA = {"step_inputs", "plan", "request", "engine_info", "outputs", "config", "page_manager",
+DATA = {"step_inputs", "step_layout", "plan", "request", "engine_info", "outputs", "config", "page_manager",
         "page_stats", "page_invariants", "host_prefix_tier",
         "swap_space", "batching", "detokenizer", "byte_level", "structured"}
 

@@ -100,13 +100,13 @@ def unpack(packed: np.ndarray, num_chunks: int, with_top: bool = False) -> StepR
                       logprobs[:, 1:].copy())
 
 
-def plain_step(graphdef, attention, state, kv, packed: PackedStepInputs):
+def plain_step(graphdef, attention, state, kv, inputs: PackedStepInputs):
     """unpack (step_layout.py) -> forward -> logits processors -> sample (+ top-k logprobs, +
     prompt logprobs). kv: (KV pages, processor state, batch tokens, page tables by slot).
     Returns ((packed [2, S, 1 + K] i32, prompt [2, T, 1 + K] i32), kv); the prompt part is
     fetched only by steps that asked for it."""
     kv_pages, processors, last_tokens, tables = kv
-    inputs = packed_inputs.unpack(packed)
+    inputs = packed_inputs.unpack(inputs)
     tables, page_table = device_page_tables.apply(tables, inputs.tables)
     inputs = dataclasses.replace(inputs, attention=dataclasses.replace(
         inputs.attention, page_table=page_table))
