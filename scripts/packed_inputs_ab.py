@@ -50,7 +50,9 @@ def measure(n: int, tokenizer, pairs: int = 30, block: int = 10) -> dict:
         model_runner.plain_step, runner.graphdef, runner.attention), step.state, step.caches,
         runner.buckets, empty)
     separate.warmup(progress=False)
-    arrays = jax.tree.map(lambda v, e: np.asarray(v).astype(e.dtype), packed.views, empty((n, n)))
+    template = empty((n, n))
+    template.sampling.grammar_bitmask = None  # (the packed views have none: no grammar)
+    arrays = jax.tree.map(lambda v, e: np.asarray(v).astype(e.dtype), packed.views, template)
     arrays.sampling.grammar_bitmask = packed.grammar_bitmask  # the same device-resident one
     times = {"packed": [], "separate": []}
     for _ in range(pairs):
