@@ -4,8 +4,9 @@ A caller's request is a _Group (its RequestOutput, and its samples: one, or `n`)
 sample a _Sample (the scheduler's Request, its CompletionOutput, its incremental detokenizer
 with the stop strings). Events of one step are applied first; then every group they touched
 yields one snapshot, so an n > 1 request streams one RequestOutput per step holding the deltas
-of each of its samples (output_kind "final_only": only the group's last, holding them all). A stop string found here finishes the sample in the scheduler (through
-`finish`). Plain Python: no jax, no device state, no scheduling.
+of each of its samples (output_kind "final_only": only the group's last, holding them all). A
+stop string found here finishes the sample in the scheduler (through `finish`). Plain Python:
+no jax, no device state, no scheduling.
 """
 
 from __future__ import annotations

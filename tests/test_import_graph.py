@@ -11,8 +11,8 @@ import inspect
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DATA = {"step_inputs", "step_layout", "plan", "request", "engine_info", "outputs", "config", "page_manager",
-        "page_stats", "page_invariants", "host_prefix_tier",
+DATA = {"step_inputs", "step_layout", "plan", "request", "engine_info", "outputs", "config",
+        "page_manager", "page_stats", "page_invariants", "host_prefix_tier",
         "swap_space", "batching", "detokenizer", "byte_level", "structured"}
 
 
