@@ -87,3 +87,18 @@ def test_generate_asks_for_final_outputs_and_matches_a_stepped_engine(small_llm)
         assert out.finished and out.token_ids == last[rid].token_ids
         assert out.outputs[0].new_token_ids == out.token_ids  # every delta in the one output
         assert out.text == last[rid].text and out.outputs[0].new_text == out.text
+
+
+def test_generate_with_samples_and_a_stop_string_hands_each_sample_whole(small_llm):
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=7, n=2, stop=("e",))
+    out, = small_llm.generate(["hello"], params, use_tqdm=False)
+    engine = small_llm.engine
+    rid = engine.add_request(engine.tokenizer.encode("hello"), params)
+    last = None
+    while engine.has_unfinished():
+        for o in engine.step():
+            last = o if o.request_id == rid else last
+    assert out.finished and len(out.outputs) == 2
+    for got, want in zip(out.outputs, last.outputs):
+        assert got.token_ids == want.token_ids and got.new_token_ids == got.token_ids
+        assert got.text == want.text == got.new_text and got.finish_reason == want.finish_reason
