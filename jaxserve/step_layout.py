@@ -108,7 +108,9 @@ class StepLayout:
         """A StepInputs of `values` by field path (numpy views on the host, traced arrays in
         the step); the fields the layout leaves out are None, the bitmask is `bitmask`."""
         parts = {}
-        for name, cls, packed, absent in self._groups:  # (__init__ without its argument parsing)
+        # (instances made without __init__'s argument parsing: step_inputs.py's classes are
+        # plain dataclasses, without __post_init__ or slots)
+        for name, cls, packed, absent in self._groups:
             part = parts[name] = object.__new__(cls)
             fields = part.__dict__
             for field in packed:
@@ -128,7 +130,9 @@ class PackedStepInputs:
     is the host's StepInputs over `words` (None on the device side: it is not sent)."""
 
     words: np.ndarray            # [layout.size] i32
-    grammar_bitmask: np.ndarray  # [S, W] i32 (a device array when the step has no grammar)
+    # [S, W] i32; None from runner/batch.py when no row has a grammar (the runner then sends a
+    # device-resident one)
+    grammar_bitmask: np.ndarray | None
     layout: StepLayout
     views: StepInputs | None = None
 
