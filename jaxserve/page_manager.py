@@ -43,7 +43,7 @@ NULL_PAGE = 0  # scratch page: what padding writes to, and the stand-in for rele
 
 @dataclass
 class _RequestPages:
-    pages: list[int]
+    pages: tuple[int, ...]  # replaced when they change: a chunk holds it as is, no copy
     num_slots: int
     num_hashed_pages: int = 0  # leading full pages already registered (or found cached)
     parent_key: int | None = None  # key of page num_hashed_pages - 1
@@ -92,8 +92,8 @@ class PageManager:
     def page_table(self, request_id: str) -> list[int]:
         return list(self._get(request_id).pages)
 
-    def page_table_tuple(self, request_id: str) -> tuple[int, ...]:  # a chunk's, no list copy
-        return tuple(self._get(request_id).pages)
+    def page_table_tuple(self, request_id: str) -> tuple[int, ...]:  # the same object while
+        return self._get(request_id).pages  # the pages don't change (HostPageTables: by identity)
 
     def num_slots(self, request_id: str) -> int:
         return self._get(request_id).num_slots
@@ -152,8 +152,8 @@ class PageManager:
         cached = self._take_matched(matched)
         num_fresh = max(self.num_pages_for(num_slots) - len(cached) - num_released_pages, 0)
         num_cached_tokens = len(cached) * self.page_size
-        req = _RequestPages([NULL_PAGE] * num_released_pages + cached
-                            + [self._pop_free() for _ in range(num_fresh)],
+        req = _RequestPages(tuple([NULL_PAGE] * num_released_pages + cached
+                                  + [self._pop_free() for _ in range(num_fresh)]),
                             max(num_slots, num_cached_tokens),
                             can_register=not num_released_pages,
                             num_released_pages=num_released_pages)
@@ -175,7 +175,7 @@ class PageManager:
             return True
         if num_new > len(self._free):
             return False
-        req.pages.extend(self._pop_free() for _ in range(num_new))
+        req.pages += tuple([self._pop_free() for _ in range(num_new)])
         req.num_slots = max(req.num_slots, num_slots)
         return True
 
@@ -187,7 +187,8 @@ class PageManager:
         first = req.num_released_pages
         for i in range(target - 1, first - 1, -1):  # deepest first
             self._release(req.pages[i])
-            req.pages[i] = NULL_PAGE
+        if target > first:
+            req.pages = (NULL_PAGE,) * target + req.pages[target:]
         req.num_released_pages = max(first, target)
         return req.num_released_pages
 
@@ -211,7 +212,7 @@ class PageManager:
                              f"{req.pages[first_touched]}, which is shared with another request")
         for page in reversed(req.pages[num_keep:]):
             self._release(page)
-        del req.pages[num_keep:]
+        req.pages = req.pages[:num_keep]
         req.num_slots = num_slots
 
     def commit(self, request_id: str, token_ids: Sequence[int]) -> None:

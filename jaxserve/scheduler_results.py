@@ -94,7 +94,7 @@ class SchedulerResults:
         registers every full page since), and give back those wholly out of the window."""
         ps = self.pages.page_size
         if kv_len // ps > start // ps:
-            self.pages.commit(request.request_id, request.all_token_ids[:kv_len])
+            self.pages.commit(request.request_id, _Prefix(request, kv_len))
         self._release_window(request, kv_len)  # (not past what is committed: async lag)
 
     def _take_tokens(self, request: Request, tokens: list, logprobs: list):
@@ -113,3 +113,28 @@ class SchedulerResults:
             del tokens[j + 1:]  # a stop inside an accepted run: drop the tokens after it
             return reason
         return None
+
+
+class _Prefix:
+    """A request's first `length` tokens (prompt, then outputs) for PageManager.commit, which
+    slices a page at a time: no copy of the whole history per committed page."""
+
+    __slots__ = ("prompt", "outputs", "length")
+
+    def __init__(self, request: Request, length: int):
+        self.prompt, self.outputs, self.length = (request.prompt_token_ids,
+                                                  request.output_token_ids, length)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: slice) -> list[int]:
+        start, stop, step = index.indices(self.length)
+        if step != 1:
+            raise ValueError("a token prefix slices with step 1 only")
+        n = len(self.prompt)
+        if stop <= n:
+            return self.prompt[start:stop]
+        if start >= n:
+            return self.outputs[start - n:stop - n]
+        return self.prompt[start:] + self.outputs[:stop - n]

@@ -100,3 +100,38 @@ def test_static_batch_computes_finished_members_slots_over_the_longest_context()
     assert batch.cu_q_lens[slot + 1] == row + 1
     assert rows.positions[row] == longest.kv_len - 1
     assert rows.slot_mapping[row] == 0, "a finished slot must write only scratch page 0"
+
+
+def test_a_chunks_page_table_is_the_page_managers_own_tuple_until_the_pages_change():
+    """A decode's chunk holds the request's table without a copy, so the runner's persistent
+    page tables (HostPageTables.update) find it unchanged by identity; when the pages change,
+    the chunk of the next step holds the new table."""
+    from jaxserve.runner.host_page_tables import HostPageTables
+
+    pm = PageManager(16, 4)
+    pm.allocate("a", (), 3)
+    first = pm.page_table_tuple("a")
+    assert pm.append_slots("a", 4) and pm.page_table_tuple("a") is first  # within its page
+    tables = HostPageTables(2, 4)
+    assert tables.update(1, first) and not tables.update(1, pm.page_table_tuple("a"))
+    assert pm.append_slots("a", 9)  # two more pages
+    grown = pm.page_table_tuple("a")
+    assert grown[:1] == first and len(grown) == 3 and tables.update(1, grown)
+    assert list(tables.tables[1, :3]) == list(grown)
+    assert pm.release_window("a", 8) == 2
+    assert pm.page_table_tuple("a") == (0, 0, grown[2]) and grown[0] != 0  # the old is intact
+    pm.truncate("a", 8)
+    assert pm.page_table_tuple("a") == (0, 0)
+
+
+def test_commit_slices_the_tokens_across_the_prompt_output_boundary():
+    from jaxserve.scheduler_results import _Prefix
+
+    r = Request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=8), seed=0)
+    r.output_token_ids = [6, 7, 8]
+    view = _Prefix(r, 7)
+    every = r.all_token_ids[:7]
+    assert len(view) == 7
+    for start in range(8):
+        for stop in range(start, 9):
+            assert view[start:stop] == every[start:stop], (start, stop)

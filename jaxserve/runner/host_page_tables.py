@@ -2,7 +2,8 @@
 
 A request keeps its batch slot while it runs, and its page table changes only when it gains a
 page (every page_size tokens of decoding), loses out-of-window pages, or is admitted: so a step
-compares one tuple per request and records just the rows whose table changed. The plain step
+checks one tuple per request (by identity first: the page manager replaces a request's tuple
+when its pages change) and records just the rows whose table changed. The plain step
 keeps the tables themselves on the device (runner/device_page_tables.py) and receives only
 those rows; the host copy lays out the decode rows' slot mapping with one numpy gather, and is
 what a step without device tables copies its [S, P] table from. Pure numpy: no jax, no
@@ -27,7 +28,8 @@ class HostPageTables:
     def update(self, slot: int, page_table: tuple[int, ...]) -> bool:
         """Store a request's table in its slot if it differs from the one there; True if so
         (the device's copy of the row is then stale)."""
-        if self._rows[slot] == page_table:
+        held = self._rows[slot]
+        if held is page_table or held == page_table:  # (the page manager's tuple: identity)
             return False
         row = self.tables[slot]
         row[:len(page_table)] = page_table
