@@ -8,6 +8,8 @@ include_stop_str_in_output). Pure host code; no jax.
 
 from __future__ import annotations
 
+from typing import Callable
+
 from jaxserve.byte_level import ByteStream, ByteTable
 
 try:
@@ -69,6 +71,12 @@ class IncrementalDetokenizer:
                 piece, self._pending = self._pending + piece, ""
             return 1, piece
         return self.add_tokens(token_ids), self.take_delta(final)
+
+    @property
+    def one_token_step(self) -> Callable[[int], str] | None:
+        """feed() of one token that ends nothing, as one call (the text it completes): a byte
+        table's step when there are no stop strings (nothing is ever held back); else None."""
+        return self._bytes.step if self._bytes is not None and not self.stop else None
 
     def _step(self, token_id: int) -> str | None:
         """The text token_id completes (None or "": nothing yet), without a byte table."""

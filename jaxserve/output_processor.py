@@ -5,7 +5,9 @@ sample a _Sample (the scheduler's Request, its CompletionOutput, its incremental
 with the stop strings). Events of one step are applied first; then every group they touched
 yields one snapshot, so an n > 1 request streams one RequestOutput per step holding the deltas
 of each of its samples (output_kind "final_only": only the group's last, holding them all). A
-stop string found here finishes the sample in the scheduler (through `finish`). Plain Python:
+stop string found here finishes the sample in the scheduler (through `finish`). The usual decode
+event (one token of a plain n = 1 sample, not its first or last) takes a short path: the
+byte table's lookup and one append. Plain Python:
 no jax, no device state, no scheduling.
 """
 
@@ -35,6 +37,10 @@ class _Sample:
     completion: CompletionOutput   # the running record; snapshots are copies of it
     detok: IncrementalDetokenizer
     group: _Group
+    # The usual sample (n = 1, streamed, no logprobs, no stop strings, a byte-table tokenizer):
+    # its detokenizer's one-token step, so that a decode token is applied without _apply's
+    # checks; None for every other sample.
+    step: Callable[[int], str] | None = None
 
 
 class OutputProcessor:
@@ -60,17 +66,19 @@ class OutputProcessor:
         sp = first.sampling
         group = _Group(RequestOutput(first.request_id, first.prompt_token_ids, outputs=[]),
                        first.arrival_time, final_only=sp.output_kind == "final_only")
+        plain = (len(samples) == 1 and not group.final_only and sp.logprobs is None
+                 and sp.prompt_logprobs is None)
         for request in samples:
             completion = CompletionOutput(
                 request.sample_index, logprobs=[] if sp.logprobs is not None else None,
                 top_logprobs=[] if sp.top_logprobs else None)
             group.output.outputs.append(completion)
             group.running.add(request.request_id)
+            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, sp.stop,
+                                           include_stop_str=sp.include_stop_str_in_output,
+                                           skip_special_tokens=sp.skip_special_tokens)
             self._samples[request.request_id] = _Sample(
-                request, completion,
-                IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, sp.stop,
-                                       include_stop_str=sp.include_stop_str_in_output,
-                                       skip_special_tokens=sp.skip_special_tokens), group)
+                request, completion, detok, group, detok.one_token_step if plain else None)
         self._groups[first.request_id] = group
 
     def process(self, events: list[TokenEvent], on_error) -> list[RequestOutput]:
@@ -82,6 +90,13 @@ class OutputProcessor:
         for event in events:  # (per request and step: few calls)
             sample = samples.get(event.request_id)
             if sample is None:
+                continue
+            step, tokens, group = sample.step, event.new_token_ids, sample.group
+            if (step is not None and len(tokens) == 1 and event.finish_reason is None
+                    and group.output.time_to_first_token is not None and group not in touched):
+                token = tokens[0]  # the usual decode: one token, nothing else to report
+                sample.completion.append_one(token, step(token), event.new_logprobs[0])
+                touched[group] = None
                 continue
             try:
                 self._apply(sample, event)

@@ -106,6 +106,16 @@ class CompletionOutput:
         if self._tops is not None:
             self._tops += top_logprobs
 
+    def append_one(self, token_id: int, text: str, logprob: float) -> None:
+        """append() of one token, its text and logprob, for a record without logprob lists
+        (sampling.logprobs None)."""
+        self._appends += 1
+        self.new_token_ids, self.new_text, self.new_logprobs = [token_id], text, [logprob]
+        self._tokens.append(token_id)
+        if text:
+            self._texts.append(text)
+        self.cumulative_logprob += logprob
+
     def hand_out(self) -> "CompletionOutput":
         """A snapshot: a view of the record as it is now, that later appends never change;
         the deltas since the last hand-out go with it (the live record's are cleared)."""

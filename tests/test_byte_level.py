@@ -93,3 +93,32 @@ def test_detokenizer_uses_the_table_and_holds_stop_prefixes():
         detok.add_tokens([i])
         deltas.append(detok.take_delta())
     assert detok.stopped and "".join(deltas) == " the sun "
+
+
+def test_output_processor_one_token_path_hands_out_what_the_general_path_does(tokenizer):
+    """The usual decode event (one token, no finish, plain sampling) skips _apply's checks
+    (OutputProcessor, _Sample.step): every output field, step by step, equals the general
+    path's for the same events, through multi-byte characters and special tokens."""
+    from jaxserve.output_processor import OutputProcessor
+    from jaxserve.request import FinishReason, Request, SamplingParams, TokenEvent
+
+    ids = [i for text in TEXTS for i in tokenizer.backend.encode(
+        text, add_special_tokens=False).ids]
+    params = SamplingParams(max_tokens=len(ids), temperature=0.0)
+    processor = OutputProcessor(tokenizer, lambda *_: True)
+    for name in ("fast", "general"):
+        processor.add([Request(name, [5, 6], params, 0)])
+    processor._samples["general"].step = None
+    assert processor._samples["fast"].step is not None
+    for n, token in enumerate(ids):
+        reason = FinishReason.LENGTH if n == len(ids) - 1 else None
+        fast, general = processor.process(
+            [TokenEvent(name, (token,), (-0.25 * n,), reason) for name in ("fast", "general")],
+            None)
+        a, b = fast.outputs[0], general.outputs[0]
+        for field in ("new_token_ids", "new_text", "new_logprobs", "new_top_logprobs",
+                      "token_ids", "text", "logprobs", "cumulative_logprob", "finish_reason"):
+            assert getattr(a, field) == getattr(b, field), (n, field)
+        assert (fast.finished, fast.time_to_first_token is None) == (
+            general.finished, general.time_to_first_token is None)
+    assert fast.finished and fast.outputs[0].text == tokenizer.backend.decode(ids)
