@@ -1,12 +1,13 @@
 """`jaxserve bench overhead`: the engine loop's host time per step, before and after.
 
-    jaxserve bench overhead [--requests 1,16,64,256] [--steps 40]
+    jaxserve bench overhead [--requests 1,16,64,256] [--steps 40] [--prompt-len 8]
                             [--baseline COMMIT | --baseline-json FILE] [--rounds 1] [--json OUT]
 
 For each request count N, overhead_probe.py (a tiny random model, N requests all decoding)
-runs in a fresh process and reports wall time per step, the host's share split into schedule /
-build / dispatch / wait / update / emit, tokens/s and the fraction of wall time the device was
-busy. With --baseline COMMIT the same probe also runs in a git worktree of that commit, the two
+runs in a fresh process (prompts of --prompt-len tokens: longer ones show the host work that
+grows with a request's context) and reports wall time per step, the host's share split into
+schedule / build / dispatch / wait / update / emit, tokens/s and the fraction of wall time the
+device was busy. With --baseline COMMIT the same probe also runs in a git worktree of that commit, the two
 sides alternating (A B, then B A ...) so that changes in the machine's load fall on both alike;
 --baseline-json compares with a saved run instead. The probe is copied out of the package
 first, so each side imports only its own checkout's jaxserve (checked). It measures and prints;
@@ -32,6 +33,8 @@ def add_arguments(parser) -> None:
                         help="request counts to measure, comma-separated (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=40,
                         help="decode steps timed per request count (default: %(default)s)")
+    parser.add_argument("--prompt-len", type=int, default=8,
+                        help="prompt tokens per request (default: %(default)s)")
     parser.add_argument("--baseline", default=None, metavar="COMMIT",
                         help="also measure this git commit (a temporary worktree), side by side")
     parser.add_argument("--baseline-json", default=None, metavar="FILE",
@@ -42,10 +45,10 @@ def add_arguments(parser) -> None:
                         help="write every measurement here")
 
 
-def probe(checkout: Path, n: int, steps: int, probe_path: Path) -> dict:
+def probe(checkout: Path, n: int, steps: int, probe_path: Path, prompt_len: int = 8) -> dict:
     env = {**os.environ, "PYTHONPATH": str(checkout), "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, str(probe_path), str(n), str(steps)], cwd=checkout,
-                          env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, str(probe_path), str(n), str(steps), str(prompt_len)],
+                          cwd=checkout, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"overhead probe (N={n}) in {checkout} failed:\n{proc.stderr[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -59,7 +62,8 @@ def _median_run(runs: list[dict]) -> dict:
     return sorted(runs, key=lambda r: r["wall_ms"])[len(runs) // 2]
 
 
-def measure(sides: dict[str, Path], counts: list[int], steps: int, rounds: int) -> dict:
+def measure(sides: dict[str, Path], counts: list[int], steps: int, rounds: int,
+            prompt_len: int = 8) -> dict:
     results: dict[str, dict[int, list[dict]]] = {side: {n: [] for n in counts} for side in sides}
     with tempfile.TemporaryDirectory() as tmp:
         probe_path = Path(tmp) / "overhead_probe.py"
@@ -68,15 +72,16 @@ def measure(sides: dict[str, Path], counts: list[int], steps: int, rounds: int) 
         for r in range(rounds):
             for n in counts:
                 for side in (order if r % 2 == 0 else order[::-1]):
-                    results[side][n].append(probe(sides[side], n, steps, probe_path))
+                    results[side][n].append(probe(sides[side], n, steps, probe_path,
+                                                  prompt_len))
                     print(f"  measured {side} N={n} (round {r + 1})", file=sys.stderr)
     return {side: {str(n): _median_run(runs) for n, runs in by_n.items()}
             for side, by_n in results.items()}
 
 
-def print_table(after: dict, before: dict | None) -> None:
-    print("ms per decode step of a tiny model (4 layers, hidden 64), all N decoding; host-only: "
-          "the same host work with no device (see overhead_probe.py)")
+def print_table(after: dict, before: dict | None, prompt_len: int = 8) -> None:
+    print(f"ms per decode step of a tiny model (4 layers, hidden 64), all N decoding, prompts of "
+          f"{prompt_len} tokens; host-only: the same host work with no device (overhead_probe.py)")
     head = f"{'N':>5} {'wall':>7} {'host':>6} {'sched':>6} {'build':>6} {'disp':>6} " \
            f"{'wait':>6} {'upd':>6} {'emit':>6} {'busy':>5} {'tok/s':>8}"
     head += f" {'host-only':>9}"
@@ -109,7 +114,7 @@ def main(args) -> int:
                        cwd=CHECKOUT, check=True, capture_output=True)
         sides["before"] = worktree
     try:
-        results = measure(sides, counts, args.steps, args.rounds)
+        results = measure(sides, counts, args.steps, args.rounds, args.prompt_len)
     finally:
         if worktree is not None:
             subprocess.run(["git", "worktree", "remove", "--force", str(worktree)],
@@ -117,10 +122,10 @@ def main(args) -> int:
     before = results.get("before")
     if args.baseline_json:
         before = json.loads(Path(args.baseline_json).read_text())["after"]
-    print_table(results["after"], before)
+    print_table(results["after"], before, args.prompt_len)
     if args.json_path:
         record = {"after": results["after"], "before": before, "baseline": args.baseline,
-                  "steps": args.steps, "rounds": args.rounds,
+                  "steps": args.steps, "rounds": args.rounds, "prompt_len": args.prompt_len,
                   "median_note": "each entry: the run with the median wall time"}
         Path(args.json_path).write_text(json.dumps(record, indent=1))
     return 0

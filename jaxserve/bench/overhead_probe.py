@@ -1,6 +1,7 @@
 """One `jaxserve bench overhead` measurement: the engine's host time per decode step.
 
-Run as a script in a fresh process (`python overhead_probe.py N STEPS`), from a copy outside
+Run as a script in a fresh process (`python overhead_probe.py N STEPS [PROMPT_LEN]`), from a
+copy outside
 any checkout, with PYTHONPATH set to the checkout it measures: `bench overhead --baseline
 COMMIT` runs it inside an old commit's worktree too, so it uses only the API every commit since
 5792bce has: LLM / EngineConfig settings, LoadedModel, random_params, Engine.add_request /
@@ -8,8 +9,10 @@ step / has_unfinished, runner.step.run. It prints one JSON line; it never compar
 
 The model is a tiny random Llama (4 layers, hidden 64, vocabulary 256, the default model's
 tokenizer so that detokenizing costs what it costs users), so the device's share of a step is
-small and the host's work shows. N requests of 8 prompt tokens are all prefilled, then
-STEPS decode steps of all N are timed (greedy, ignore_eos). Reported per step:
+small and the host's work shows. N requests of PROMPT_LEN prompt tokens (default 8; more shows
+the host work that grows with a request's context) are all prefilled (at most PREFILL_BUDGET
+tokens a step), then STEPS decode steps of all N are timed (greedy, ignore_eos). Reported per
+step:
 
 * wall_ms: wall time per decode step; tokens_per_s = N / wall.
 * host_ms: the host's share. Where the engine keeps its own phase timings (engine.timings:
@@ -37,6 +40,7 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4,
             tie_word_embeddings=False, max_position_embeddings=512, bos_token_id=1,
             eos_token_ids=(2,), name="tiny-overhead")
 PROMPT_LEN = 8
+PREFILL_BUDGET = 8192  # tokens a prefill step (chunked), for long prompts
 
 
 def build_llm(n: int, steps: int, tokenizer):
@@ -47,7 +51,7 @@ def build_llm(n: int, steps: int, tokenizer):
 
     config = ModelConfig(**TINY)
     loaded = LoadedModel(config, random_params(config, seed=0, scale=0.08), tokenizer, "random")
-    prefill = max(64, PROMPT_LEN * n)
+    prefill = min(max(64, PROMPT_LEN * n), PREFILL_BUDGET)
     max_len = PROMPT_LEN + steps + 16
     pages_each = -(-max_len // 16)
     return LLM("tiny", loaded=loaded, progress=False, max_num_seqs=n,
@@ -101,7 +105,8 @@ def host_only(n: int, steps: int, tokenizer) -> dict:
 
     max_len = PROMPT_LEN + steps + 16
     pages = PageManager(num_pages=n * (-(-max_len // 16)) + 2, page_size=16)
-    sched = Scheduler(pages, max_num_seqs=n, max_num_batched_tokens=max(64, PROMPT_LEN * n),
+    prefill = min(max(64, PROMPT_LEN * n), PREFILL_BUDGET)
+    sched = Scheduler(pages, max_num_seqs=n, max_num_batched_tokens=prefill,
                       max_model_len=max_len)
     outputs = OutputProcessor(tokenizer, sched.finish)
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
@@ -109,8 +114,7 @@ def host_only(n: int, steps: int, tokenizer) -> dict:
         request = Request(f"r{i}", [3 + (7 * i + j) % 250 for j in range(PROMPT_LEN)], params, 0)
         outputs.add([request])
         sched.add(request)
-    table = BucketTable.build(max(64, PROMPT_LEN * n), n, max_len, 16,
-                              tuple(sorted({n, max(64, PROMPT_LEN * n)})), (n,))
+    table = BucketTable.build(prefill, n, max_len, 16, tuple(sorted({n, prefill})), (n,))
     try:
         from jaxserve.runner.host_page_tables import HostPageTables
         layout = {"tables": HostPageTables(n + 1, table.max_pages_per_request)}
@@ -142,7 +146,8 @@ def host_only(n: int, steps: int, tokenizer) -> dict:
             for name, dt in zip(totals, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
                 totals[name] += dt
 
-    one(False)  # the prefill step
+    while not all(r.output_token_ids for r in sched.requests.values()):
+        one(False)  # the prefill steps
     gc.collect()
     gc.freeze()
     try:
@@ -188,7 +193,7 @@ def measure(n: int, steps: int) -> dict:
         for _ in range(steps):
             num_tokens += sum(len(o.new_token_ids) for o in engine.step())
         wall = time.perf_counter() - start
-    result = {"n": n, "steps": steps, "wall_ms": 1000 * wall / steps,
+    result = {"n": n, "steps": steps, "prompt_len": PROMPT_LEN, "wall_ms": 1000 * wall / steps,
               "tokens_per_s": num_tokens / wall, "jaxserve_path": jaxserve.__file__}
     if timings is not None:
         phases = timings.per_step_ms(steps)
@@ -210,4 +215,6 @@ def measure(n: int, steps: int) -> dict:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 3:
+        PROMPT_LEN = int(sys.argv[3])
     print(json.dumps(measure(int(sys.argv[1]), int(sys.argv[2]))))
