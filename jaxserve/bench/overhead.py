@@ -8,10 +8,10 @@ runs in a fresh process (prompts of --prompt-len tokens: longer ones show the ho
 grows with a request's context) and reports wall time per step, the host's share split into
 schedule / build / dispatch / wait / update / emit, tokens/s and the fraction of wall time the
 device was busy. With --baseline COMMIT the same probe also runs in a git worktree of that
-commit, the two sides alternating (A B, then B A ...) so that changes in the machine's load fall on both alike;
---baseline-json compares with a saved run instead. The probe is copied out of the package
-first, so each side imports only its own checkout's jaxserve (checked). It measures and prints;
-it never edits a checkout.
+commit, the two sides alternating (A B, then B A ...) so that changes in the machine's load
+fall on both alike; --baseline-json compares with a saved run instead. The probe is copied out
+of the package first, so each side imports only its own checkout's jaxserve (checked). It
+measures and prints; it never edits a checkout.
 """
 
 from __future__ import annotations
