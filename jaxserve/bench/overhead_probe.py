@@ -43,6 +43,12 @@ PROMPT_LEN = 8
 PREFILL_BUDGET = 8192  # tokens a prefill step (chunked), for long prompts
 
 
+def max_tokens(n: int, steps: int) -> int:
+    """Enough that no request ends before the timed steps do: a request that had its first
+    token in an early prefill step decodes while the others' prefill goes on."""
+    return steps + 1 + -(-PROMPT_LEN * n // PREFILL_BUDGET)
+
+
 def build_llm(n: int, steps: int, tokenizer):
     from jaxserve.llm import LLM
     from jaxserve.model.config import ModelConfig
@@ -52,7 +58,7 @@ def build_llm(n: int, steps: int, tokenizer):
     config = ModelConfig(**TINY)
     loaded = LoadedModel(config, random_params(config, seed=0, scale=0.08), tokenizer, "random")
     prefill = min(max(64, PROMPT_LEN * n), PREFILL_BUDGET)
-    max_len = PROMPT_LEN + steps + 16
+    max_len = PROMPT_LEN + max_tokens(n, steps) + 14
     pages_each = -(-max_len // 16)
     return LLM("tiny", loaded=loaded, progress=False, max_num_seqs=n,
                max_num_batched_tokens=prefill, token_buckets=tuple(sorted({n, prefill})),
@@ -103,13 +109,13 @@ def host_only(n: int, steps: int, tokenizer) -> dict:
     from jaxserve.runner.buckets import BucketTable
     from jaxserve.scheduler import Scheduler
 
-    max_len = PROMPT_LEN + steps + 16
+    max_len = PROMPT_LEN + max_tokens(n, steps) + 14
     pages = PageManager(num_pages=n * (-(-max_len // 16)) + 2, page_size=16)
     prefill = min(max(64, PROMPT_LEN * n), PREFILL_BUDGET)
     sched = Scheduler(pages, max_num_seqs=n, max_num_batched_tokens=prefill,
                       max_model_len=max_len)
     outputs = OutputProcessor(tokenizer, sched.finish)
-    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens(n, steps), temperature=0.0, ignore_eos=True)
     for i in range(n):
         request = Request(f"r{i}", [3 + (7 * i + j) % 250 for j in range(PROMPT_LEN)], params, 0)
         outputs.add([request])
@@ -170,7 +176,7 @@ def measure(n: int, steps: int) -> dict:
     captured = []
     run = step.run
     step.run = lambda inputs: (captured.append(inputs), run(inputs))[1]
-    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens(n, steps), temperature=0.0, ignore_eos=True)
     ids = [engine.add_request([3 + (7 * i + j) % 250 for j in range(PROMPT_LEN)], params)
            for i in range(n)]
     waiting = set(ids)
@@ -183,7 +189,7 @@ def measure(n: int, steps: int) -> dict:
         _wrap_serial_wait(step, waits)
     else:
         timings.reset()
-    num_tokens = 0
+    num_tokens, first_timed = 0, len(captured)
     try:  # where the engine has it, the heap freeze its own serving loops use
         from jaxserve.engine import frozen_heap
     except ImportError:
@@ -205,7 +211,7 @@ def measure(n: int, steps: int) -> dict:
     while engine.has_unfinished():
         engine.step()
     step.run = run
-    decode_inputs = [x for x in captured if x.shape == (n, n)][-1]
+    decode_inputs = [x for x in captured[first_timed:] if x.shape == (n, n)][-1]
     result["device_ms"] = _device_ms(step, decode_inputs)
     result["device_busy"] = min(1.0, result["device_ms"] / result["wall_ms"])
     llm.close()
