@@ -58,8 +58,12 @@ def probe(checkout: Path, n: int, steps: int, probe_path: Path, prompt_len: int 
 
 
 def _median_run(runs: list[dict]) -> dict:
-    """The run with the median wall time (its phases stay consistent with its wall)."""
-    return sorted(runs, key=lambda r: r["wall_ms"])[len(runs) // 2]
+    """The run with the median wall time (its phases stay consistent with its wall), with
+    every round's host ms, host-only ms and tokens/s in run order (rounds[i] of one side ran
+    next to rounds[i] of the other: a pair)."""
+    median = sorted(runs, key=lambda r: r["wall_ms"])[len(runs) // 2]
+    return {**median, "rounds": [{k: r[k] for k in ("host_ms", "host_only_total_ms",
+                                                   "tokens_per_s")} for r in runs]}
 
 
 def measure(sides: dict[str, Path], counts: list[int], steps: int, rounds: int,
@@ -101,6 +105,17 @@ def print_table(after: dict, before: dict | None, prompt_len: int = 8) -> None:
                      f"{b['host_only_total_ms']:9.2f} {b['tokens_per_s']:8.0f} "
                      f"{a['tokens_per_s'] / b['tokens_per_s']:8.2f}")
         print(line)
+    if before and len(next(iter(after.values())).get("rounds", ())) > 1:
+        print("by round (each after run beside its before run): host ms after/before, "
+              "tokens/s after/before")
+        for n, a in after.items():
+            b = before.get(n, {}).get("rounds")
+            if b:
+                pairs = list(zip(a["rounds"], b))
+                print(f"{n:>5} host " + " ".join(f"{x['host_ms']:.2f}/{y['host_ms']:.2f}"
+                                                  for x, y in pairs)
+                      + "  x tok/s " + " ".join(f"{x['tokens_per_s'] / y['tokens_per_s']:.2f}"
+                                               for x, y in pairs))
 
 
 def main(args) -> int:
