@@ -122,8 +122,8 @@ class _Prefix:
     __slots__ = ("prompt", "outputs", "length")
 
     def __init__(self, request: Request, length: int):
-        self.prompt, self.outputs, self.length = (request.prompt_token_ids,
-                                                  request.output_token_ids, length)
+        self.prompt, self.outputs = request.prompt_token_ids, request.output_token_ids
+        self.length = min(length, len(self.prompt) + len(self.outputs))  # as a list's [:length]
 
     def __len__(self) -> int:
         return self.length

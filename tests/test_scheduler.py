@@ -131,7 +131,7 @@ def test_commit_slices_the_tokens_across_the_prompt_output_boundary():
     r.output_token_ids = [6, 7, 8]
     view = _Prefix(r, 7)
     every = r.all_token_ids[:7]
-    assert len(view) == 7
+    assert len(view) == 7 and len(_Prefix(r, 20)) == 8  # (at most every token, as [:20])
     for start in range(8):
         for stop in range(start, 9):
             assert view[start:stop] == every[start:stop], (start, stop)
