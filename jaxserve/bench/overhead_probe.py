@@ -211,7 +211,9 @@ def measure(n: int, steps: int) -> dict:
     # The step alone, replayed right after the timed steps, in their state: replayed after the
     # requests had finished, a step of 64 requests of 2048 tokens took 1.0-1.3 ms against the
     # 17 ms its steps waited for in the loop (the cause was not found). The K/V the replays
-    # rewrite are of no further use here.
+    # rewrite are of no further use here. First every launched step is done: a replay on this
+    # thread beside a launch on the runner's launcher thread would donate the same buffers.
+    getattr(engine.runner, "wait", lambda: None)()
     step.run = run
     decode_inputs = [x for x in captured[first_timed:] if x.shape == (n, n)][-1]
     result["device_ms"] = _device_ms(step, decode_inputs)
