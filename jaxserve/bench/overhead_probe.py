@@ -208,11 +208,11 @@ def measure(n: int, steps: int) -> dict:
     else:
         result["phases_ms"] = {"wait": 1000 * sum(waits) / steps}
         result["host_ms"] = result["wall_ms"] - result["phases_ms"]["wait"]
-    # The step alone, replayed right after the timed steps, in their state: replayed after the
-    # requests had finished, a step of 64 requests of 2048 tokens took 1.0-1.3 ms against the
-    # 17 ms its steps waited for in the loop (the cause was not found). The K/V the replays
-    # rewrite are of no further use here. First every launched step is done: a replay on this
-    # thread beside a launch on the runner's launcher thread would donate the same buffers.
+    # The step alone: the last timed step, replayed before the requests finish (a step taken
+    # after them was the last of the drain, which with chunked prefill's staggered requests
+    # holds one request, not N). The K/V the replays rewrite are of no further use here. First
+    # every launched step is done: a replay on this thread beside a launch on the runner's
+    # launcher thread would donate the same buffers.
     getattr(engine.runner, "wait", lambda: None)()
     step.run = run
     decode_inputs = [x for x in captured[first_timed:] if x.shape == (n, n)][-1]
