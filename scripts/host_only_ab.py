@@ -1,7 +1,7 @@
 """The engine loop's host work alone (no device), two commits side by side, in pairs.
 
   python scripts/host_only_ab.py BASE [--head HEAD] [--requests 256] [--prompt-len 8]
-                                 [--pairs 4] [--json OUT]
+                                 [--pairs 4] [--cold] [--json OUT]
 
 `jaxserve bench overhead` times the whole loop, whose host phases on a CPU include waiting for
 the cores XLA computes on, and measures the host work alone once per run. This script runs only
@@ -9,8 +9,10 @@ that host-only loop (overhead_probe.host_only: scheduler, input layout, update w
 token, output processing; N requests decoding after their prefill), three times per process,
 in fresh processes for BASE and HEAD (git worktrees) alternating A B, B A ..., and prints each
 pair's medians and their ratio: the pair's two sides ran within seconds of each other, so the
-VM's drift (~2x within minutes here) falls on both. The probe is this checkout's copy, run
-against each side's jaxserve (checked). It measures and prints; it never edits a checkout.
+VM's drift (~2x within minutes here) falls on both. --cold flushes every cache before each
+step: what the engine's phases meet on a CPU, where the step's compute runs between them.
+The probe is this checkout's copy, run against each side's jaxserve (checked). It measures and
+prints; it never edits a checkout.
 """
 
 from __future__ import annotations
@@ -35,16 +37,17 @@ probe.PROMPT_LEN = int(sys.argv[3])
 import jaxserve
 from jaxserve.model.loader import load_model
 tokenizer = load_model("default", progress=False).tokenizer
-runs = [probe.host_only(int(sys.argv[2]), 40, tokenizer) for _ in range(3)]
+cold = sys.argv[4] == "cold"
+runs = [probe.host_only(int(sys.argv[2]), 40, tokenizer, cold) for _ in range(3)]
 print(json.dumps({"jaxserve_path": jaxserve.__file__, "runs": runs}))
 """
 
 
-def run_side(checkout: Path, tmp: Path, n: int, prompt_len: int) -> list[dict]:
+def run_side(checkout: Path, tmp: Path, n: int, prompt_len: int, cold: bool) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": str(checkout), "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, str(tmp / "runner.py"), str(tmp), str(n),
-                           str(prompt_len)], cwd=checkout, env=env, capture_output=True,
-                          text=True)
+    argv = [sys.executable, str(tmp / "runner.py"), str(tmp), str(n), str(prompt_len),
+            "cold" if cold else "warm"]
+    proc = subprocess.run(argv, cwd=checkout, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"host-only run in {checkout} failed:\n{proc.stderr[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -60,6 +63,8 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=8)
     parser.add_argument("--pairs", type=int, default=4)
+    parser.add_argument("--cold", action="store_true",
+                        help="flush every cache before each step (as a CPU step's compute does)")
     parser.add_argument("--json", dest="json_path", default=None)
     args = parser.parse_args()
     results: dict[str, list[list[dict]]] = {"before": [], "after": []}
@@ -75,14 +80,15 @@ def main() -> int:
             for p in range(args.pairs):
                 for side in ("after", "before") if p % 2 == 0 else ("before", "after"):
                     results[side].append(run_side(sides[side], tmp, args.requests,
-                                                  args.prompt_len))
+                                                  args.prompt_len, args.cold))
         finally:
             for path in sides.values():
                 subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=ROOT,
                                capture_output=True)
     total = lambda runs: statistics.median(sum(r.values()) for r in runs)  # noqa: E731
-    print(f"host-only ms per decode step, {args.requests} requests, prompts of "
-          f"{args.prompt_len} tokens (median of 3 runs of 40 steps per process)")
+    print(f"host-only ms per decode step{' (cold caches)' if args.cold else ''}, "
+          f"{args.requests} requests, prompts of {args.prompt_len} tokens "
+          f"(median of 3 runs of 40 steps per process)")
     print(f"{'pair':>4} {'before':>7} {'after':>7} {'before/after':>12}")
     ratios = []
     for p, (b, a) in enumerate(zip(results["before"], results["after"])):
@@ -96,7 +102,8 @@ def main() -> int:
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(
             {"base": args.base, "head": args.head, "requests": args.requests,
-             "prompt_len": args.prompt_len, "pairs": results, "ratios": ratios}, indent=1))
+             "prompt_len": args.prompt_len, "cold": args.cold, "pairs": results,
+             "ratios": ratios}, indent=1))
     return 0
 
 

@@ -63,7 +63,8 @@ def _median_run(runs: list[dict]) -> dict:
     next to rounds[i] of the other: a pair)."""
     median = sorted(runs, key=lambda r: r["wall_ms"])[len(runs) // 2]
     return {**median, "rounds": [{k: r[k] for k in ("host_ms", "host_only_total_ms",
-                                                   "tokens_per_s")} for r in runs]}
+                                                   "host_only_cold_total_ms", "tokens_per_s")
+                                if k in r} for r in runs]}
 
 
 def measure(sides: dict[str, Path], counts: list[int], steps: int, rounds: int,
@@ -83,14 +84,21 @@ def measure(sides: dict[str, Path], counts: list[int], steps: int, rounds: int,
             for side, by_n in results.items()}
 
 
+def _cold(result: dict) -> float:
+    """Host-only with cold caches (nan in a saved run from before it was measured)."""
+    return result.get("host_only_cold_total_ms", float("nan"))
+
+
 def print_table(after: dict, before: dict | None, prompt_len: int = 8) -> None:
     print(f"ms per decode step of a tiny model (4 layers, hidden 64), all N decoding, prompts of "
-          f"{prompt_len} tokens; host-only: the same host work with no device (overhead_probe.py)")
+          f"{prompt_len} tokens; host-only: the same host work with no device (overhead_probe.py), "
+          f"cold: with every cache flushed before each step, as the CPU's compute does")
     head = f"{'N':>5} {'wall':>7} {'host':>6} {'sched':>6} {'build':>6} {'disp':>6} " \
            f"{'wait':>6} {'upd':>6} {'emit':>6} {'busy':>5} {'tok/s':>8}"
-    head += f" {'host-only':>9}"
+    head += f" {'host-only':>9} {'cold':>6}"
     if before:
-        head += f" | {'before wall':>11} {'host':>6} {'host-only':>9} {'tok/s':>8} {'x tok/s':>8}"
+        head += (f" | {'before wall':>11} {'host':>6} {'host-only':>9} {'cold':>6} {'tok/s':>8} "
+                 f"{'x tok/s':>8}")
     print(head)
     for n, a in after.items():
         ph = a["phases_ms"]
@@ -98,11 +106,11 @@ def print_table(after: dict, before: dict | None, prompt_len: int = 8) -> None:
                 + " ".join(f"{ph.get(k, float('nan')):6.2f}" for k in
                            ("schedule", "build", "dispatch", "wait", "update", "emit"))
                 + f" {a['device_busy']:5.2f} {a['tokens_per_s']:8.0f}"
-                + f" {a['host_only_total_ms']:9.2f}")
+                + f" {a['host_only_total_ms']:9.2f} {_cold(a):6.2f}")
         b = (before or {}).get(n)
         if b:
             line += (f" | {b['wall_ms']:11.2f} {b['host_ms']:6.2f} "
-                     f"{b['host_only_total_ms']:9.2f} {b['tokens_per_s']:8.0f} "
+                     f"{b['host_only_total_ms']:9.2f} {_cold(b):6.2f} {b['tokens_per_s']:8.0f} "
                      f"{a['tokens_per_s'] / b['tokens_per_s']:8.2f}")
         print(line)
     if before and len(next(iter(after.values())).get("rounds", ())) > 1:
