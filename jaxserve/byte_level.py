@@ -102,6 +102,8 @@ class ByteStream:
     whole characters, with nothing held back before it, is one table lookup; the rest goes
     through the incremental UTF-8 decoder."""
 
+    __slots__ = ("_bytes", "_text", "_skip", "_decoder", "_partial")
+
     def __init__(self, table: ByteTable, context: list[int], skip_special_tokens: bool):
         self._bytes, self._text = table.token_bytes, table.token_text
         self._skip = table.special if skip_special_tokens else frozenset()

@@ -38,7 +38,9 @@ class _Sample:
     group: _Group
     # The usual sample (n = 1, streamed, no logprobs, no stop strings, a byte-table tokenizer):
     # its detokenizer's one-token step, so that a decode token is applied without _apply's
-    # checks; None for every other sample.
+    # checks (`step`, set once its first token is out; `plain` until then); None for every
+    # other sample.
+    plain: Callable[[int], str] | None = None
     step: Callable[[int], str] | None = None
 
 
@@ -92,7 +94,7 @@ class OutputProcessor:
                 continue
             step, tokens, group = sample.step, event.new_token_ids, sample.group
             if (step is not None and len(tokens) == 1 and event.finish_reason is None
-                    and group.output.time_to_first_token is not None and group not in touched):
+                    and group not in touched):
                 token = tokens[0]  # the usual decode: one token, nothing else to report
                 sample.completion.append_one(token, step(token), event.new_logprobs[0])
                 touched[group] = None
@@ -102,7 +104,9 @@ class OutputProcessor:
             except Exception as exc:
                 on_error(event.request_id, exc)
                 self.fail(sample.group.output.request_id, f"internal error: {exc!r}")
-            touched[sample.group] = None
+            if sample.plain is not None and group.output.time_to_first_token is not None:
+                sample.step = sample.plain  # its first token is out: the short path from now
+            touched[group] = None
         return [self._snapshot(group) for group in touched
                 if not group.final_only or not group.running]
 

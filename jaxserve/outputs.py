@@ -145,7 +145,7 @@ class CompletionOutput:
                 f"token_ids={self.token_ids}, finish_reason={self.finish_reason})")
 
 
-@dataclass
+@dataclass(slots=True)  # one per request and step
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]

@@ -41,7 +41,7 @@ _ROOT_SERIAL = 0  # parent serial of a prefix's first page; registrations count 
 NULL_PAGE = 0  # scratch page: what padding writes to, and the stand-in for released pages
 
 
-@dataclass
+@dataclass(slots=True)
 class _RequestPages:
     pages: tuple[int, ...]  # replaced when they change: a chunk holds it as is, no copy
     num_slots: int

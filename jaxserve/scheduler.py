@@ -88,6 +88,8 @@ class Scheduler(SchedulerResults):
         request.max_output_tokens = min(sp.max_tokens, self.max_model_len - request.num_tokens)
         request.sampling_row = SamplingRow(sp.temperature, sp.top_k, sp.top_p, sp.min_p,
                                            request.seed, sp.top_logprobs)
+        request.plain_rows = not sp.uses_processors and (sp.prompt_logprobs is None
+                                                         or request.sample_index != 0)
         self._num_plain_only += request.sampling.needs_plain_steps(self._host_drafts)
         self._num_host_bound += request.needs_host_tokens
         if needed > capacity:
@@ -202,7 +204,7 @@ class Scheduler(SchedulerResults):
                      and self.speculation.should_speculate(sum(
                          r.num_scheduled_tokens - r.num_computed_tokens == 1
                          for r in self.running)))
-        max_model_len, chunked = self.max_model_len, self.enable_chunked_prefill
+        chunked = self.enable_chunked_prefill
         for index, request in enumerate(list(self.running)):
             if budget == 0:
                 break
@@ -210,11 +212,10 @@ class Scheduler(SchedulerResults):
                 continue  # preempted earlier in this loop
             # (this runs per request and step: plain locals, no helper calls)
             num_outputs, pending = len(request.output_token_ids), request.num_pending_tokens
-            num_scheduled = len(request.prompt_token_ids) + num_outputs + pending
-            if pending and (num_outputs + pending >= request.sampling.max_tokens
-                            or num_scheduled >= max_model_len):
-                continue  # its token in flight is its last (max_tokens, max_model_len)
-            remaining = num_scheduled - request.num_computed_tokens
+            if pending and num_outputs + pending >= request.max_output_tokens:
+                continue  # its token in flight is its last (max_tokens within max_model_len)
+            remaining = (len(request.prompt_token_ids) + num_outputs + pending
+                         - request.num_computed_tokens)
             # a prefill chunk that doesn't fit waits unless chunked prefill is on
             num_new = 0 if remaining > budget and not chunked else min(remaining, budget)
             if num_new == 0:

@@ -79,7 +79,7 @@ class SchedulerResults:
             if reason is not None:
                 self._finish(request, reason)
             top = ()
-            if new_tokens and chunk.sampling.top_logprobs:  # plain steps only
+            if top_ids is not None and new_tokens and chunk.sampling.top_logprobs:  # plain only
                 top = top_logprob_pairs(chunk, top_ids[i], top_logprobs[i])
             events.append(TokenEvent(
                 request.request_id, tuple(new_tokens), tuple(new_logprobs), reason,

@@ -22,8 +22,10 @@ def build_chunk(request: Request, num_new: int, page_table: tuple[int, ...],
     """The request's next num_new tokens, from num_computed_tokens on. drafts: the host's
     proposals verified after them (speculative steps), which its grammar masks too. Called
     per request and step: the common cases (a decode, no grammar) take the fewest steps."""
-    sp, start = request.sampling, request.num_computed_tokens
+    start = request.num_computed_tokens
     end = start + num_new
+    # (its SamplingParams are read only where its rows need more than sampling_row)
+    sp = None if request.plain_rows else request.sampling
     prompt, outputs = request.prompt_token_ids, request.output_token_ids
     num_prompt = len(prompt)
     known = num_prompt + len(outputs)  # the rest, to num_scheduled_tokens, is on the device
@@ -31,7 +33,8 @@ def build_chunk(request: Request, num_new: int, page_table: tuple[int, ...],
     if end == known + request.num_pending_tokens:
         output_index = len(outputs) + request.num_pending_tokens
         sampling = request.sampling_row  # the request's own, for life (the usual case)
-        if request.grammar is not None or sp.uses_processors:  # settings of this step only
+        if request.grammar is not None or sp is not None:  # settings of this step only
+            sp = request.sampling
             mask, draft_masks = None, ()
             if request.grammar is not None:  # the tokens its grammar allows next, per draft
                 from jaxserve.structured.matcher import fill_draft_rows
@@ -44,7 +47,7 @@ def build_chunk(request: Request, num_new: int, page_table: tuple[int, ...],
                                    processor_slots.row(request) if sp.uses_processors else None,
                                    mask, draft_masks)
     k, first, nxt = 0, 0, ()
-    if sp.prompt_logprobs is not None and request.sample_index == 0:
+    if sp is not None and sp.prompt_logprobs is not None and request.sample_index == 0:
         # positions p < len(prompt) - 1 not reported yet (a recompute skips those that were)
         p0 = max(start, len(request.prompt_logprobs))
         p1 = min(end, num_prompt - 1)

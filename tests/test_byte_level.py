@@ -108,13 +108,15 @@ def test_output_processor_one_token_path_hands_out_what_the_general_path_does(to
     processor = OutputProcessor(tokenizer, lambda *_: True)
     for name in ("fast", "general"):
         processor.add([Request(name, [5, 6], params, 0)])
-    processor._samples["general"].step = None
-    assert processor._samples["fast"].step is not None
+    processor._samples["general"].plain = None
+    fast_sample = processor._samples["fast"]
+    assert fast_sample.plain is not None and fast_sample.step is None  # (before its first token)
     for n, token in enumerate(ids):
         reason = FinishReason.LENGTH if n == len(ids) - 1 else None
         fast, general = processor.process(
             [TokenEvent(name, (token,), (-0.25 * n,), reason) for name in ("fast", "general")],
             None)
+        assert fast_sample.step is not None  # the short path from the second token on
         a, b = fast.outputs[0], general.outputs[0]
         for field in ("new_token_ids", "new_text", "new_logprobs", "new_top_logprobs",
                       "token_ids", "text", "logprobs", "cumulative_logprob", "finish_reason"):
