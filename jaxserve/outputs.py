@@ -127,17 +127,19 @@ class CompletionOutput:
         counts = snap._counts = (len(tokens), len(texts), 0 if logprobs is None else len(logprobs),
                                  0 if tops is None else len(tops))
         snap._cache = None  # made on first read
-        if self._appends > 1:  # several steps since the last hand-out: all of their deltas
+        appends = self._appends
+        if appends == 1:  # the usual: one step's deltas, the lists append() made for them
+            snap.new_token_ids, snap.new_text = self.new_token_ids, self.new_text
+            snap.new_logprobs, snap.new_top_logprobs = self.new_logprobs, self.new_top_logprobs
+        elif appends:  # several steps since the last hand-out: all of their deltas
             m = self._marks
             snap.new_token_ids, snap.new_text = tokens[m[0]:], "".join(texts[m[1]:])
             snap.new_logprobs = [] if logprobs is None else logprobs[m[2]:]
             snap.new_top_logprobs = [] if tops is None else tops[m[3]:]
-        else:
-            snap.new_token_ids, snap.new_text = self.new_token_ids, self.new_text
-            snap.new_logprobs, snap.new_top_logprobs = self.new_logprobs, self.new_top_logprobs
+        else:  # nothing new (the live record's new_* belong to the hand-out before)
+            snap.new_token_ids, snap.new_text = [], ""
+            snap.new_logprobs, snap.new_top_logprobs = [], []
         self._marks, self._appends = counts, 0
-        self.new_token_ids, self.new_text, self.new_logprobs, self.new_top_logprobs = (
-            [], "", [], [])
         return snap
 
     def __repr__(self) -> str:

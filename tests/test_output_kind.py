@@ -102,3 +102,29 @@ def test_generate_with_samples_and_a_stop_string_hands_each_sample_whole(small_l
     for got, want in zip(out.outputs, last.outputs):
         assert got.token_ids == want.token_ids and got.new_token_ids == got.token_ids
         assert got.text == want.text == got.new_text and got.finish_reason == want.finish_reason
+
+
+def test_a_hand_out_takes_exactly_the_deltas_since_the_one_before():
+    """CompletionOutput.hand_out after no, one and several appends: no, one and every step's
+    deltas; a snapshot handed out keeps its own, whatever the record takes later."""
+    from jaxserve.outputs import CompletionOutput
+
+    record = CompletionOutput(0, logprobs=[])
+    record.append([5], "a", [-1.0], [])
+    first = record.hand_out()
+    empty = record.hand_out()
+    record.append([6], "b", [-2.0], [])
+    record.append([7, 8], "cd", [-3.0, -4.0], [])
+    both = record.hand_out()
+    record.append_one(9, "e", -5.0)
+    last = record.hand_out()
+    assert (first.new_token_ids, first.new_text, first.new_logprobs) == ([5], "a", [-1.0])
+    assert (empty.new_token_ids, empty.new_text, empty.new_logprobs) == ([], "", [])
+    assert empty.new_token_ids is not first.new_token_ids
+    assert (both.new_token_ids, both.new_text, both.new_logprobs) == (
+        [6, 7, 8], "bcd", [-2.0, -3.0, -4.0])
+    assert (last.new_token_ids, last.new_text) == ([9], "e")
+    assert (first.token_ids, empty.token_ids, both.token_ids, last.token_ids) == (
+        [5], [5], [5, 6, 7, 8], [5, 6, 7, 8, 9])
+    assert (first.text, both.text, last.text) == ("a", "abcd", "abcde")
+    assert last.cumulative_logprob == -15.0
