@@ -23,7 +23,8 @@ step:
   time per step), and device_busy = device_ms / wall_ms.
 * host_only_ms: the same host work (schedule, layout, update, emit) with no device at all, for
   N requests decoding: on a CPU the engine's own phases include the time its thread waits for
-  the cores XLA computes on, these do not. A heap freeze applies to both sides alike.
+  the cores XLA computes on, these do not. The engine's heap freeze (frozen_heap, where it
+  has one) applies to both alike.
 """
 
 from __future__ import annotations
@@ -97,6 +98,18 @@ def _device_ms(step, inputs, repeats: int = 20) -> float:
 FLUSH_BYTES = 64 << 20  # twice this VM's L3 (32 MiB): nothing of the host's state survives
 
 
+@contextlib.contextmanager
+def _gc_frozen():
+    """Where the engine has no frozen_heap: the freeze alone."""
+    import gc
+
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def host_only(n: int, steps: int, tokenizer, cold: bool = False) -> dict:
     """The same loop's host work with no device at all: scheduler, input layout, update with a
     fixed token, output processing (ms per step). On a CPU the engine's own figures include
@@ -164,12 +177,13 @@ def host_only(n: int, steps: int, tokenizer, cold: bool = False) -> dict:
     while not all(r.output_token_ids for r in sched.requests.values()):
         one(False)  # the prefill steps
     gc.collect()
-    gc.freeze()
-    try:
+    try:  # the heap freeze (and young-collection threshold) the engine's serving loops use
+        from jaxserve.engine import frozen_heap
+    except ImportError:
+        frozen_heap = _gc_frozen
+    with frozen_heap():
         for _ in range(steps):
             one(True)
-    finally:
-        gc.unfreeze()
     return {name: 1000 * t / steps for name, t in totals.items()}
 
 
