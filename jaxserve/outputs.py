@@ -108,9 +108,10 @@ class CompletionOutput:
 
     def append_one(self, token_id: int, text: str, logprob: float) -> None:
         """append() of one token, its text and logprob, for a record without logprob lists
-        (sampling.logprobs None)."""
+        (sampling.logprobs None); no top-logprob list (hand_out makes the snapshot's)."""
         self._appends += 1
         self.new_token_ids, self.new_text, self.new_logprobs = [token_id], text, [logprob]
+        self.new_top_logprobs = None
         self._tokens.append(token_id)
         if text:
             self._texts.append(text)
@@ -118,7 +119,7 @@ class CompletionOutput:
 
     def hand_out(self) -> "CompletionOutput":
         """A snapshot: a view of the record as it is now, that later appends never change;
-        the deltas since the last hand-out go with it (the live record's are cleared)."""
+        the deltas since the last hand-out go with it, in lists of its own."""
         snap = CompletionOutput.__new__(CompletionOutput)
         snap.index, snap.finish_reason = self.index, self.finish_reason
         snap.cumulative_logprob = self.cumulative_logprob
@@ -128,9 +129,11 @@ class CompletionOutput:
                                  0 if tops is None else len(tops))
         snap._cache = None  # made on first read
         appends = self._appends
-        if appends == 1:  # the usual: one step's deltas, the lists append() made for them
-            snap.new_token_ids, snap.new_text = self.new_token_ids, self.new_text
-            snap.new_logprobs, snap.new_top_logprobs = self.new_logprobs, self.new_top_logprobs
+        if appends == 1:  # the usual: one step's deltas, handed over (the snapshot's alone)
+            snap.new_text, snap.new_token_ids = self.new_text, self.new_token_ids
+            snap.new_logprobs, tops = self.new_logprobs, self.new_top_logprobs
+            snap.new_top_logprobs = [] if tops is None else tops
+            self.new_token_ids = self.new_logprobs = self.new_top_logprobs = None
         elif appends:  # several steps since the last hand-out: all of their deltas
             m = self._marks
             snap.new_token_ids, snap.new_text = tokens[m[0]:], "".join(texts[m[1]:])

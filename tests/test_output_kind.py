@@ -123,7 +123,11 @@ def test_a_hand_out_takes_exactly_the_deltas_since_the_one_before():
     assert empty.new_token_ids is not first.new_token_ids
     assert (both.new_token_ids, both.new_text, both.new_logprobs) == (
         [6, 7, 8], "bcd", [-2.0, -3.0, -4.0])
-    assert (last.new_token_ids, last.new_text) == ([9], "e")
+    assert (last.new_token_ids, last.new_text, last.new_logprobs) == ([9], "e", [-5.0])
+    record.append_one(10, "f", -1.0)
+    after = record.hand_out()
+    assert after.new_top_logprobs == [] and after.new_top_logprobs is not last.new_top_logprobs
+    assert after.new_token_ids == [10] and last.new_token_ids == [9]
     assert (first.token_ids, empty.token_ids, both.token_ids, last.token_ids) == (
         [5], [5], [5, 6, 7, 8], [5, 6, 7, 8, 9])
     assert (first.text, both.text, last.text) == ("a", "abcd", "abcde")
