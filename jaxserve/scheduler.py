@@ -74,6 +74,7 @@ class Scheduler(SchedulerResults):
         self._host_drafts = speculation is not None and speculation.method == "ngram"
         self.num_preemptions = 0
         self.num_swaps = 0
+        self._stop_sets: dict[frozenset, frozenset] = {}
 
     # ---- lifecycle -------------------------------------------------------------------
     def add(self, request: Request) -> TokenEvent | None:
@@ -83,8 +84,13 @@ class Scheduler(SchedulerResults):
         capacity = self.pages.num_pages - 1
         self.requests[request.request_id] = request
         sp = request.sampling
-        request.stop_ids = frozenset(sp.stop_token_ids) | frozenset(
+        stop_ids = frozenset(sp.stop_token_ids) | frozenset(
             () if sp.ignore_eos else request.eos_token_ids)
+        # one shared set per distinct value (update() reads it per request and step: requests
+        # alike share its cache lines); a bounded memo, as clients choose stop_token_ids
+        if len(self._stop_sets) >= 256:
+            self._stop_sets.clear()
+        request.stop_ids = self._stop_sets.setdefault(stop_ids, stop_ids)
         request.max_output_tokens = min(sp.max_tokens, self.max_model_len - request.num_tokens)
         request.sampling_row = SamplingRow(sp.temperature, sp.top_k, sp.top_p, sp.min_p,
                                            request.seed, sp.top_logprobs)
