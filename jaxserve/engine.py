@@ -167,7 +167,7 @@ class Engine:
         samples = [request] + [dataclasses.replace(
             request, request_id=f"{request.request_id}#{i}", seed=sample_seed(request.seed, i),
             sample_index=i, shares_prompt_of=request.request_id, output_token_ids=[],
-            output_logprobs=[], prompt_logprobs=[]) for i in range(1, n)]
+            prompt_logprobs=[]) for i in range(1, n)]
         if any(s.request_id in self._outputs for s in samples):
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         seq, now = next(self._arrivals), time.monotonic()

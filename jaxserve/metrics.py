@@ -120,10 +120,10 @@ class EngineMetrics:
         for out in outputs:
             samples = out.outputs
             if len(samples) == 1:  # (per request and step: no generator for the usual n = 1)
-                num_new = len(samples[0].new_token_ids)
+                num_new = samples[0].num_new_tokens
                 first = num_new and samples[0].num_tokens == num_new
             else:
-                num_new = sum(len(c.new_token_ids) for c in samples)  # every sample's
+                num_new = sum(c.num_new_tokens for c in samples)  # every sample's
                 first = num_new and sum(c.num_tokens for c in samples) == num_new
             if num_new:
                 total_new += num_new

@@ -119,8 +119,8 @@ class OutputProcessor:
             self.finish(sample_id, FinishReason.ERROR)
             sample = self._samples.pop(sample_id)
             c = sample.completion
-            c.finish_reason, c.new_token_ids, c.new_text = FinishReason.ERROR.value, [], ""
-            c.new_logprobs, c.new_top_logprobs = [], []
+            c.finish_reason = FinishReason.ERROR.value
+            c.clear_deltas()
         group.running.clear()
         group.output.error = message
         return self._snapshot(group)

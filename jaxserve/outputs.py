@@ -17,22 +17,27 @@ class CompletionOutput:
 
     A snapshot shares the running record's append-only lists and keeps their lengths at the
     time it was taken, so taking one costs no copy of the history: token_ids, text, logprobs
-    and top_logprobs are cut from the shared lists when a caller first reads them."""
+    and top_logprobs are cut from the shared lists when a caller first reads them. A one-token
+    delta (the usual decode step) keeps its token and logprob as they are: its new_* lists are
+    made when a caller first reads them, not in the engine's loop."""
 
-    __slots__ = ("index", "new_token_ids", "new_text", "cumulative_logprob", "new_logprobs",
-                 "new_top_logprobs", "finish_reason", "_tokens", "_texts", "_logprobs",
-                 "_tops", "_counts", "_cache", "_marks", "_appends")
+    __slots__ = ("index", "new_text", "cumulative_logprob", "finish_reason", "_tokens", "_texts",
+                 "_logprobs", "_tops", "_counts", "_cache", "_marks", "_appends", "_new",
+                 "_one_token", "_one_logprob")
 
     def __init__(self, index: int, token_ids=None, text: str = "", new_token_ids=None,
                  new_text: str = "", cumulative_logprob: float = 0.0, logprobs=None,
                  new_logprobs=None, top_logprobs=None, new_top_logprobs=None,
                  finish_reason: str | None = None):
         self.index = index
-        self.new_token_ids = [] if new_token_ids is None else new_token_ids  # this step's
+        # this step's deltas: (new_token_ids, new_logprobs, new_top_logprobs), or None: one
+        # token, _one_token (None: no token) and _one_logprob
+        self._new = ([] if new_token_ids is None else new_token_ids,
+                     [] if new_logprobs is None else new_logprobs,
+                     [] if new_top_logprobs is None else new_top_logprobs)
+        self._one_token = self._one_logprob = None
         self.new_text = new_text                        # this step's text delta
         self.cumulative_logprob = cumulative_logprob    # sum of the sampled tokens' logprobs
-        self.new_logprobs = [] if new_logprobs is None else new_logprobs
-        self.new_top_logprobs = [] if new_top_logprobs is None else new_top_logprobs
         self.finish_reason = finish_reason              # stop, length, abort, error
         self._tokens = list(token_ids or ())            # the shared, append-only lists
         self._texts = [text] if text else []
@@ -50,6 +55,36 @@ class CompletionOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def new_token_ids(self) -> list[int]:
+        """This step's tokens."""
+        return (self._new or self._one_deltas())[0]
+
+    @property
+    def new_logprobs(self) -> list[float]:
+        """This step's tokens' logprobs."""
+        return (self._new or self._one_deltas())[1]
+
+    @property
+    def new_top_logprobs(self) -> list[dict[int, float]]:
+        """This step's tokens' alternatives (sampling.logprobs = k > 0; else empty)."""
+        return (self._new or self._one_deltas())[2]
+
+    @property
+    def num_new_tokens(self) -> int:
+        """len(new_token_ids), without making the list."""
+        new = self._new
+        return len(new[0]) if new is not None else int(self._one_token is not None)
+
+    def _one_deltas(self) -> tuple[list, list, list]:
+        token = self._one_token
+        new = self._new = ([], [], []) if token is None else ([token], [self._one_logprob], [])
+        return new
+
+    def clear_deltas(self) -> None:
+        """No deltas this step (an error ends the sample)."""
+        self._new, self.new_text = ([], [], []), ""
 
     def _cut(self, name: str, items, count: int):
         if self._counts is None or items is None:
@@ -94,8 +129,7 @@ class CompletionOutput:
     def append(self, token_ids, text: str, logprobs, top_logprobs) -> None:
         """The live record takes one step's output (the deltas become new_*)."""
         self._appends += 1
-        self.new_token_ids, self.new_text = token_ids, text
-        self.new_logprobs, self.new_top_logprobs = logprobs, top_logprobs
+        self._new, self.new_text = (token_ids, logprobs, top_logprobs), text
         self._tokens += token_ids
         if text:
             self._texts.append(text)
@@ -108,10 +142,10 @@ class CompletionOutput:
 
     def append_one(self, token_id: int, text: str, logprob: float) -> None:
         """append() of one token, its text and logprob, for a record without logprob lists
-        (sampling.logprobs None); no top-logprob list (hand_out makes the snapshot's)."""
+        (sampling.logprobs None): no delta lists (a snapshot's are made when read)."""
         self._appends += 1
-        self.new_token_ids, self.new_text, self.new_logprobs = [token_id], text, [logprob]
-        self.new_top_logprobs = None
+        self._new, self.new_text = None, text
+        self._one_token, self._one_logprob = token_id, logprob
         self._tokens.append(token_id)
         if text:
             self._texts.append(text)
@@ -129,19 +163,17 @@ class CompletionOutput:
                                  0 if tops is None else len(tops))
         snap._cache = None  # made on first read
         appends = self._appends
-        if appends == 1:  # the usual: one step's deltas, handed over (the snapshot's alone)
-            snap.new_text, snap.new_token_ids = self.new_text, self.new_token_ids
-            snap.new_logprobs, tops = self.new_logprobs, self.new_top_logprobs
-            snap.new_top_logprobs = [] if tops is None else tops
-            self.new_token_ids = self.new_logprobs = self.new_top_logprobs = None
+        if appends == 1:  # the usual: one step's deltas, handed over (the record keeps none)
+            snap.new_text, snap._new = self.new_text, self._new
+            snap._one_token, snap._one_logprob = self._one_token, self._one_logprob
+            self._new = None
         elif appends:  # several steps since the last hand-out: all of their deltas
             m = self._marks
-            snap.new_token_ids, snap.new_text = tokens[m[0]:], "".join(texts[m[1]:])
-            snap.new_logprobs = [] if logprobs is None else logprobs[m[2]:]
-            snap.new_top_logprobs = [] if tops is None else tops[m[3]:]
-        else:  # nothing new (the live record's new_* belong to the hand-out before)
-            snap.new_token_ids, snap.new_text = [], ""
-            snap.new_logprobs, snap.new_top_logprobs = [], []
+            snap.new_text = "".join(texts[m[1]:])
+            snap._new = (tokens[m[0]:], [] if logprobs is None else logprobs[m[2]:],
+                         [] if tops is None else tops[m[3]:])
+        else:  # nothing new since the hand-out before
+            snap.new_text, snap._new, snap._one_token = "", None, None
         self._marks, self._appends = counts, 0
         return snap
 

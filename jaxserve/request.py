@@ -208,7 +208,6 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_seq: int = 0           # tie-break: earlier arrival wins
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0   # tokens whose KV is in the cache, or is being computed
     # async scheduling: tokens sampled by steps in flight, not yet on the host (0 or 1)

@@ -50,14 +50,13 @@ class SchedulerResults:
             if isinstance(row, list):  # a speculative row: accepted drafts, bonus, -1 padding
                 num_emitted = sum(t >= 0 for t in row)
                 new_tokens, new_logprobs = row[:num_emitted], row_logprobs[:num_emitted]
-                reason = self._take_tokens(request, new_tokens, new_logprobs)
+                reason = self._take_tokens(request, new_tokens)
                 if reason is not None and len(new_tokens) < num_emitted:
                     new_logprobs = new_logprobs[:len(new_tokens)]
             else:  # one token (as _take_tokens, inline: this runs per request and step)
                 num_emitted, new_tokens, new_logprobs = 1, (row,), (row_logprobs,)
                 outputs = request.output_token_ids
                 outputs.append(row)
-                request.output_logprobs.append(row_logprobs)
                 reason = (FinishReason.STOP if row in request.stop_ids else FinishReason.LENGTH
                           if len(outputs) >= request.max_output_tokens else None)
             if request.grammar is not None and not request.grammar.accept(list(new_tokens)):
@@ -97,13 +96,12 @@ class SchedulerResults:
             self.pages.commit(request.request_id, _Prefix(request, kv_len))
         self._release_window(request, kv_len)  # (not past what is committed: async lag)
 
-    def _take_tokens(self, request: Request, tokens: list, logprobs: list):
+    def _take_tokens(self, request: Request, tokens: list):
         """Append a step's tokens to the request, up to the first that ends it (the rest of
         `tokens` is cut off in place); its finish reason, or None."""
         outputs = request.output_token_ids
         for j, token in enumerate(tokens):
             outputs.append(token)
-            request.output_logprobs.append(logprobs[j])
             if token in request.stop_ids:
                 reason = FinishReason.STOP
             elif len(outputs) >= request.max_output_tokens:

@@ -128,6 +128,9 @@ def test_a_hand_out_takes_exactly_the_deltas_since_the_one_before():
     after = record.hand_out()
     assert after.new_top_logprobs == [] and after.new_top_logprobs is not last.new_top_logprobs
     assert after.new_token_ids == [10] and last.new_token_ids == [9]
+    assert after.new_token_ids is after.new_token_ids  # made once, on the first read
+    assert [s.num_new_tokens for s in (first, empty, both, last, record.hand_out())] == [
+        1, 0, 3, 1, 0]
     assert (first.token_ids, empty.token_ids, both.token_ids, last.token_ids) == (
         [5], [5], [5, 6, 7, 8], [5, 6, 7, 8, 9])
     assert (first.text, both.text, last.text) == ("a", "abcd", "abcde")
