@@ -3,8 +3,8 @@
   python scripts/host_only_ab.py BASE [--head HEAD] [--requests 256] [--prompt-len 8]
                                  [--pairs 4] [--cold] [--json OUT]
 
-`jaxserve bench overhead` times the whole loop, whose host phases on a CPU include waiting for
-the cores XLA computes on, and measures the host work alone once per run. This script runs only
+`jaxserve bench overhead` times the whole loop, whose host phases on a CPU meet caches the
+step's compute has flushed, and measures the host work alone once per run. This script runs only
 that host-only loop (overhead_probe.host_only: scheduler, input layout, update with a fixed
 token, output processing; N requests decoding after their prefill), three times per process,
 in fresh processes for BASE and HEAD (git worktrees) alternating A B, B A ..., and prints each

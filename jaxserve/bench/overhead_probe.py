@@ -22,9 +22,11 @@ step:
 * device_ms: the step's executable alone on the same inputs, back to back (the device's busy
   time per step), and device_busy = device_ms / wall_ms.
 * host_only_ms: the same host work (schedule, layout, update, emit) with no device at all, for
-  N requests decoding: on a CPU the engine's own phases include the time its thread waits for
-  the cores XLA computes on, these do not. The engine's heap freeze (frozen_heap, where it
-  has one) applies to both alike.
+  N requests decoding, caches warm; host_only_cold_ms: the same with every cache flushed before
+  each step. On a CPU the engine's own phases meet caches that the step's compute has just
+  flushed (they run as long in the synchronous loop, where no compute overlaps them), and
+  the cold figure is about theirs. The engine's heap freeze (frozen_heap, where it has one)
+  applies to both alike.
 """
 
 from __future__ import annotations
@@ -112,11 +114,10 @@ def _gc_frozen():
 
 def host_only(n: int, steps: int, tokenizer, cold: bool = False) -> dict:
     """The same loop's host work with no device at all: scheduler, input layout, update with a
-    fixed token, output processing (ms per step). On a CPU the engine's own figures include
-    waiting for the cores XLA computes on; these do not. cold: before each timed step (outside
-    the timing) FLUSH_BYTES are written, evicting the host's objects from every cache, as a CPU
-    step's compute does between the engine's host phases; the engine's own phases at 256
-    requests run about as long as these, the warm ones about 0.6x."""
+    fixed token, output processing (ms per step). cold: before each timed step (outside the
+    timing) FLUSH_BYTES are read, evicting the host's objects from every cache, as a CPU step's
+    compute does between the engine's host phases; the engine's own phases at 256 requests
+    run about as long as these, the warm ones about 0.6x."""
     import gc
 
     import numpy as np
