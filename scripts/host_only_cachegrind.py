@@ -47,7 +47,9 @@ probe.host_only(int(sys.argv[4]), int(sys.argv[5]), Tok(), cold=sys.argv[6] == "
 
 
 def counts(checkout: Path, tmp: Path, n: int, steps: int, cold: bool) -> dict[str, int]:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONHASHSEED": "0"}
+    # (one thread each: a BLAS or OpenMP worker's spin-wait would count as instructions)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONHASHSEED": "0",
+           "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     env.pop("PYTHONPATH", None)
     proc = subprocess.run(
         ["valgrind", "--tool=cachegrind", "--cache-sim=yes", *CACHES,
