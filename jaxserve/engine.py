@@ -27,6 +27,7 @@ from contextlib import contextmanager
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine_builder import EngineParts, build_engine
+from jaxserve.engine_info import engine_stats
 from jaxserve.metrics import EngineMetrics
 from jaxserve.output_processor import OutputProcessor
 from jaxserve.outputs import RequestOutput
@@ -116,7 +117,7 @@ class Engine:
 
     def _publish_stats(self) -> None:
         """A fresh immutable snapshot for other threads (metrics, front ends) to read."""
-        self.stats = self.scheduler.stats(self.pages.stats(), self.num_steps)
+        self.stats = engine_stats(self.scheduler, self.pages.stats(), self.num_steps)
 
     # ---- requests ---------------------------------------------------------------------
     def make_request(self, prompt: str | list[int] | None = None,
@@ -249,8 +250,8 @@ class Engine:
             pending = self.runner.dispatch(plan)
             if self._in_flight is not None:  # the device runs `plan` meanwhile
                 events = self._take_in(*self._in_flight)
-                self.num_overlapped_steps += bool(plan.chunks)
-            self._in_flight = (plan, pending) if plan.chunks else None
+                self.num_overlapped_steps += bool(plan.num_seqs)
+            self._in_flight = (plan, pending) if plan.num_seqs else None
         else:
             events += self._take_in(plan, self.runner.execute(plan))
         self.num_steps += 1

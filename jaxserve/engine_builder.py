@@ -157,7 +157,8 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
         max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
         preemption_mode=config.preemption_mode, enable_chunked_prefill=config.enable_chunked_prefill,
         batching=config.batching, swap_space=swap, speculation=speculation.policy,
-        kv_window=reusable_window(mc.layer_windows, *draft_windows))
+        kv_window=reusable_window(mc.layer_windows, *draft_windows),
+        decode_rows=True)  # ModelRunner lays plan.DecodeRows out (none when speculating)
     runner = speculation.wrap(ModelRunner(
         mc, loaded.params, num_pages=num_pages, page_size=config.page_size,
         max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,

@@ -57,3 +57,20 @@ class EngineStats:
     host_prefix_hit_tokens: int = 0
     host_prefix_bytes_to_host: int = 0
     host_prefix_bytes_to_device: int = 0
+
+
+def engine_stats(scheduler, pages, num_steps: int) -> EngineStats:
+    """An immutable snapshot of a scheduler (its queues and counters) and its page manager's
+    PageStats (pages), for other threads."""
+    host = pages.host
+    return EngineStats(
+        num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+        num_swapped=len(scheduler.swapped), num_preemptions=scheduler.num_preemptions,
+        num_swaps=scheduler.num_swaps, num_steps=num_steps, kv_usage=pages.usage,
+        num_free_pages=pages.num_free, prefix_query_tokens=pages.prefix_query_tokens,
+        prefix_hit_tokens=pages.prefix_hit_tokens,
+        **({} if host is None else dict(
+            host_prefix_pages=host.num_used, host_prefix_capacity_pages=host.num_slots,
+            host_prefix_hit_tokens=host.hit_tokens,
+            host_prefix_bytes_to_host=host.bytes_to_host,
+            host_prefix_bytes_to_device=host.bytes_to_device)))

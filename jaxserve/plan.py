@@ -1,12 +1,15 @@
 """StepPlan: the scheduler's decision for one step, as plain data for the runner.
 
 No jax, no references to live Request objects: everything the runner needs is copied in, so
-the runner can never mutate scheduler state and a plan can be logged or replayed.
+the runner can never mutate scheduler state and a plan can be logged or replayed. The steady
+decoders (DecodeRows) come as arrays, one row per request, not an object each.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,34 @@ class ScheduledChunk:
         return self.start_position + len(self.token_ids)
 
 
+@dataclass(slots=True)
+class DecodeRows:
+    """The step's steady decode rows, laid out before every chunk: one token each, of running
+    requests whose batch slot already holds their sampling settings and page table (they came
+    with an earlier chunk of the request in that slot, and the table is the same tuple), with a
+    plain SamplingRow (no processors, grammar, top or prompt logprobs). Row i is request
+    request_ids[i]; `meta` [D, 5] int64 holds its start position, its token (0: a placeholder
+    when on the device), its batch slot, whether the token is on the device (the step before
+    sampled it), and the output index it samples. page_tables and sampling are the same objects
+    its chunk would carry (chunks() makes those chunks, for any reader that wants objects)."""
+
+    request_ids: list[str]
+    page_tables: list[tuple[int, ...]]
+    sampling: list[SamplingRow]
+    meta: np.ndarray
+
+    POSITION, TOKEN, SLOT, ON_DEVICE, OUTPUT_INDEX = range(5)
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def chunks(self) -> list[ScheduledChunk]:
+        return [ScheduledChunk(rid, (token,), pos, table, row, batch_slot=slot,
+                               token_on_device=bool(dev), output_index=index)
+                for rid, table, row, (pos, token, slot, dev, index)
+                in zip(self.request_ids, self.page_tables, self.sampling, self.meta.tolist())]
+
+
 @dataclass(frozen=True)
 class DraftRows:
     """Speculative decoding: rows after a decode chunk's token that verify proposed tokens.
@@ -123,7 +154,9 @@ class SwapIn:
 
 @dataclass
 class StepPlan:
+    # rows in order: decode's, then chunks (decode chunks first); token results likewise
     chunks: list[ScheduledChunk] = field(default_factory=list)  # decode chunks first
+    decode: DecodeRows | None = None  # the steady decoders (Scheduler(decode_rows=True))
     drafts: dict[str, DraftRows] = field(default_factory=dict)  # request id -> its draft rows
     static_padding: StaticPadding | None = None
     swap_out: list[SwapOut] = field(default_factory=list)
@@ -137,7 +170,20 @@ class StepPlan:
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+        return self.num_decode_rows + sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def num_decode_rows(self) -> int:
+        return 0 if self.decode is None else len(self.decode.request_ids)
+
+    @property
+    def num_seqs(self) -> int:
+        """Requests the step computes rows for (decode rows and chunks)."""
+        return self.num_decode_rows + len(self.chunks)
+
+    def all_chunks(self) -> list[ScheduledChunk]:
+        """Every request's rows as chunks, in row order (decode rows made into chunks)."""
+        return self.chunks if self.decode is None else self.decode.chunks() + self.chunks
 
     @property
     def num_padding_rows(self) -> int:
@@ -153,5 +199,5 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.chunks or self.swap_out or self.swap_in or self.prefix_stores
-                    or self.prefix_loads)
+        return not (self.chunks or self.decode or self.swap_out or self.swap_in
+                    or self.prefix_stores or self.prefix_loads)

@@ -16,7 +16,9 @@ hold a ProcessorSlots row while running, and no step speculates while any is in 
 Async scheduling: schedule() counts a scheduled chunk's tokens as computed and its sample as
 pending at once, so the next step can be planned before this one's tokens reach the host; the
 pending token is read on the device from the request's batch slot (its row of the device batch
-state, held while running). update() (scheduler_results.py) takes them in one step late.
+state, held while running). update() (scheduler_results.py) takes them in one step late. With
+decode_rows (a runner that keeps each slot's settings and page table: ModelRunner), the steady
+decoders go into the plan as arrays (plan.DecodeRows), not a chunk each.
 Plain Python: no jax, no device arrays, no text (stop strings are the engine's job, finish()).
 """
 
@@ -24,11 +26,10 @@ from __future__ import annotations
 
 import bisect
 
-
+import numpy as np
 from jaxserve.batching import make_batching_policy
-from jaxserve.engine_info import EngineStats
 from jaxserve.page_manager import PageManager
-from jaxserve.plan import DraftRows, SamplingRow, StepPlan, SwapIn, SwapOut
+from jaxserve.plan import DecodeRows, DraftRows, SamplingRow, StepPlan, SwapIn, SwapOut
 from jaxserve.processor_slots import ProcessorSlots
 from jaxserve.request import FinishReason, Request, RequestStatus, TokenEvent
 from jaxserve.scheduler_results import SchedulerResults
@@ -49,7 +50,7 @@ class Scheduler(SchedulerResults):
                  max_num_batched_tokens: int, max_model_len: int,
                  preemption_mode: str = "recompute", enable_chunked_prefill: bool = True,
                  batching: str = "continuous", swap_space: HostSwapSpace | None = None,
-                 speculation=None, kv_window: int | None = None):
+                 speculation=None, kv_window: int | None = None, decode_rows: bool = False):
         self.pages = page_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -60,6 +61,10 @@ class Scheduler(SchedulerResults):
         self.swap_space = swap_space
         self.speculation = speculation  # jaxserve.spec.policy.SpeculationPolicy or None
         self.kv_window = kv_window  # keys older than this are never read again (None: all are)
+        # steady decoders as plan.DecodeRows (not with speculation nor static batching: their
+        # runner and padding read chunks)
+        self.decode_rows = (decode_rows and speculation is None
+                            and not self.batching.admits_whole_batch)
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []   # sorted by Request.sort_key
         self.running: list[Request] = []   # sorted by Request.sort_key
@@ -96,6 +101,8 @@ class Scheduler(SchedulerResults):
                                            request.seed, sp.top_logprobs)
         request.plain_rows = not sp.uses_processors and (sp.prompt_logprobs is None
                                                          or request.sample_index != 0)
+        request.steady_rows = (self.decode_rows and request.plain_rows and not sp.top_logprobs
+                               and sp.structured_outputs is None)
         self._num_plain_only += request.sampling.needs_plain_steps(self._host_drafts)
         self._num_host_bound += request.needs_host_tokens
         if needed > capacity:
@@ -160,21 +167,6 @@ class Scheduler(SchedulerResults):
         for request in self._held.pop(request_id, ()):
             bisect.insort(self.waiting, request, key=Request.sort_key)
 
-    def stats(self, pages, num_steps: int) -> EngineStats:
-        """An immutable snapshot for other threads (pages: the page manager's PageStats)."""
-        host = pages.host
-        return EngineStats(
-            num_running=len(self.running), num_waiting=len(self.waiting),
-            num_swapped=len(self.swapped), num_preemptions=self.num_preemptions,
-            num_swaps=self.num_swaps, num_steps=num_steps, kv_usage=pages.usage,
-            num_free_pages=pages.num_free, prefix_query_tokens=pages.prefix_query_tokens,
-            prefix_hit_tokens=pages.prefix_hit_tokens,
-            **({} if host is None else dict(
-                host_prefix_pages=host.num_used, host_prefix_capacity_pages=host.num_slots,
-                host_prefix_hit_tokens=host.hit_tokens,
-                host_prefix_bytes_to_host=host.bytes_to_host,
-                host_prefix_bytes_to_device=host.bytes_to_device)))
-
     # ---- scheduling ----------------------------------------------------------------
     def schedule(self) -> StepPlan:
         """Running requests, then swapped-out ones coming back, then waiting ones."""
@@ -182,7 +174,9 @@ class Scheduler(SchedulerResults):
         self._dropped_swaps = []
         self.batching.begin_step(self.requests)
         scheduled: list[tuple[Request, int]] = []
-        budget, preempted = self._schedule_running(plan, scheduled, self.max_num_batched_tokens)
+        steady = [[], [], [], []] if self.decode_rows else None  # DecodeRows' fields
+        budget, preempted = self._schedule_running(plan, scheduled, self.max_num_batched_tokens,
+                                                   steady)
         if not preempted:
             budget = self._schedule_swapped(plan, scheduled, budget)
         if not preempted and not self.swapped and self.batching.may_admit(len(self.running)):
@@ -198,13 +192,20 @@ class Scheduler(SchedulerResults):
             request.num_computed_tokens += num_new  # being computed; update() confirms
             if chunk.sampling is not None:
                 request.num_pending_tokens += 1
+                if request.steady_rows:  # its slot gets its settings and this table
+                    request.decode_table = chunk.page_table
+        if steady and steady[0]:
+            plan.decode = DecodeRows(*steady[:3], np.array(steady[3], np.int64).reshape(-1, 5))
         if self.pages.host_tier is not None:
             plan.prefix_stores, plan.prefix_loads = self.pages.take_prefix_ops()
         return plan
 
-    def _schedule_running(self, plan: StepPlan, scheduled, budget: int) -> tuple[int, bool]:
+    def _schedule_running(self, plan: StepPlan, scheduled, budget: int,
+                          steady) -> tuple[int, bool]:
         """Each running request's next token or prefill chunk (plus draft rows when speculating),
-        preempting others for pages. Returns (budget left, whether anything was preempted)."""
+        preempting others for pages; a steady decoder's into `steady` (DecodeRows' fields),
+        counted as being computed at once. Returns (budget left, whether anything was
+        preempted)."""
         preempted = False
         speculate = (self.speculation is not None and self._num_plain_only == 0
                      and self.speculation.should_speculate(sum(
@@ -234,14 +235,29 @@ class Scheduler(SchedulerResults):
                     request.all_token_ids, self._max_drafts(request, room))
             while not self.pages.append_slots(request.request_id,
                                               request.num_computed_tokens + num_new + num_draft):
-                victim = self._pick_victim({r.request_id for r, _ in scheduled})
+                victim = self._pick_victim({r.request_id for r, _ in scheduled}
+                                           | set(steady[0] if steady else ()))
                 self._preempt(victim, plan)
                 preempted = True
                 if victim is request:
                     break
             else:
-                scheduled.append((request, num_new))
                 budget -= num_new + num_draft
+                if (steady is not None and remaining == 1 and request.decode_table
+                        is self.pages.page_table_tuple(request.request_id)):
+                    # a steady decode: its slot holds its settings and this table already
+                    start = request.num_computed_tokens  # known tokens: start + 1 - pending
+                    outputs = request.output_token_ids
+                    steady[0].append(request.request_id)
+                    steady[1].append(request.decode_table)
+                    steady[2].append(request.sampling_row)
+                    steady[3] += (start, 0 if pending else outputs[-1] if outputs
+                                  else request.prompt_token_ids[-1], request.batch_slot,
+                                  pending, num_outputs + pending)
+                    request.num_computed_tokens = start + 1
+                    request.num_pending_tokens = pending + 1
+                    continue
+                scheduled.append((request, num_new))
                 if num_draft:
                     plan.drafts[request.request_id] = DraftRows(num_draft, tuple(draft_ids))
         return budget, preempted
@@ -326,12 +342,13 @@ class Scheduler(SchedulerResults):
 
     def _start_running(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING
+        request.decode_table = None  # a new slot: its settings and table not sent yet
         request.batch_slot = self._free_batch_slots.pop()  # never empty: <= max_num_seqs run
         bisect.insort(self.running, request, key=Request.sort_key)
 
     def _release_batch_slot(self, request: Request) -> None:
         self._free_batch_slots.append(request.batch_slot)
-        request.batch_slot = 0
+        request.batch_slot, request.decode_table = 0, None
 
     def _pick_victim(self, exclude: set[str]) -> Request:
         # The request asking for a page is never in `exclude`, so this is never empty.

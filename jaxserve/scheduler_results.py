@@ -21,17 +21,21 @@ from jaxserve.step_rows import prompt_logprob_entries, top_logprob_pairs
 class SchedulerResults:
     def update(self, plan: StepPlan, token_ids, logprobs, top_ids=None, top_logprobs=None,
                prompt=None) -> list[TokenEvent]:
-        """Apply one step's sampled tokens (index i belongs to plan.chunks[i]).
+        """Apply one step's sampled tokens (index i belongs to the plan's i-th request: its
+        decode rows first, then plan.chunks).
 
         token_ids[i] is one token, or (speculative steps) a row of tokens: the accepted drafts,
         then the target's own next token, then -1 padding. logprobs[i] has the same shape.
         top_ids[i] / top_logprobs[i] (plain steps): the most likely alternatives, best first.
         prompt: (ids, logprobs) [T, 1 + K] per token row (the next prompt token's, then the
         alternatives), when a chunk reports prompt logprobs."""
-        events, verified, next_row = [], [], 0  # next_row: the chunk's rows end there
+        events, verified = [], []
         token_rows, logprob_rows = np.asarray(token_ids).tolist(), np.asarray(logprobs).tolist()
         requests, held, page_size = self.requests, self._held, self.pages.page_size
-        for i, chunk in enumerate(plan.chunks):
+        next_row = num_decode = plan.num_decode_rows  # next_row: the chunk's rows end there
+        if num_decode:
+            self._update_decode_rows(plan.decode, token_rows, logprob_rows, events)
+        for i, chunk in enumerate(plan.chunks, num_decode):
             num_rows = len(chunk.token_ids)
             next_row += num_rows
             request = requests.get(chunk.request_id)
@@ -86,6 +90,31 @@ class SchedulerResults:
         if self.speculation is not None:
             self.speculation.record_step(verified)
         return events
+
+    def _update_decode_rows(self, decode, token_rows, logprob_rows, events) -> None:
+        """update() of plan.DecodeRows (rows 0..D-1): one token each, of a plain request (no
+        grammar, no top logprobs, no speculation), as update()'s one-token case."""
+        requests, held, page_size = self.requests, self._held, self.pages.page_size
+        window = self.kv_window is not None
+        positions = decode.meta[:, decode.POSITION].tolist()
+        for request_id, token, logprob, start in zip(decode.request_ids, token_rows,
+                                                     logprob_rows, positions):
+            request = requests.get(request_id)
+            if request is None:
+                continue  # finished while the step ran: its token is dropped
+            request.num_pending_tokens -= 1
+            outputs = request.output_token_ids
+            outputs.append(token)
+            reason = (FinishReason.STOP if token in request.stop_ids else FinishReason.LENGTH
+                      if len(outputs) >= request.max_output_tokens else None)
+            if (window or (start + 1) % page_size == 0) and (
+                    request.status == RequestStatus.RUNNING):
+                self._commit(request, start, start + 1)
+            if held:
+                self._release_held(request_id)
+            if reason is not None:
+                self._finish(request, reason)
+            events.append(TokenEvent(request_id, (token,), (logprob,), reason))
 
     def _commit(self, request: Request, start: int, kv_len: int) -> None:
         """KV of positions start..kv_len-1 is written (its step's results are in): cache the

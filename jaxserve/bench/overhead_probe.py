@@ -132,8 +132,10 @@ def host_only(n: int, steps: int, tokenizer, cold: bool = False) -> dict:
     max_len = PROMPT_LEN + max_tokens(n, steps) + 14
     pages = PageManager(num_pages=n * (-(-max_len // 16)) + 2, page_size=16)
     prefill = min(max(64, PROMPT_LEN * n), PREFILL_BUDGET)
+    as_engine = ({"decode_rows": True}  # as the engine's builder makes it, where it has it
+                 if "decode_rows" in inspect.signature(Scheduler).parameters else {})
     sched = Scheduler(pages, max_num_seqs=n, max_num_batched_tokens=prefill,
-                      max_model_len=max_len)
+                      max_model_len=max_len, **as_engine)
     outputs = OutputProcessor(tokenizer, sched.finish)
     params = SamplingParams(max_tokens=max_tokens(n, steps), temperature=0.0, ignore_eos=True)
     for i in range(n):
@@ -166,8 +168,9 @@ def host_only(n: int, steps: int, tokenizer, cold: bool = False) -> dict:
         t1 = time.perf_counter()
         build_step_inputs(plan, table, 16, **layout)
         t2 = time.perf_counter()
-        tokens = np.full(len(plan.chunks), 100, np.int32)
-        events = sched.update(plan, tokens, np.zeros(len(plan.chunks), np.float32))
+        num_seqs = getattr(plan, "num_seqs", len(plan.chunks))
+        tokens = np.full(num_seqs, 100, np.int32)
+        events = sched.update(plan, tokens, np.zeros(num_seqs, np.float32))
         t3 = time.perf_counter()
         outputs.process(events, lambda *_: None)
         t4 = time.perf_counter()

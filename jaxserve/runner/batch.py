@@ -3,8 +3,9 @@
 Pure numpy; it must not import jax. Built once per step; the model runner lays its steps out in
 one buffer (step_layout.py: the fields are views of it, one transfer per step), the speculative
 runner as separate arrays (one transfer per array). Padding rows write their K/V into reserved page
-0 and sample nothing. Decode rows come first (the scheduler orders them so), and
-num_decode_seqs says where they end.
+0 and sample nothing. Decode rows come first (the scheduler orders them so: plan.decode's, then
+the decode chunks), and num_decode_seqs says where they end. plan.decode's rows are laid out from
+its arrays (their slots' page tables and settings are already the runner's).
 """
 
 from __future__ import annotations
@@ -36,15 +37,21 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
     device_tables): the result is then a PackedStepInputs whose `views` were filled, its
     grammar_bitmask None when no row has a grammar."""
     chunks = plan.chunks if chunks is None else chunks
-    padding = plan.static_padding if plan.chunks else None
+    padding = plan.static_padding if plan.chunks or plan.decode else None
     num_finished = 0 if padding is None else padding.num_finished_slots
-    num_seqs = len(chunks)
+    num_steady = plan.num_decode_rows
+    num_seqs = num_steady + len(chunks)
     # every chunk's scalars in one pass: start, tokens, pages, slot, token on device, first
     # token, prompt-logprob rows, output index, samples [n, 9] (per request and step)
     meta = np.array([(c.start_position, len(c.token_ids), len(c.page_table), c.batch_slot,
                       c.token_on_device, c.token_ids[0], len(c.prompt_logprob_next),
                       c.output_index, c.sampling is not None)
-                     for c in chunks], np.int64).reshape(num_seqs, 9)
+                     for c in chunks], np.int64).reshape(len(chunks), 9)
+    if num_steady:  # the same scalars of plan.decode's rows, before the chunks'
+        if tables is None or samplers is None:
+            raise ValueError("plan.decode rows need the runner's persistent page tables and "
+                             "sampling rows (tables=, samplers=)")
+        meta = np.concatenate([_steady_meta(plan.decode, buckets.max_pages_per_request), meta])
     starts, lens, num_pages = meta[:, 0], meta[:, 1], meta[:, 2]
     kv_lens = starts + lens
     num_rows = int(lens.sum()) + plan.num_padding_rows
@@ -59,15 +66,18 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
     num_decode = int(longer[0]) if longer.size else num_seqs  # decode rows come first
     bad = np.flatnonzero((num_pages > p) | (num_pages * page_size < kv_lens))
     if bad.size:
-        chunk = chunks[int(bad[0])]
+        chunk = (plan.decode.chunks() + chunks if num_steady else chunks)[int(bad[0])]
         raise ValueError(f"request {chunk.request_id}: {len(chunk.page_table)} pages for "
                          f"{chunk.kv_len} tokens (page-table width {p})")
     slots = None
     if tables is not None and (tables.num_transient >= num_seqs or meta[:, 3].all()):
-        slots = _layout_with_slots(b, chunks, meta, num_decode, page_size, tables)
+        slots = _layout_with_slots(b, chunks, meta, num_decode, page_size, tables, num_steady)
+    elif num_steady:
+        raise ValueError(f"{num_seqs} rows without a batch slot each need a transient page-table "
+                         f"slot; the runner has {tables.num_transient}")
     else:
         _layout_rows(b, chunks, 0, 0, page_size, copy_tables=True)
-    _fill_sampling(b, chunks, meta, slots, samplers, mask_words)
+    _fill_sampling(b, chunks, meta, slots, samplers, mask_words, num_steady)
     a = b.attention
     row = int(a.cu_q_lens[num_seqs])
     a.num_decode_seqs[...] = num_decode
@@ -82,20 +92,32 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
     return packed
 
 
+def _steady_meta(decode, max_pages: int) -> np.ndarray:
+    """build_step_inputs' per-chunk scalars of plan.decode's rows, from its arrays (their page
+    count: max_pages, as their tables were checked when sent)."""
+    d, meta = decode.meta, np.empty((len(decode.meta), 9), np.int64)
+    meta[:, 0], meta[:, 1], meta[:, 2] = d[:, decode.POSITION], 1, max_pages
+    meta[:, 3], meta[:, 4] = d[:, decode.SLOT], d[:, decode.ON_DEVICE]
+    meta[:, 5], meta[:, 6] = d[:, decode.TOKEN], 0
+    meta[:, 7], meta[:, 8] = d[:, decode.OUTPUT_INDEX], 1
+    return meta
+
+
 def _layout_with_slots(b: StepInputs, chunks, meta: np.ndarray, num_decode: int,
-                       page_size: int, tables: HostPageTables) -> np.ndarray:
+                       page_size: int, tables: HostPageTables, num_steady: int) -> np.ndarray:
     """Page tables from the slots' persistent rows (b.tables: just the changed rows, the
     first num_table_updates of them; tables.changed lists them all); the decode rows in one
-    go each field, from meta (build_step_inputs' per-chunk scalars). Returns each request's
-    table slot [n]."""
+    go each field, from meta (build_step_inputs' per-chunk scalars; the first num_steady
+    rows plan.decode's, whose tables the slots hold). Returns each request's table slot
+    [n]."""
     m, a = b.model, b.attention
-    n = len(chunks)
+    n = len(meta)
     slots = meta[:, 3].astype(np.int32)
     transient = slots == 0  # requests without a batch slot: row i uses slot num_slots + i
     if transient.any():
         slots[transient] = tables.num_slots + np.flatnonzero(transient)
     update = tables.update
-    tables.changed = [slot for chunk, slot in zip(chunks, slots.tolist())
+    tables.changed = [slot for chunk, slot in zip(chunks, slots[num_steady:].tolist())
                       if update(slot, chunk.page_table)]
     if b.tables is None:
         a.page_table[:n] = tables.tables[slots]
@@ -116,16 +138,18 @@ def _layout_with_slots(b: StepInputs, chunks, meta: np.ndarray, num_decode: int,
         m.token_slots[:num_decode] = np.where(d[:, 4] != 0, d[:, 3], 0)
         a.kv_lens[:num_decode] = pos + 1
         a.cu_q_lens[1:num_decode + 1] = np.arange(1, num_decode + 1, dtype=np.int32)
-    _layout_rows(b, chunks, num_decode, num_decode, page_size, copy_tables=False)
+    _layout_rows(b, chunks, num_decode, num_decode, page_size, copy_tables=False,
+                 offset=num_steady)
     return slots
 
 
 def _layout_rows(b: StepInputs, chunks, first: int, row: int, page_size: int,
-                 copy_tables: bool) -> None:
-    """Chunks from `first` on, one at a time, their rows from `row` on."""
+                 copy_tables: bool, offset: int = 0) -> None:
+    """Requests from `first` on, one at a time, their rows from `row` on (request i is
+    chunks[i - offset])."""
     m, a = b.model, b.attention
-    for i in range(first, len(chunks)):
-        chunk = chunks[i]
+    for i in range(first, offset + len(chunks)):
+        chunk = chunks[i - offset]
         n = chunk.num_tokens
         pos = np.arange(chunk.start_position, chunk.kv_len, dtype=np.int32)
         table = np.asarray(chunk.page_table, dtype=np.int32)
@@ -143,17 +167,18 @@ def _layout_rows(b: StepInputs, chunks, first: int, row: int, page_size: int,
 
 
 def _fill_sampling(b: StepInputs, chunks, meta: np.ndarray, slots: np.ndarray | None,
-                   samplers: HostSamplingRows | None, mask_words: int) -> None:
+                   samplers: HostSamplingRows | None, mask_words: int, num_steady: int) -> None:
     """Each sampling row's settings, gathered by slot from the persistent rows (samplers: the
-    runner's, with slots; without them, each row's are written through a fresh set of rows);
-    processors, grammars and prompt logprobs (rare) row by row."""
+    runner's, with slots; without them, each row's are written through a fresh set of rows;
+    plan.decode's first num_steady rows are in their slots already); processors, grammars and
+    prompt logprobs (rare) row by row."""
     sp = b.sampling
     any_top = any_processors = any_prompt = False
-    n = len(chunks)
+    n = len(meta)
     if slots is None or samplers is None:
         slots, samplers = np.arange(n), HostSamplingRows(n)
-    rows = [c.sampling for c in chunks]
-    samplers.store(slots.tolist(), rows)
+    rows = [c.sampling for c in chunks]  # (request i's: rows[i - num_steady])
+    samplers.store(slots[num_steady:].tolist(), rows)
     index = np.flatnonzero(meta[:, 8])
     if index.size:
         at = slice(0, index.size) if index[-1] == index.size - 1 else index  # 0..k-1: usual
@@ -164,7 +189,7 @@ def _fill_sampling(b: StepInputs, chunks, meta: np.ndarray, slots: np.ndarray | 
         sp.sample_slots[at] = meta[index, 3]
         any_top = bool(samplers.top_logprobs[by_slot].any())
         for i in index[samplers.special[by_slot]].tolist():
-            sr = rows[i]
+            sr = rows[i - num_steady]  # (never a plan.decode row: those are plain)
             if sr.processors is not None:
                 _fill_processors(sp, i, sr.processors)
                 any_processors = True
@@ -173,7 +198,7 @@ def _fill_sampling(b: StepInputs, chunks, meta: np.ndarray, slots: np.ndarray | 
                     sp.grammar_bitmask = np.full((len(sp.temperature), mask_words), -1, np.int32)
                 sp.grammar_bitmask[i] = np.frombuffer(sr.grammar_bitmask, np.int32)
                 sp.has_grammar[i] = True
-    row = 0
+    row = num_steady
     for chunk in chunks if meta[:, 6].any() else ():
         if chunk.prompt_logprob_next:
             first = row + chunk.prompt_logprob_first_row

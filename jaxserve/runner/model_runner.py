@@ -232,7 +232,7 @@ class ModelRunner:
         """Lay the plan out as inputs, hand it to the launcher and return at once."""
         with self._phase("build"):
             inputs, overflow = None, None
-            if plan.chunks:
+            if plan.num_seqs:
                 inputs = build_step_inputs(plan, self.buckets, self.page_size,
                                            mask_words=self.mask_words, tables=self.host_tables,
                                            device_tables=True, samplers=self.host_samplers,
@@ -247,7 +247,7 @@ class ModelRunner:
         if inputs is None:
             launched.result()  # swaps only: done before the next plan is laid out
             return PendingStep(0)
-        return PendingStep(len(plan.chunks), launched,
+        return PendingStep(plan.num_seqs, launched,
                            bool(inputs.views.sampling.any_prompt_logprobs))
 
     def _launch(self, plan: StepPlan, inputs: PackedStepInputs | None, table_rows=None):
