@@ -1,4 +1,5 @@
-"""Async scheduling changes no token: the same requests with it on and off, side by side.
+"""Async scheduling changes no token: the same requests with it on and off, side by side
+(and, in recompute mode, with every decode laid out as a chunk instead of plan.DecodeRows).
 
 The mix: 64 requests with chunked prefill (prompts longer than the step's budget), forced
 preemption (a small page pool, recompute and swap), stop strings, stop tokens, EOS, max_tokens,
@@ -51,6 +52,16 @@ def run(llm, prompts, params, abort_after: dict[int, int]) -> tuple[list, int]:
     return [final[i] for i in range(N)], engine.num_overlapped_steps
 
 
+def watch_decode_rows(engine) -> list[int]:
+    """The plan.DecodeRows rows of every step the engine's runner is handed, as they come."""
+    seen, runner = [], engine.runner
+    for name in ("dispatch", "execute"):
+        method = getattr(runner, name)
+        setattr(runner, name, lambda plan, _m=method: (seen.append(plan.num_decode_rows),
+                                                      _m(plan))[1])
+    return seen
+
+
 @pytest.fixture(scope="module")
 def workload():
     """The base mix, then stop strings / stop tokens / EOS taken from a first plain run so that
@@ -77,17 +88,26 @@ def workload():
 def test_async_scheduling_changes_no_token(mode, workload):
     prompts, params, abort_after = workload
     outs = {}
-    for on in (True, False):
+    # async on / off; and (recompute) async on with every decode a chunk, no plan.DecodeRows
+    for on, decode_rows in ((True, True), (False, True)) + (
+            ((True, False),) if mode == "recompute" else ()):
         llm = make_llm(async_scheduling=on, preemption_mode=mode, num_pages=24)
-        outs[on], overlapped = run(llm, prompts, params, abort_after)
+        llm.engine.scheduler.decode_rows = decode_rows  # (before any request is added)
+        decode_seen = watch_decode_rows(llm.engine)
+        outs[on, decode_rows], overlapped = run(llm, prompts, params, abort_after)
         assert (overlapped > 0) == on, f"async_scheduling={on}: {overlapped} steps overlapped"
+        assert (sum(decode_seen) > 0) == decode_rows
         sched = llm.engine.scheduler
         assert sched.num_preemptions > 0, "the page pool was meant to force preemption"
         if mode == "swap":
             assert sched.num_swaps > 0
+        llm.close()
     fields = lambda o: (o.token_ids, o.text, o.finish_reason)  # noqa: E731
-    differ = [i for i in range(N) if fields(outs[True][i]) != fields(outs[False][i])]
-    assert not differ, [(fields(outs[True][i]), fields(outs[False][i])) for i in differ[:3]]
+    for other in outs.keys() - {(True, True)}:
+        differ = [i for i in range(N) if fields(outs[True, True][i]) != fields(outs[other][i])]
+        assert not differ, (other, [(fields(outs[True, True][i]), fields(outs[other][i]))
+                                    for i in differ[:3]])
+    outs[True] = outs[True, True]
     reasons = [o.finish_reason for o in outs[True]]
     assert reasons.count("abort") == len(abort_after)
     assert any(o.finish_reason == "stop" and params[i].stop for i, o in enumerate(outs[True]))
