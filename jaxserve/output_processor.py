@@ -6,8 +6,8 @@ with the stop strings). Events of one step are applied first; then every group t
 yields one snapshot, so an n > 1 request streams one RequestOutput per step holding the deltas
 of each of its samples (output_kind "final_only": only the group's last, holding them all). A
 stop string found here finishes the sample in the scheduler (through `finish`). The usual decode
-event (one token of a plain n = 1 sample, not its first or last) takes a short path: the byte
-table's lookup and one append. Plain Python: no jax, no device state, no scheduling.
+event (one token of a plain n = 1 sample, not its first or last; a DecodeTokens holds a step's
+such tokens in lists) takes a short path: the byte table's lookup and one append. Plain Python: no jax, no device state, no scheduling.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Callable
 
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.request import FinishReason, Request, TokenEvent
+from jaxserve.request import DecodeTokens, FinishReason, Request, TokenEvent
 
 
 @dataclass(eq=False, slots=True)
@@ -89,6 +89,9 @@ class OutputProcessor:
         touched: dict[_Group, None] = {}
         samples = self._samples
         for event in events:  # (per request and step: few calls)
+            if type(event) is DecodeTokens:
+                self._decode_tokens(event, touched, on_error)
+                continue
             sample = samples.get(event.request_id)
             if sample is None:
                 continue
@@ -99,16 +102,38 @@ class OutputProcessor:
                 sample.completion.append_one(token, step(token), event.new_logprobs[0])
                 touched[group] = None
                 continue
-            try:
-                self._apply(sample, event)
-            except Exception as exc:
-                on_error(event.request_id, exc)
-                self.fail(sample.group.output.request_id, f"internal error: {exc!r}")
-            if sample.plain is not None and group.output.time_to_first_token is not None:
-                sample.step = sample.plain  # its first token is out: the short path from now
-            touched[group] = None
+            self._apply_event(sample, event, touched, on_error)
         return [self._snapshot(group) for group in touched
                 if not group.final_only or not group.running]
+
+    def _decode_tokens(self, batch: DecodeTokens, touched: dict, on_error) -> None:
+        """A DecodeTokens event: one token each, finishing nothing; the short path where the
+        sample has it, else its TokenEvent's."""
+        samples = self._samples
+        for request_id, token, logprob in zip(batch.request_ids, batch.token_ids,
+                                              batch.logprobs):
+            sample = samples.get(request_id)
+            if sample is None:
+                continue
+            step, group = sample.step, sample.group
+            if step is not None and group not in touched:
+                sample.completion.append_one(token, step(token), logprob)
+                touched[group] = None
+            else:
+                self._apply_event(sample, TokenEvent(request_id, (token,), (logprob,)),
+                                  touched, on_error)
+
+    def _apply_event(self, sample: _Sample, event: TokenEvent, touched: dict, on_error) -> None:
+        """An event off the short path; a failure fails the request (on_error is told)."""
+        group = sample.group
+        try:
+            self._apply(sample, event)
+        except Exception as exc:
+            on_error(event.request_id, exc)
+            self.fail(group.output.request_id, f"internal error: {exc!r}")
+        if sample.plain is not None and group.output.time_to_first_token is not None:
+            sample.step = sample.plain  # its first token is out: the short path from now
+        touched[group] = None
 
     def fail(self, request_id: str, message: str) -> RequestOutput | None:
         """End every sample of a request with an error; its final output (None if unknown)."""

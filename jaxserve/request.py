@@ -274,3 +274,17 @@ class TokenEvent:
     error: str | None = None
     # sampling.logprobs = k > 0: per new token, its k most likely (token id, logprob) pairs
     new_top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+
+
+@dataclass(slots=True)  # one per step
+class DecodeTokens:
+    """One step's plain decode tokens (plan.DecodeRows' that did not finish the request): what
+    a TokenEvent(request_ids[i], (token_ids[i],), (logprobs[i],)) each would say, in lists."""
+
+    request_ids: list[str]
+    token_ids: list[int]
+    logprobs: list[float]
+
+    def events(self) -> list[TokenEvent]:
+        return [TokenEvent(rid, (token,), (logprob,))
+                for rid, token, logprob in zip(self.request_ids, self.token_ids, self.logprobs)]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxserve.plan import StepPlan
-from jaxserve.request import FinishReason, Request, RequestStatus, TokenEvent
+from jaxserve.request import DecodeTokens, FinishReason, Request, RequestStatus, TokenEvent
 from jaxserve.step_rows import prompt_logprob_entries, top_logprob_pairs
 
 
@@ -93,10 +93,15 @@ class SchedulerResults:
 
     def _update_decode_rows(self, decode, token_rows, logprob_rows, events) -> None:
         """update() of plan.DecodeRows (rows 0..D-1): one token each, of a plain request (no
-        grammar, no top logprobs, no speculation), as update()'s one-token case."""
+        grammar, no top logprobs, no speculation), as update()'s one-token case. The tokens
+        that finish nothing go out as one DecodeTokens event, first; the others each as a
+        TokenEvent."""
         requests, held, page_size = self.requests, self._held, self.pages.page_size
         window = self.kv_window is not None
         positions = decode.meta[:, decode.POSITION].tolist()
+        batch = DecodeTokens([], [], [])
+        events.append(batch)
+        ids, tokens, logprobs = batch.request_ids, batch.token_ids, batch.logprobs
         for request_id, token, logprob, start in zip(decode.request_ids, token_rows,
                                                      logprob_rows, positions):
             request = requests.get(request_id)
@@ -112,9 +117,13 @@ class SchedulerResults:
                 self._commit(request, start, start + 1)
             if held:
                 self._release_held(request_id)
-            if reason is not None:
+            if reason is None:
+                ids.append(request_id)
+                tokens.append(token)
+                logprobs.append(logprob)
+            else:
                 self._finish(request, reason)
-            events.append(TokenEvent(request_id, (token,), (logprob,), reason))
+                events.append(TokenEvent(request_id, (token,), (logprob,), reason))
 
     def _commit(self, request: Request, start: int, kv_len: int) -> None:
         """KV of positions start..kv_len-1 is written (its step's results are in): cache the

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from jaxserve.page_manager import PageManager
-from jaxserve.request import FinishReason, Request, SamplingParams
+from jaxserve.request import DecodeTokens, FinishReason, Request, SamplingParams
 from jaxserve.runner.batch import build_step_inputs
 from jaxserve.runner.buckets import BucketTable
 from jaxserve.runner.host_page_tables import HostPageTables
@@ -100,7 +100,10 @@ def requests():
 
 
 def event_key(events):
-    return sorted((e.request_id, tuple(e.new_token_ids), e.finish_reason) for e in events)
+    """The events as comparable data (a DecodeTokens as the TokenEvents it stands for)."""
+    flat = [x for e in events for x in (e.events() if isinstance(e, DecodeTokens) else [e])]
+    return sorted((e.request_id, tuple(e.new_token_ids), tuple(e.new_logprobs), e.finish_reason)
+                  for e in flat)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
