@@ -4,7 +4,8 @@ Run as a script in a fresh process (`python overhead_probe.py N STEPS [PROMPT_LE
 copy outside any checkout, with PYTHONPATH set to the checkout it measures: `bench overhead
 --baseline COMMIT` runs it inside an old commit's worktree too, so it uses only the API every
 commit since 5792bce has: LLM / EngineConfig settings, LoadedModel, random_params,
-Engine.add_request / step / has_unfinished, runner.step.run (and runner.wait where present).
+Engine.add_request / step / has_unfinished, runner.step.run (and runner.wait where present;
+Scheduler(decode_rows=True) and StepPlan.num_seqs where present, as the engine has them).
 It prints one JSON line; it never compares.
 
 The model is a tiny random Llama (4 layers, hidden 64, vocabulary 256, the default model's
