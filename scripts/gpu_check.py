@@ -13,10 +13,14 @@ is checked against pallas_kernels.reference (relative error ≤ 2e-2, no NaN) fo
 by side (warm-up, then the median of --iters runs, each ended by block_until_ready) with the
 KV-read bandwidth it achieves next to the device's HBM bandwidth. Last it runs
 `jaxserve bench offline` once per runnable path (--attention-impl pallas, reference) and prints
-each; if the CLI has no offline bench yet it says so and skips that part. Everything fits well
-inside 10 minutes. Without a GPU it exits with status 2, unless --allow-cpu, which runs a tiny
-bf16 batch with the kernels in interpret mode (the Mosaic GPU simulator when JAX has it) and no
-engine bench: a smoke test of this script, not a measurement.
+each; if the CLI has no offline bench yet it says so and skips that part. Then the host loop on
+this device (issue 18): `jaxserve bench overhead` (the tiny random model's host time per step by
+phase and the device's busy fraction at 1 / 16 / 64 / 256 requests), and the default model's
+decode tokens/s with 1 / 16 / 64 / 256 requests all decoding (prefill excluded; decode_rates).
+Everything fits well inside 10 minutes. Without a GPU it exits with status 2, unless
+--allow-cpu, which runs a tiny bf16 batch with the kernels in interpret mode (the Mosaic GPU
+simulator when JAX has it), no offline bench, and the host-loop part at 1 and 4 requests: a
+smoke test of this script, not a measurement.
 """
 
 from __future__ import annotations
@@ -58,6 +62,11 @@ def parse_args():
                         help="extra arguments for `jaxserve bench offline`")
     parser.add_argument("--bench-timeout", type=float, default=180.0,
                         help="seconds allowed to each engine bench run")
+    parser.add_argument("--decode-counts", default="1,16,64,256",
+                        help="request counts for the overhead table and the default model's "
+                             "decode tokens/s")
+    parser.add_argument("--decode-steps", type=int, default=32,
+                        help="decode steps timed per request count")
     parser.add_argument("--allow-cpu", action="store_true",
                         help="without a GPU, run a tiny batch in interpret mode instead")
     return parser.parse_args()
@@ -196,8 +205,71 @@ def main() -> int:
     if on_gpu:
         run_engine_bench(list(reversed(paths)), args.bench_args, args.bench_timeout)
     else:
-        print("engine bench skipped: --allow-cpu runs no engine (it needs compiled kernels)")
+        print("engine bench skipped: --allow-cpu runs no offline bench")
+    counts = args.decode_counts if on_gpu else "1,4"
+    steps = args.decode_steps if on_gpu else 4
+    run_overhead_bench(counts, steps, args.bench_timeout)
+    from jaxserve.model.loader import load_model
+
+    print(f"\ndefault model, {steps} decode steps timed with N requests all decoding "
+          f"(greedy, 32-token prompts, prefill excluded; backend {jax.default_backend()}):")
+    for r in decode_rates(load_model("default", progress=False),
+                          [int(n) for n in counts.split(",")], steps):
+        print(f"  N={r['n']:4d}  {r['ms_per_step']:8.2f} ms/step  "
+              f"{r['tokens_per_s']:10.1f} decode tok/s")
     return 0 if ok else 1
+
+
+def run_overhead_bench(counts: str, steps: int, timeout: float) -> None:
+    """`jaxserve bench overhead` on this device: the host loop's phases per step."""
+    cmd = [sys.executable, "-m", "jaxserve.cli", "bench", "overhead", "--requests", counts,
+           "--steps", str(steps)]
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    print(f"\n$ {' '.join(cmd[1:])}", flush=True)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"  timed out after {timeout:.0f} s")
+        return
+    print(done.stdout.strip() or "(no output)")
+    if done.returncode:
+        print(f"  exit status {done.returncode}: {done.stderr.strip()[-2000:]}")
+
+
+def decode_rates(loaded, counts: list[int], steps: int, prompt_len: int = 32) -> list[dict]:
+    """The model's decode speed with N requests all decoding, for each N in counts: one engine
+    each (buckets for just that N and its prefill), the N requests prefilled first, then
+    `steps` steps timed. Returns [{n, ms_per_step, tokens_per_s}] (tokens: those the timed
+    steps returned)."""
+    from jaxserve.llm import LLM
+    from jaxserve.request import SamplingParams
+
+    results = []
+    for n in counts:
+        prefill = min(max(64, n * prompt_len), 2048)
+        llm = LLM("decode-rate", loaded=loaded, progress=False, max_num_seqs=n,
+                  max_num_batched_tokens=prefill, token_buckets=tuple(sorted({n, prefill})),
+                  seq_buckets=(n,), max_model_len=prompt_len + steps + 16,
+                  enable_prefix_caching=False)
+        engine = llm.engine
+        # none ends before the timed steps do: the first prefilled decode while the rest prefill
+        params = SamplingParams(max_tokens=steps + 4 + -(-n * prompt_len // prefill),
+                                temperature=0.0, ignore_eos=True)
+        span = min(1000, loaded.config.vocab_size - 3)
+        waiting = {engine.add_request([3 + (7 * i + j) % span for j in range(prompt_len)],
+                                      params) for i in range(n)}
+        while waiting:  # prefill: until every request has its first token
+            waiting -= {o.request_id for o in engine.step() if o.new_token_ids}
+        num_tokens, start = 0, time.perf_counter()
+        for _ in range(steps):
+            num_tokens += sum(len(o.new_token_ids) for o in engine.step())
+        wall = time.perf_counter() - start
+        while engine.has_unfinished():
+            engine.step()
+        llm.close()
+        results.append({"n": n, "ms_per_step": 1000 * wall / steps,
+                        "tokens_per_s": num_tokens / wall})
+    return results
 
 
 if __name__ == "__main__":

@@ -149,10 +149,28 @@ def test_an_engine_with_a_choice_this_cpu_cannot_run_fails_with_the_field_named(
 @pytest.mark.parametrize("name,paths", [("T4", ["reference"]), ("A100", ["reference"]),
                                         ("H100", ["reference", "pallas"])])
 def test_gpu_check_times_every_path_the_selection_allows(name, paths):
+    gpu_check = _gpu_check()
+    chosen = select(device=DEVICES[name])
+    got = list(gpu_check.kernel_paths(chosen, on_gpu=True, interpret=False, sm_scale=0.1))
+    assert got == paths, f"{name}: gpu_check would run {got}"
+
+
+def _gpu_check():
     script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
     spec = importlib.util.spec_from_file_location("gpu_check", script)
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
-    chosen = select(device=DEVICES[name])
-    got = list(gpu_check.kernel_paths(chosen, on_gpu=True, interpret=False, sm_scale=0.1))
-    assert got == paths, f"{name}: gpu_check would run {got}"
+    return gpu_check
+
+
+def test_gpu_check_decode_rates_time_every_request_decoding():
+    """gpu_check's decode tokens/s: each timed step returns one token of each of the N
+    requests (none has ended, none is still in prefill)."""
+    from tiny_models import tiny_loaded
+
+    steps = 3
+    rates = _gpu_check().decode_rates(tiny_loaded(), [1, 5], steps, prompt_len=40)
+    assert [r["n"] for r in rates] == [1, 5]
+    for r in rates:
+        tokens = r["tokens_per_s"] * r["ms_per_step"] * steps / 1000
+        assert tokens == pytest.approx(r["n"] * steps), f"N={r['n']}: {tokens} tokens timed"

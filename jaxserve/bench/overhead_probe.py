@@ -227,8 +227,11 @@ def measure(n: int, steps: int) -> dict:
         for _ in range(steps):
             num_tokens += sum(len(o.new_token_ids) for o in engine.step())
         wall = time.perf_counter() - start
+    import jax
+
     result = {"n": n, "steps": steps, "prompt_len": PROMPT_LEN, "wall_ms": 1000 * wall / steps,
-              "tokens_per_s": num_tokens / wall, "jaxserve_path": jaxserve.__file__}
+              "tokens_per_s": num_tokens / wall, "jaxserve_path": jaxserve.__file__,
+              "backend": jax.default_backend()}
     if timings is not None:
         phases = timings.per_step_ms(steps)
         result["phases_ms"] = phases
