@@ -139,16 +139,20 @@ def run_engine_bench(impls, extra_args: str, timeout: float) -> None:
         print(f"engine bench skipped: `jaxserve bench offline` unavailable ({reason})")
         return
     for impl in impls:
-        cmd = cli + ["--attention-impl", impl] + shlex.split(extra_args)
-        print(f"\n$ {' '.join(cmd[1:])}", flush=True)
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            print(f"  timed out after {timeout:.0f} s")
-            continue
-        print(done.stdout.strip() or "(no output)")
-        if done.returncode:
-            print(f"  exit status {done.returncode}: {done.stderr.strip()[-2000:]}")
+        run_and_print(cli + ["--attention-impl", impl] + shlex.split(extra_args), env, timeout)
+
+
+def run_and_print(cmd: list[str], env: dict, timeout: float) -> None:
+    """Run a jaxserve CLI command and print what it printed (or why it failed)."""
+    print(f"\n$ {' '.join(cmd[1:])}", flush=True)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"  timed out after {timeout:.0f} s")
+        return
+    print(done.stdout.strip() or "(no output)")
+    if done.returncode:
+        print(f"  exit status {done.returncode}: {done.stderr.strip()[-2000:]}")
 
 
 def kernel_paths(selection, on_gpu: bool, interpret, sm_scale: float):
@@ -225,15 +229,7 @@ def run_overhead_bench(counts: str, steps: int, timeout: float) -> None:
     cmd = [sys.executable, "-m", "jaxserve.cli", "bench", "overhead", "--requests", counts,
            "--steps", str(steps)]
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    print(f"\n$ {' '.join(cmd[1:])}", flush=True)
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        print(f"  timed out after {timeout:.0f} s")
-        return
-    print(done.stdout.strip() or "(no output)")
-    if done.returncode:
-        print(f"  exit status {done.returncode}: {done.stderr.strip()[-2000:]}")
+    run_and_print(cmd, env, timeout)
 
 
 def decode_rates(loaded, counts: list[int], steps: int, prompt_len: int = 32) -> list[dict]:
