@@ -212,7 +212,7 @@ def main() -> int:
         print("engine bench skipped: --allow-cpu runs no offline bench")
     counts = args.decode_counts if on_gpu else "1,4"
     steps = args.decode_steps if on_gpu else 4
-    run_overhead_bench(counts, steps, args.bench_timeout)
+    run_overhead_bench(counts, steps, 2 * args.bench_timeout)  # four fresh processes
     from jaxserve.model.loader import load_model
 
     print(f"\ndefault model, {steps} decode steps timed with N requests all decoding "
