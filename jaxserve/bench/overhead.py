@@ -3,9 +3,10 @@
     jaxserve bench overhead [--requests 1,16,64,256] [--steps 40] [--prompt-len 8]
                             [--baseline COMMIT | --baseline-json FILE] [--rounds 1] [--json OUT]
 
-For each request count N, overhead_probe.py (a tiny random model, N requests all decoding)
-runs in a fresh process (prompts of --prompt-len tokens: longer ones show the host work that
-grows with a request's context) and reports wall time per step, the host's share split into
+For each request count N, overhead_probe.py (a tiny random model, N requests all decoding,
+prompts of --prompt-len tokens: longer ones show the host work that grows with a request's
+context) runs in a fresh process on JAX's default device (the GPU or TPU where there is one)
+and reports wall time per step, the host's share split into
 schedule / build / dispatch / wait / update / emit, tokens/s and the fraction of wall time the
 device was busy. With --baseline COMMIT the same probe also runs in a git worktree of that
 commit, the two sides alternating (A B, then B A ...) so that changes in the machine's load
@@ -92,8 +93,9 @@ def _cold(result: dict) -> float:
 def print_table(after: dict, before: dict | None, prompt_len: int = 8) -> None:
     backend = next(iter(after.values())).get("backend", "cpu")
     print(f"ms per decode step of a tiny model (4 layers, hidden 64) on {backend}, all N "
-          f"decoding, prompts of {prompt_len} tokens; host-only: the same host work with no device (overhead_probe.py), "
-          f"cold: with every cache flushed before each step, as the CPU's compute does")
+          f"decoding, prompts of {prompt_len} tokens; host-only: the same host work with no "
+          f"device (overhead_probe.py), cold: with every cache flushed before each step, as the "
+          f"CPU's compute does")
     head = f"{'N':>5} {'wall':>7} {'host':>6} {'sched':>6} {'build':>6} {'disp':>6} " \
            f"{'wait':>6} {'upd':>6} {'emit':>6} {'busy':>5} {'tok/s':>8}"
     head += f" {'host-only':>9} {'cold':>6}"

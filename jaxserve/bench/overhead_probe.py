@@ -193,6 +193,8 @@ def host_only(n: int, steps: int, tokenizer, cold: bool = False) -> dict:
 
 
 def measure(n: int, steps: int) -> dict:
+    import jax
+
     import jaxserve
     from jaxserve.model.loader import load_model
     from jaxserve.request import SamplingParams
@@ -227,8 +229,6 @@ def measure(n: int, steps: int) -> dict:
         for _ in range(steps):
             num_tokens += sum(len(o.new_token_ids) for o in engine.step())
         wall = time.perf_counter() - start
-    import jax
-
     result = {"n": n, "steps": steps, "prompt_len": PROMPT_LEN, "wall_ms": 1000 * wall / steps,
               "tokens_per_s": num_tokens / wall, "jaxserve_path": jaxserve.__file__,
               "backend": jax.default_backend()}
