@@ -43,6 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxserve.model.device_select import select  # noqa: E402
+from jaxserve.model.loader import load_model  # noqa: E402
 from pallas_kernels import reference  # noqa: E402
 from pallas_kernels.paged_attention import paged_attention  # noqa: E402
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention  # noqa: E402
@@ -213,8 +214,6 @@ def main() -> int:
     counts = args.decode_counts if on_gpu else "1,4"
     steps = args.decode_steps if on_gpu else 4
     run_overhead_bench(counts, steps, 2 * args.bench_timeout)  # four fresh processes
-    from jaxserve.model.loader import load_model
-
     print(f"\ndefault model, {steps} decode steps timed with N requests all decoding "
           f"(greedy, 32-token prompts, prefill excluded; backend {jax.default_backend()}):")
     for r in decode_rates(load_model("default", progress=False),
