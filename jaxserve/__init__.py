@@ -4,7 +4,7 @@ Importing the package is cheap and does not import jax; the engine loads it when
 """
 
 from jaxserve.config import EngineConfig
-from jaxserve.request import FinishReason, SamplingParams
+from jaxserve.core.request import FinishReason, SamplingParams
 
 __all__ = ["LLM", "EngineConfig", "SamplingParams", "FinishReason", "RequestOutput"]
 __version__ = "0.1.0"
@@ -12,9 +12,9 @@ __version__ = "0.1.0"
 
 def __getattr__(name):
     if name == "LLM":
-        from jaxserve.llm import LLM
+        from jaxserve.entrypoints.llm import LLM
         return LLM
     if name == "RequestOutput":
-        from jaxserve.outputs import RequestOutput
+        from jaxserve.engine.outputs import RequestOutput
         return RequestOutput
     raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")

@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxserve.model import cpu_int8
 from jaxserve.model.attention import AttentionShape, ReferenceAttention
-from jaxserve.step_inputs import AttentionMetadata
+from jaxserve.model.step_inputs import AttentionMetadata
 
 LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 

@@ -29,10 +29,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_probe import _anyscale, _decode_steps  # noqa: E402
 
-from jaxserve.llm import LLM  # noqa: E402
+from jaxserve.entrypoints.llm import LLM  # noqa: E402
 from jaxserve.model import qlinear  # noqa: E402
 from jaxserve.model.loader import load_model  # noqa: E402
-from jaxserve.request import SamplingParams  # noqa: E402
+from jaxserve.core.request import SamplingParams  # noqa: E402
 
 MODES = ("none", "int8", "int8pc", "int4")
 NAMES = {"none": "float32", "int8": "int8 g32", "int8pc": "int8 pc", "int4": "int4 g32"}

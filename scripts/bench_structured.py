@@ -19,8 +19,8 @@ import json
 import time
 
 from jaxserve.bench.structured_schemas import JSON_SCHEMAS, PROMPTS
-from jaxserve.llm import LLM
-from jaxserve.request import SamplingParams
+from jaxserve.entrypoints.llm import LLM
+from jaxserve.core.request import SamplingParams
 from jaxserve.structured.matcher import GrammarMatcher
 
 

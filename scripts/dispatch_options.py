@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jax
 
-from jaxserve.llm import LLM
+from jaxserve.entrypoints.llm import LLM
 from jaxserve.model.loader import load_model
 
 

@@ -1,4 +1,4 @@
-"""Regenerate jaxserve/server/pb/ (messages, stubs, type stubs) from protos/jaxserve.proto.
+"""Regenerate jaxserve/entrypoints/grpc/pb/ (messages, stubs, type stubs) from protos/jaxserve.proto.
 
     python scripts/gen_protos.py [--out DIR]
 
@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "protos"
 PROTO_FILE = "jaxserve.proto"
-DEFAULT_OUT = ROOT / "jaxserve" / "server" / "pb"
+DEFAULT_OUT = ROOT / "jaxserve" / "entrypoints" / "grpc" / "pb"
 GENERATED = ("jaxserve_pb2.py", "jaxserve_pb2.pyi", "jaxserve_pb2_grpc.py")
 
 

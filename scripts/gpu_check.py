@@ -132,7 +132,7 @@ def check_and_time(name, paths, ref, args, kv_bytes, hbm_gbps, iters) -> bool:
 
 
 def run_engine_bench(impls, extra_args: str, timeout: float) -> None:
-    cli = [sys.executable, "-m", "jaxserve.cli", "bench", "offline"]
+    cli = [sys.executable, "-m", "jaxserve.entrypoints.cli", "bench", "offline"]
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     probe = subprocess.run(cli + ["--help"], capture_output=True, text=True, env=env)
     if probe.returncode != 0 or "--attention-impl" not in probe.stdout:
@@ -225,7 +225,7 @@ def main() -> int:
 
 def run_overhead_bench(counts: str, steps: int, timeout: float) -> None:
     """`jaxserve bench overhead` on this device: the host loop's phases per step."""
-    cmd = [sys.executable, "-m", "jaxserve.cli", "bench", "overhead", "--requests", counts,
+    cmd = [sys.executable, "-m", "jaxserve.entrypoints.cli", "bench", "overhead", "--requests", counts,
            "--steps", str(steps)]
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     run_and_print(cmd, env, timeout)
@@ -236,8 +236,8 @@ def decode_rates(loaded, counts: list[int], steps: int, prompt_len: int = 32) ->
     each (buckets for just that N and its prefill), the N requests prefilled first, then
     `steps` steps timed. Returns [{n, ms_per_step, tokens_per_s}] (tokens: those the timed
     steps returned)."""
-    from jaxserve.llm import LLM
-    from jaxserve.request import SamplingParams
+    from jaxserve.entrypoints.llm import LLM
+    from jaxserve.core.request import SamplingParams
 
     results = []
     for n in counts:

@@ -27,7 +27,7 @@ def one_start(cache_dir: str, pythonpath: str | None, serve_flags: list[str]) ->
     env = dict(os.environ)
     if pythonpath:
         env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
-    command = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", "0", "--http-port", "0",
+    command = [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--port", "0", "--http-port", "0",
                "--compile-cache-dir", cache_dir, *serve_flags]
     load = os.getloadavg()[0]
     start = time.monotonic()

@@ -15,9 +15,9 @@ import sys
 import time
 
 import jaxserve.bench.overhead_probe as op
-from jaxserve.engine import frozen_heap
+from jaxserve.engine.engine import frozen_heap
 from jaxserve.model.loader import load_model
-from jaxserve.request import SamplingParams
+from jaxserve.core.request import SamplingParams
 
 
 def measure(n: int, tokenizer, pairs: int = 8, steps: int = 30) -> dict:

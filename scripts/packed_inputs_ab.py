@@ -23,10 +23,10 @@ import numpy as np
 
 import jaxserve.bench.overhead_probe as op
 from jaxserve.model.loader import load_model
-from jaxserve.request import SamplingParams
+from jaxserve.core.request import SamplingParams
 from jaxserve.runner import model_runner, packed_inputs
 from jaxserve.runner.compiled_step import CompiledStep
-from jaxserve.step_inputs import StepInputs
+from jaxserve.model.step_inputs import StepInputs
 
 
 def measure(n: int, tokenizer, pairs: int = 30, block: int = 10) -> dict:

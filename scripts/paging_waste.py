@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxserve.page_manager import PageManager  # noqa: E402
+from jaxserve.core.page_manager import PageManager  # noqa: E402
 
 
 @dataclass(frozen=True)

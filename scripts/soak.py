@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import soak_inputs  # noqa: E402  (next to this script)
 
-from jaxserve.server.client import JaxServeClient, JaxServeError  # noqa: E402
-from jaxserve.server.pb import jaxserve_pb2 as pb  # noqa: E402
+from jaxserve.entrypoints.grpc.client import JaxServeClient, JaxServeError  # noqa: E402
+from jaxserve.entrypoints.grpc.pb import jaxserve_pb2 as pb  # noqa: E402
 
 BAD_CODES = {"INTERNAL", "UNKNOWN"}
 

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
-from jaxserve.server.pb import jaxserve_pb2 as pb
+from jaxserve.entrypoints.grpc.pb import jaxserve_pb2 as pb
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 

@@ -114,7 +114,7 @@ def last_logits(loaded, batch: list[list[int]], *, layer_loop: str = "unroll",
 
     from jaxserve.model.attention import AttentionShape, get_attention
     from jaxserve.model.llama import Llama, init_kv_cache
-    from jaxserve.step_inputs import AttentionMetadata, ModelInputs
+    from jaxserve.model.step_inputs import AttentionMetadata, ModelInputs
 
     config = loaded.config
     pages_per_seq = -(-max(map(len, batch)) // page_size)
@@ -152,7 +152,7 @@ def last_logits(loaded, batch: list[list[int]], *, layer_loop: str = "unroll",
 def engine_greedy(loaded, batch: list[list[int]], **settings):
     """(token ids per prompt, number of preemptions) through the engine, all prompts at once."""
     from jaxserve import SamplingParams
-    from jaxserve.llm import LLM
+    from jaxserve.entrypoints.llm import LLM
 
     llm = LLM(loaded=loaded, progress=False, **{**ENGINE, **settings})
     params = SamplingParams(max_tokens=NUM_GREEDY, temperature=0.0, ignore_eos=True)

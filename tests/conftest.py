@@ -25,7 +25,7 @@ SMALL_ENGINE = dict(max_num_seqs=16, max_num_batched_tokens=32, max_model_len=51
 
 
 def make_llm(seed: int = 0, model_overrides: dict | None = None, **settings):
-    from jaxserve.llm import LLM
+    from jaxserve.entrypoints.llm import LLM
     from tiny_models import tiny_loaded
 
     loaded = tiny_loaded(seed=seed, **(model_overrides or {}))

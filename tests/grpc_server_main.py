@@ -33,7 +33,7 @@ from conftest import SMALL_ENGINE  # noqa: E402  (needs the path set above)
 from tiny_models import tiny_loaded  # noqa: E402
 
 from jaxserve.config import EngineConfig  # noqa: E402
-from jaxserve.server.grpc_server import run_server  # noqa: E402
+from jaxserve.entrypoints.grpc.server import run_server  # noqa: E402
 
 
 @dataclass
@@ -79,7 +79,7 @@ def server_process(*args: str):
 
 def inject_faults(step_delay_ms: float, fail_after_steps: int | None, fail_swap_in: bool):
     """Patch the engine's step and the KV cache's swaps, as the flags ask."""
-    from jaxserve.engine import Engine
+    from jaxserve.engine.engine import Engine
     from jaxserve.runner.kv_cache import DeviceKV
 
     step, num_steps = Engine.step, [0]

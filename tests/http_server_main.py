@@ -34,8 +34,8 @@ from model_fixtures import random_model, tiny_tokenizer  # noqa: E402
 from tiny_models import TinyLoaded, tiny_model  # noqa: E402
 
 from jaxserve.config import EngineConfig  # noqa: E402
-from jaxserve.server.grpc_server import run_server  # noqa: E402
-from jaxserve.server.http_server import HttpSettings  # noqa: E402
+from jaxserve.entrypoints.grpc.server import run_server  # noqa: E402
+from jaxserve.entrypoints.openai.http_server import HttpSettings  # noqa: E402
 
 
 def tiny_bpe_loaded(seed: int = 0) -> TinyLoaded:
@@ -140,7 +140,7 @@ def main() -> int:
                              "enough for drain and disconnect tests)")
     args = parser.parse_args()
     if args.step_delay_ms:
-        from jaxserve.engine import Engine
+        from jaxserve.engine.engine import Engine
         step = Engine.step
         Engine.step = lambda self: (time.sleep(args.step_delay_ms / 1e3), step(self))[1]
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,

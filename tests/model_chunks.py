@@ -17,7 +17,7 @@ from flax import nnx
 
 from jaxserve.model.attention import ReferenceAttention
 from jaxserve.model.llama import init_kv_cache
-from jaxserve.step_inputs import AttentionMetadata, ModelInputs
+from jaxserve.model.step_inputs import AttentionMetadata, ModelInputs
 
 PAGE_SIZE = 8
 NUM_PAGES = 24

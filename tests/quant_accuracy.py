@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jaxserve.model.attention import ReferenceAttention  # noqa: E402
 from jaxserve.model.llama import Llama, init_kv_cache  # noqa: E402
-from jaxserve.step_inputs import AttentionMetadata, ModelInputs  # noqa: E402
+from jaxserve.model.step_inputs import AttentionMetadata, ModelInputs  # noqa: E402
 
 PAGE_SIZE, NUM_PAGES, MAX_PAGES = 16, 256, 64
 S, T_PREFILL, NEW_TOKENS = 32, 256, 64

@@ -116,7 +116,7 @@ def test_async_scheduling_changes_no_token(mode, workload):
 
 
 def test_default_model_greedy_tokens_are_the_same_with_async_scheduling():
-    from jaxserve.llm import LLM
+    from jaxserve.entrypoints.llm import LLM
     from model_fixtures import real_default_model
 
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time",

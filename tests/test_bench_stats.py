@@ -155,10 +155,10 @@ def tiny_server():
     from conftest import SMALL_ENGINE
     from tiny_models import tiny_loaded
 
-    from jaxserve.async_engine import AsyncEngine
+    from jaxserve.engine.async_engine import AsyncEngine
     from jaxserve.config import EngineConfig
-    from jaxserve.engine import Engine
-    from jaxserve.server.background import ServerThread
+    from jaxserve.engine.engine import Engine
+    from jaxserve.entrypoints.grpc.background import ServerThread
 
     engine = Engine(EngineConfig.from_kwargs(**SMALL_ENGINE), loaded=tiny_loaded(),
                     progress=False)
@@ -171,7 +171,7 @@ def tiny_server():
 
 
 def test_bench_serve_reports_every_request_of_a_poisson_load(tiny_server, tmp_path):
-    from jaxserve.cli import main
+    from jaxserve.entrypoints.cli import main
 
     out = tmp_path / "result.json"
     rc = main(["bench", "serve", "--address", tiny_server, "--dataset", "random",

@@ -1,4 +1,4 @@
-"""Streaming detokenization by byte table (jaxserve/byte_level.py) against `tokenizers` itself:
+"""Streaming detokenization by byte table (jaxserve/model/byte_level.py) against `tokenizers` itself:
 the same text, delta by delta, as its DecodeStream for byte-level BPE tokenizers; no table
 (DecodeStream kept) for any other decoder."""
 
@@ -11,8 +11,8 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models
 from tokenizers.decoders import DecodeStream
 
-from jaxserve.byte_level import ByteStream, ByteTable
-from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.model.byte_level import ByteStream, ByteTable
+from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from model_fixtures import real_default_model, tiny_tokenizer
 
 TEXTS = ["plain ascii words", "café naïve façade", "漢字とかな", "emoji 🙂👍🏽 mixed", "a\n\tb  c",
@@ -99,8 +99,8 @@ def test_output_processor_one_token_path_hands_out_what_the_general_path_does(to
     """The usual decode event (one token, no finish, plain sampling) skips _apply's checks
     (OutputProcessor, _Sample.step): every output field, step by step, equals the general
     path's for the same events, through multi-byte characters and special tokens."""
-    from jaxserve.output_processor import OutputProcessor
-    from jaxserve.request import FinishReason, Request, SamplingParams, TokenEvent
+    from jaxserve.engine.output_processor import OutputProcessor
+    from jaxserve.core.request import FinishReason, Request, SamplingParams, TokenEvent
 
     ids = [i for text in TEXTS for i in tokenizer.backend.encode(
         text, add_special_tokens=False).ids]

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from jaxserve import cli_flags, logging_setup
-from jaxserve.cli import build_parser, main
-from jaxserve.cli_flags import engine_config_from_args
+from jaxserve.entrypoints import cli_flags, logging_setup
+from jaxserve.entrypoints.cli import build_parser, main
+from jaxserve.entrypoints.cli_flags import engine_config_from_args
 from jaxserve.config import EngineConfig, parse_size
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -121,7 +121,7 @@ class _Device:
 
 
 def test_gpu_memory_utilization_gives_the_kv_pool_the_fraction_less_the_weights():
-    from jaxserve.engine_builder import device_kv_budget
+    from jaxserve.engine.builder import device_kv_budget
 
     gib = 1 << 30
     devices = [_Device({"bytes_limit": 10 * gib, "bytes_in_use": 2 * gib})] * 2
@@ -164,7 +164,7 @@ def _log_lines(level: str, fmt: str = "text") -> list[str]:
         logging_setup.configure(level, fmt, stream)
         logging.getLogger("jax._src.xla_bridge").info("Unable to initialize backend 'tpu'")
         logging.getLogger("jax._src.xla_bridge").warning("a library warning")
-        logging.getLogger("jaxserve.engine_builder").info("loading model")
+        logging.getLogger("jaxserve.engine.builder").info("loading model")
     finally:
         root.handlers[:] = saved[0]
         root.setLevel(saved[1])
@@ -186,8 +186,8 @@ def test_json_log_lines_are_objects_with_a_time():
 
 
 def test_cli_sampling_defaults_are_sampling_params_defaults():
-    from jaxserve.generation_defaults import sampling_params
-    from jaxserve.request import SamplingParams
+    from jaxserve.engine.generation_defaults import sampling_params
+    from jaxserve.core.request import SamplingParams
 
     args = build_parser().parse_args(["generate", "hi"])
     assert sampling_params(cli_flags.sampling_overrides(args)) == SamplingParams()
@@ -197,7 +197,7 @@ def test_cli_sampling_defaults_are_sampling_params_defaults():
 
 
 def test_model_generation_config_applies_unless_a_flag_overrides_it(tmp_path):
-    from jaxserve.generation_defaults import read_generation_defaults, sampling_params
+    from jaxserve.engine.generation_defaults import read_generation_defaults, sampling_params
 
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"temperature": 0.6, "top_p": 0.9, "max_new_tokens": 99, "eos_token_id": 2}))
@@ -212,7 +212,7 @@ def test_model_generation_config_applies_unless_a_flag_overrides_it(tmp_path):
 def test_readme_mapping_table_is_the_one_made_from_the_config():
     readme = (ROOT / "README.md").read_text()
     assert cli_flags.mapping_table() in readme, (
-        "README's flag table is stale: paste python -c 'from jaxserve.cli_flags import "
+        "README's flag table is stale: paste python -c 'from jaxserve.entrypoints.cli_flags import "
         "mapping_table; print(mapping_table())'")
 
 

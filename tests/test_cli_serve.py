@@ -11,7 +11,7 @@ import time
 from conftest import SMALL_ENGINE
 from scale_out_fixtures import engine_flags, free_port, save_tiny_checkpoint
 
-from jaxserve.chat_cli import ContextFull, run_chat
+from jaxserve.entrypoints.chat_cli import ContextFull, run_chat
 
 
 def test_generate_wait_ready_started_with_serve_prints_the_answer(tmp_path):
@@ -19,7 +19,7 @@ def test_generate_wait_ready_started_with_serve_prints_the_answer(tmp_path):
 
     checkpoint = save_tiny_checkpoint(tmp_path / "tiny")
     address = f"127.0.0.1:{free_port()}"
-    cli = [sys.executable, "-m", "jaxserve.cli"]
+    cli = [sys.executable, "-m", "jaxserve.entrypoints.cli"]
     sampling = ["--max-tokens", "6", "--temperature", "0", "--ignore-eos"]
     server_log_path = tmp_path / "server.log"
     with open(server_log_path, "w") as server_log_file:
@@ -51,7 +51,7 @@ def test_generate_wait_ready_started_with_serve_prints_the_answer(tmp_path):
 def test_chat_against_a_server_runs_turns_through_its_template(tmp_path):
     checkpoint = save_tiny_checkpoint(tmp_path / "tiny")
     address = f"127.0.0.1:{free_port()}"
-    cli = [sys.executable, "-m", "jaxserve.cli"]
+    cli = [sys.executable, "-m", "jaxserve.entrypoints.cli"]
     with open(tmp_path / "server.log", "w") as server_log_file:
         server = subprocess.Popen(
             [*cli, "serve", str(checkpoint), "--port", address.split(":")[1], "--http-port",

@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 
 from jaxserve.model import pytrees  # noqa: E402,F401  (the step inputs as pytrees)
 from jaxserve.model.attention import AttentionShape, ReferenceAttention  # noqa: E402
-from jaxserve.step_inputs import AttentionMetadata  # noqa: E402
+from jaxserve.model.step_inputs import AttentionMetadata  # noqa: E402
 from pallas_kernels import reference  # noqa: E402
 
 PAGE_SIZE, PAGES, MAX_SEQS, LAYERS, HEAD_DIM = 4, 9, 6, 2, 8

@@ -19,15 +19,15 @@ import zlib
 import numpy as np
 import pytest
 
-from jaxserve.page_manager import PageManager
-from jaxserve.request import DecodeTokens, FinishReason, Request, SamplingParams
+from jaxserve.core.page_manager import PageManager
+from jaxserve.core.request import DecodeTokens, FinishReason, Request, SamplingParams
 from jaxserve.runner.batch import build_step_inputs
 from jaxserve.runner.buckets import BucketTable
 from jaxserve.runner.host_page_tables import HostPageTables
 from jaxserve.runner.host_sampling import HostSamplingRows
-from jaxserve.scheduler import Scheduler
-from jaxserve.step_layout import layouts_for
-from jaxserve.swap_space import HostSwapSpace
+from jaxserve.core.scheduler import Scheduler
+from jaxserve.model.step_layout import layouts_for
+from jaxserve.core.swap_space import HostSwapSpace
 
 SEQS, BUDGET, MAX_LEN, PAGE = 8, 32, 96, 4
 

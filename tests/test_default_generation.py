@@ -42,7 +42,7 @@ def hf():
 
 @pytest.fixture(scope="module")
 def ours():
-    from jaxserve.llm import LLM
+    from jaxserve.entrypoints.llm import LLM
     llm = LLM(loaded=real_default_model(), progress=False, max_num_seqs=16,
               max_num_batched_tokens=64, token_buckets=(64,), layer_loop="scan")
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
@@ -81,7 +81,7 @@ def test_greedy_continuations_equal_transformers(hf, ours):
 def test_cli_generate_offline_says_paris():
     # --layer-loop scan only to compile faster in CI; the tokens do not depend on it.
     out = subprocess.run(
-        [sys.executable, "-m", "jaxserve.cli", "generate", "--offline", "--quiet",
+        [sys.executable, "-m", "jaxserve.entrypoints.cli", "generate", "--offline", "--quiet",
          "--layer-loop", "scan", "--max-tokens", "8", "--temperature", "0",
          "The capital of France is"],
         capture_output=True, text=True, timeout=600)

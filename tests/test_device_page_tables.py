@@ -11,7 +11,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxserve.model import pytrees  # noqa: E402,F401  (the step inputs as pytrees)
-from jaxserve.plan import ScheduledChunk, StepPlan  # noqa: E402
+from jaxserve.core.plan import ScheduledChunk, StepPlan  # noqa: E402
 from jaxserve.runner import device_page_tables  # noqa: E402
 from jaxserve.runner.batch import build_step_inputs  # noqa: E402
 from jaxserve.runner.buckets import BucketTable  # noqa: E402

@@ -18,8 +18,8 @@ import pytest
 
 from conftest import SMALL_ENGINE
 from jaxserve import SamplingParams
-from jaxserve.server.client import JaxServeClient, JaxServeError
-from jaxserve.server.pb import jaxserve_pb2 as pb
+from jaxserve.entrypoints.grpc.client import JaxServeClient, JaxServeError
+from jaxserve.entrypoints.grpc.pb import jaxserve_pb2 as pb
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -28,10 +28,10 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 def served():
     from tiny_models import tiny_loaded
 
-    from jaxserve.async_engine import AsyncEngine
+    from jaxserve.engine.async_engine import AsyncEngine
     from jaxserve.config import EngineConfig
-    from jaxserve.engine import Engine
-    from jaxserve.server.background import ServerThread
+    from jaxserve.engine.engine import Engine
+    from jaxserve.entrypoints.grpc.background import ServerThread
 
     engine = Engine(EngineConfig.from_kwargs(**SMALL_ENGINE), loaded=tiny_loaded(),
                     progress=False)
@@ -304,9 +304,9 @@ def test_model_info_describes_the_served_engine(served):
 def test_engine_finishes_other_than_stop_or_length_end_the_call_with_a_status(served):
     """error: RESOURCE_EXHAUSTED if the page pool can never hold the request, else INTERNAL;
     abort by the server: ABORTED. A fake engine yields each outcome for its prompt."""
-    from jaxserve.outputs import CompletionOutput, RequestOutput
-    from jaxserve.prompt_intake import PromptLimits
-    from jaxserve.server.background import ServerThread
+    from jaxserve.engine.outputs import CompletionOutput, RequestOutput
+    from jaxserve.entrypoints.prompt_intake import PromptLimits
+    from jaxserve.entrypoints.grpc.background import ServerThread
 
     outcomes = {1: ("error", "request needs 64 KV pages"), 2: ("error", "kaput"),
                 3: ("abort", None)}
@@ -329,7 +329,7 @@ def test_engine_finishes_other_than_stop_or_length_end_the_call_with_a_status(se
 
 
 def test_health_turns_not_serving_and_calls_unavailable_when_the_engine_dies(served):
-    from jaxserve.server.background import ServerThread
+    from jaxserve.entrypoints.grpc.background import ServerThread
 
     dying = SimpleNamespace(engine=served.engine, error=None,  # stands in for an AsyncEngine
                             limits=served.async_engine.limits)

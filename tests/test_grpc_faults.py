@@ -20,8 +20,8 @@ import grpc
 import pytest
 
 from jaxserve import SamplingParams
-from jaxserve.server.client import JaxServeClient, JaxServeError
-from jaxserve.server.pb import jaxserve_pb2 as pb
+from jaxserve.entrypoints.grpc.client import JaxServeClient, JaxServeError
+from jaxserve.entrypoints.grpc.pb import jaxserve_pb2 as pb
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -140,7 +140,7 @@ def test_a_chat_over_the_character_limit_is_refused_before_templating(served, en
 
 def test_a_long_text_prompt_is_tokenized_on_the_text_pool_not_the_event_loop(served,
                                                                               encode_calls):
-    from jaxserve.prompt_intake import INLINE_MAX_CHARS
+    from jaxserve.entrypoints.prompt_intake import INLINE_MAX_CHARS
 
     with pytest.raises(JaxServeError) as info:  # 5000 byte tokens: over max_model_len
         served.client.generate_text("z" * (INLINE_MAX_CHARS + 1), SamplingParams(max_tokens=2))
@@ -149,8 +149,8 @@ def test_a_long_text_prompt_is_tokenized_on_the_text_pool_not_the_event_loop(ser
 
 
 def test_the_text_pool_refuses_work_beyond_its_bound_with_queue_full():
-    from jaxserve.engine import QueueFullError
-    from jaxserve.prompt_intake import TextPool
+    from jaxserve.engine.engine import QueueFullError
+    from jaxserve.entrypoints.prompt_intake import TextPool
 
     pool, release = TextPool(num_workers=1, max_pending=2), threading.Event()
 
@@ -169,7 +169,7 @@ def test_the_text_pool_refuses_work_beyond_its_bound_with_queue_full():
 
 # ---- deadlines and queue time ----------------------------------------------------------------
 def test_a_request_whose_deadline_passes_in_the_queue_is_dropped_before_it_runs(served):
-    from jaxserve.async_engine import DeadlineExceededError
+    from jaxserve.engine.async_engine import DeadlineExceededError
 
     async_engine, engine = served.async_engine, served.engine
     dropped, prompt_tokens = (metric(engine, "jaxserve_requests_deadline_expired_total"),
@@ -208,7 +208,7 @@ def test_queue_time_is_observed_once_per_admitted_request(served):
 
 # ---- one request's failure -------------------------------------------------------------------
 def test_a_failing_detokenizer_fails_its_request_alone(served, monkeypatch):
-    import jaxserve.output_processor as output_processor
+    import jaxserve.engine.output_processor as output_processor
 
     poisoned = [9, 9, 9, 9]
 
@@ -273,7 +273,7 @@ def test_a_write_refused_by_a_call_that_already_ended_sends_no_status_and_frees_
     request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7]), sampling=pb.SamplingParams(
         max_tokens=50, temperature=0.0, ignore_eos=True))
     servicer = served.server.handle.servicer
-    with caplog.at_level("INFO", logger="jaxserve.server.grpc_server"):
+    with caplog.at_level("INFO", logger="jaxserve.entrypoints.grpc.server"):
         served.server.call(servicer.Generate(request, call), timeout=60)
     assert call.writes == 1 and call.aborted is None, (call.writes, call.aborted)
     assert "already ended" in caplog.text and "Traceback" not in caplog.text, caplog.text
@@ -285,7 +285,7 @@ def test_a_write_refused_by_a_call_that_already_ended_sends_no_status_and_frees_
 def test_a_step_that_raises_fails_every_open_stream_and_refuses_new_requests():
     from conftest import make_llm
 
-    from jaxserve.async_engine import AsyncEngine, EngineDeadError, EngineFailedError
+    from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineFailedError
 
     llm = make_llm()
     engine = llm.engine

@@ -19,8 +19,8 @@ import pytest
 
 from grpc_server_main import server_process
 from jaxserve import SamplingParams
-from jaxserve.server.client import JaxServeClient, JaxServeError
-from jaxserve.server.pb import jaxserve_pb2 as pb
+from jaxserve.entrypoints.grpc.client import JaxServeClient, JaxServeError
+from jaxserve.entrypoints.grpc.pb import jaxserve_pb2 as pb
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

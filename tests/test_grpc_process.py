@@ -21,8 +21,8 @@ import grpc
 import pytest
 
 from jaxserve import SamplingParams
-from jaxserve.server.client import JaxServeClient, JaxServeError
-from jaxserve.server.pb import jaxserve_pb2 as pb
+from jaxserve.entrypoints.grpc.client import JaxServeClient, JaxServeError
+from jaxserve.entrypoints.grpc.pb import jaxserve_pb2 as pb
 
 ROOT = Path(__file__).resolve().parent.parent
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -125,12 +125,12 @@ def test_checked_in_generated_code_is_what_gen_protos_makes(tmp_path):
     pytest.importorskip("grpc_tools")
     from importlib.metadata import version
 
-    from jaxserve.server.pb import jaxserve_pb2_grpc as checked_in
+    from jaxserve.entrypoints.grpc.pb import jaxserve_pb2_grpc as checked_in
 
     if version("grpcio-tools") != checked_in.GRPC_GENERATED_VERSION:
         pytest.skip(f"grpcio-tools {version('grpcio-tools')} is not the one that made the "
                     f"checked-in code ({checked_in.GRPC_GENERATED_VERSION})")
     generate = runpy.run_path(str(ROOT / "scripts" / "gen_protos.py"))["generate"]
     for path in generate(tmp_path):
-        old = ROOT / "jaxserve" / "server" / "pb" / path.name
+        old = ROOT / "jaxserve" / "entrypoints" / "grpc" / "pb" / path.name
         assert path.read_text() == old.read_text(), f"{old} is stale: run scripts/gen_protos.py"

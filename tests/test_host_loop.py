@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from jaxserve.engine import SERVING_GEN0_THRESHOLD, frozen_heap
+from jaxserve.engine.engine import SERVING_GEN0_THRESHOLD, frozen_heap
 from jaxserve.runner.launcher import StepLauncher
 
 

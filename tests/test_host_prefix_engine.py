@@ -108,7 +108,7 @@ def test_bench_prefix_tier_runs_both_sides_on_the_same_requests(tmp_path):
     side was served from the host, and the greedy answers match (no speed threshold here)."""
     import json
 
-    from jaxserve.cli import main
+    from jaxserve.entrypoints.cli import main
     from scale_out_fixtures import save_tiny_checkpoint
 
     checkpoint = save_tiny_checkpoint(tmp_path / "tiny")

@@ -20,8 +20,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from jaxserve.host_prefix_tier import HostPrefixTier
-from jaxserve.page_manager import PageManager
+from jaxserve.core.host_prefix_tier import HostPrefixTier
+from jaxserve.core.page_manager import PageManager
 from jaxserve.runner.host_prefix_pool import HostPrefixPool
 from jaxserve.runner.swap import KVSwapper
 
@@ -202,7 +202,7 @@ def test_bad_settings_name_the_field(bad):
 
 def test_builder_refuses_a_tier_too_small_or_too_big():
     from jaxserve.config import EngineConfig
-    from jaxserve.engine_builder import host_prefix_tier
+    from jaxserve.engine.builder import host_prefix_tier
     with pytest.raises(ValueError, match="holds no page"):
         host_prefix_tier(EngineConfig(model="x", host_prefix_cache_size=100), 4096, 1)
     with pytest.raises(ValueError, match="exceed this host's memory"):

@@ -3,7 +3,7 @@ a slot's settings are written when another row takes it, and every step gathers 
 
 import numpy as np
 
-from jaxserve.plan import ProcessorRow, SamplingRow, ScheduledChunk, StepPlan
+from jaxserve.core.plan import ProcessorRow, SamplingRow, ScheduledChunk, StepPlan
 from jaxserve.runner.batch import build_step_inputs
 from jaxserve.runner.buckets import BucketTable
 from jaxserve.runner.host_page_tables import HostPageTables

@@ -38,7 +38,7 @@ def offline():
     from conftest import SMALL_ENGINE
     from http_server_main import tiny_bpe_loaded
 
-    from jaxserve.llm import LLM
+    from jaxserve.entrypoints.llm import LLM
     return LLM(loaded=tiny_bpe_loaded(), progress=False, **SMALL_ENGINE)
 
 

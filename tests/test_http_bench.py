@@ -57,7 +57,7 @@ def test_every_backend_serves_the_same_workload_with_the_same_token_counts(serve
 
 def test_the_cli_drives_the_http_front_end_and_refuses_chat_backend_without_messages(
         server, capsys):
-    from jaxserve.cli import main
+    from jaxserve.entrypoints.cli import main
 
     common = ["bench", "serve", "--base-url", server.url, "--num-prompts", "3",
               "--output-len", "4", "--max-concurrency", "3", "--quiet"]

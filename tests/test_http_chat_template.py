@@ -21,7 +21,7 @@ openai = pytest.importorskip("openai")
 from model_fixtures import default_gguf_path, real_default_model  # noqa: E402
 
 from jaxserve import SamplingParams  # noqa: E402
-from jaxserve.server.chat_prompt import render_chat  # noqa: E402
+from jaxserve.entrypoints.openai.chat_prompt import render_chat  # noqa: E402
 
 # transformers' GGUF tokenizer splits whitespace before digits unlike SmolLM2's own (see
 # test_tokenizer.SMOLLM_DIGIT_CASES), so these conversations avoid digits after whitespace.
@@ -80,8 +80,8 @@ def test_text_parts_and_developer_role_render_as_their_plain_forms(ours):
 
 
 async def served_reply(engine, messages, max_tokens: int):
-    from jaxserve.async_engine import AsyncEngine
-    from jaxserve.server.http_server import HttpServer, HttpSettings
+    from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.entrypoints.openai.http_server import HttpServer, HttpSettings
 
     async_engine = AsyncEngine(engine)
     async_engine.start()
@@ -99,7 +99,7 @@ async def served_reply(engine, messages, max_tokens: int):
 
 
 def test_served_chat_reply_equals_the_offline_llm_greedy_reply(theirs):
-    from jaxserve.llm import LLM
+    from jaxserve.entrypoints.llm import LLM
 
     messages = CONVERSATIONS[1]
     llm = LLM(loaded=real_default_model(), progress=False, max_num_seqs=4,

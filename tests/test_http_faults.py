@@ -21,8 +21,8 @@ import pytest
 def http():
     from conftest import make_llm
 
-    from jaxserve.async_engine import AsyncEngine
-    from jaxserve.server.http_server import HttpServer, HttpSettings
+    from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.entrypoints.openai.http_server import HttpServer, HttpSettings
 
     llm = make_llm()
     async_engine = AsyncEngine(llm.engine)

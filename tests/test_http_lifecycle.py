@@ -20,8 +20,8 @@ import httpx
 import pytest
 
 from jaxserve import SamplingParams
-from jaxserve.server.client import JaxServeClient, JaxServeError
-from jaxserve.server.pb import jaxserve_pb2 as pb
+from jaxserve.entrypoints.grpc.client import JaxServeClient, JaxServeError
+from jaxserve.entrypoints.grpc.pb import jaxserve_pb2 as pb
 
 ALL_PAGES = 47  # SMALL_ENGINE's 48, less the reserved page 0
 ABORTED = 'jaxserve_requests_finished_total{finish_reason="abort"}'
@@ -64,8 +64,8 @@ def test_the_request_in_a_failing_engine_is_500_then_health_and_requests_are_503
     """In-process: the engine's step raises, as a broken device would make it."""
     from conftest import make_llm
 
-    from jaxserve.async_engine import AsyncEngine
-    from jaxserve.server.http_server import HttpServer, HttpSettings
+    from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.entrypoints.openai.http_server import HttpServer, HttpSettings
 
     llm = make_llm()
 

@@ -50,7 +50,7 @@ def offline():
     from conftest import SMALL_ENGINE
     from http_server_main import fixtures_loaded
 
-    from jaxserve.llm import LLM
+    from jaxserve.entrypoints.llm import LLM
     return LLM(loaded=fixtures_loaded(), progress=False, **SMALL_ENGINE)
 
 
@@ -173,7 +173,7 @@ def test_an_invalid_constraint_is_a_400_naming_its_field(server, body, field):
 
 
 def test_a_model_without_a_grammar_tokenizer_refuses_constraints_naming_the_field():
-    from jaxserve.server.openai_errors import error_for_exception
+    from jaxserve.entrypoints.openai.errors import error_for_exception
 
     exc = ValueError("structured_outputs needs a Hugging Face `tokenizers` tokenizer; this "
                      "model's tokenizer is not one")  # what make_request raises (CharTokenizer)

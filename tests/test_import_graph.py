@@ -11,9 +11,10 @@ import inspect
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DATA = {"step_inputs", "step_layout", "plan", "request", "engine_info", "outputs", "config",
-        "page_manager", "page_stats", "page_invariants", "host_prefix_tier",
-        "swap_space", "batching", "detokenizer", "byte_level", "structured"}
+# plain data: the scheduler side, settings, grammars, and what the engine hands back
+DATA = ("jaxserve.core", "jaxserve.config", "jaxserve.structured", "jaxserve.engine.info",
+        "jaxserve.engine.outputs", "jaxserve.engine.detokenizer", "jaxserve.model.byte_level",
+        "jaxserve.model.step_inputs", "jaxserve.model.step_layout")
 
 
 def module_graph() -> dict[str, set[str]]:
@@ -36,8 +37,7 @@ def module_graph() -> dict[str, set[str]]:
 
 
 def layer(module: str) -> int:
-    parts = module.split(".")
-    if len(parts) > 1 and parts[1] in DATA:
+    if any(module == d or module.startswith(d + ".") for d in DATA):
         return 0
     if module.startswith("jaxserve.model"):
         return 1

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-HOST_SIDE = ["jaxserve.scheduler", "jaxserve.page_manager", "jaxserve.swap_space",
-             "jaxserve.request", "jaxserve.plan", "jaxserve.metrics", "jaxserve.batching",
-             "jaxserve.step_inputs", "jaxserve.engine_info", "jaxserve.outputs",
+HOST_SIDE = ["jaxserve.core.scheduler", "jaxserve.core.page_manager", "jaxserve.core.swap_space",
+             "jaxserve.core.request", "jaxserve.core.plan", "jaxserve.engine.metrics", "jaxserve.core.batching_policy",
+             "jaxserve.model.step_inputs", "jaxserve.engine.info", "jaxserve.engine.outputs",
              "jaxserve.runner.batch", "jaxserve.runner.buckets", "jaxserve.runner.protocol",
              "jaxserve.spec.batch", "jaxserve.spec.policy", "jaxserve.spec.ngram",
-             "jaxserve.processor_slots", "jaxserve.step_rows", "jaxserve.output_processor",
-             "jaxserve.host_prefix_tier", "jaxserve.page_stats", "jaxserve.page_invariants"]
+             "jaxserve.core.processor_slots", "jaxserve.core.step_rows", "jaxserve.engine.output_processor",
+             "jaxserve.core.host_prefix_tier", "jaxserve.core.page_stats", "jaxserve.core.page_invariants"]
 
 
 @pytest.mark.parametrize("module", HOST_SIDE)

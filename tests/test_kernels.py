@@ -262,7 +262,7 @@ def test_engine_backend_splits_decode_rows_to_the_decode_kernel_and_matches_refe
     the leading one-row requests (num_decode_seqs) through the decode kernel, the rest through
     the ragged kernel, joined by row; a mixed batch must equal the reference."""
     from jaxserve.model.attention import AttentionShape, PallasAttention
-    from jaxserve.step_inputs import AttentionMetadata
+    from jaxserve.model.step_inputs import AttentionMetadata
 
     group, page_size, head_dim = 4, 16, 32
     rng = np.random.default_rng(11)

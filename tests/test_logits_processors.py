@@ -11,9 +11,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.plan import SamplingRow, ScheduledChunk, StepPlan
-from jaxserve.processor_slots import ProcessorSlots
-from jaxserve.request import Request, SamplingParams
+from jaxserve.core.plan import SamplingRow, ScheduledChunk, StepPlan
+from jaxserve.core.processor_slots import ProcessorSlots
+from jaxserve.core.request import Request, SamplingParams
 from jaxserve.runner import logits_processors as lp
 from jaxserve.runner.batch import build_step_inputs
 from jaxserve.runner.buckets import BucketTable
@@ -190,7 +190,7 @@ def test_bool_logprobs_keep_their_old_meaning():
 def test_stop_strings_end_the_text_with_or_without_themselves(include):
     from model_fixtures import tiny_tokenizer
 
-    from jaxserve.detokenizer import IncrementalDetokenizer
+    from jaxserve.engine.detokenizer import IncrementalDetokenizer
 
     tok = tiny_tokenizer()
     detok = IncrementalDetokenizer(tok, [], ("in",), include_stop_str=include)
@@ -203,7 +203,7 @@ def test_stop_strings_end_the_text_with_or_without_themselves(include):
 def test_special_tokens_are_skipped_in_the_text_unless_asked(skip):
     from model_fixtures import tiny_tokenizer
 
-    from jaxserve.detokenizer import IncrementalDetokenizer
+    from jaxserve.engine.detokenizer import IncrementalDetokenizer
 
     tok = tiny_tokenizer()
     ids = tok.encode("hi", add_special_tokens=False) + [2]  # <|im_end|>

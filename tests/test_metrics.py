@@ -5,7 +5,7 @@ from __future__ import annotations
 import urllib.request
 
 from jaxserve import SamplingParams
-from jaxserve.cli import build_parser
+from jaxserve.entrypoints.cli import build_parser
 
 FINISHED = "jaxserve_requests_finished_total"
 

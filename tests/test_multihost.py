@@ -57,13 +57,13 @@ def checkpoint(tmp_path_factory):
 
 def test_two_process_cluster_serves_the_same_greedy_tokens_as_one_process(cpu_collectives,
                                                                             checkpoint):
-    from jaxserve.llm import LLM
-    from jaxserve.server.client import JaxServeClient
+    from jaxserve.entrypoints.llm import LLM
+    from jaxserve.entrypoints.grpc.client import JaxServeClient
 
     prompts, params = mixed_requests(n=16, seed=5, max_out=12)
     address = f"127.0.0.1:{free_port()}"
     procs = _two_processes(lambda i: [
-        sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(checkpoint),
+        sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--model", str(checkpoint),
         "--coordinator-address", address, "--num-processes", "2", "--process-id", str(i),
         "--tensor-parallel-size", "2", "--port", "0", "--shutdown-timeout", "5",
         *engine_flags(LEAN_ENGINE)])
@@ -104,7 +104,7 @@ def test_two_process_cluster_serves_the_same_greedy_tokens_as_one_process(cpu_co
 
 
 def _health(client) -> str:
-    from jaxserve.server.client import JaxServeError
+    from jaxserve.entrypoints.grpc.client import JaxServeError
     try:
         return client.health()
     except JaxServeError as exc:
@@ -114,7 +114,7 @@ def _health(client) -> str:
 # ---- the plan channel and the leader/follower runners, in one process -----------------------
 
 def _plan(n: int):
-    from jaxserve.plan import SamplingRow, ScheduledChunk, StepPlan, SwapIn
+    from jaxserve.core.plan import SamplingRow, ScheduledChunk, StepPlan, SwapIn
 
     row = SamplingRow(temperature=0.5, top_k=3, top_p=0.9, min_p=0.0, seed=n)
     chunk = ScheduledChunk(f"r{n}", tuple(range(3, 3 + 200 * n)), 0, (1, 2), row, output_index=1)
@@ -159,7 +159,7 @@ class _Recorder:
 
 
 def test_leader_sends_plans_that_touch_the_runner_and_pings_while_idle():
-    from jaxserve.plan import StepPlan
+    from jaxserve.core.plan import StepPlan
     from jaxserve.runner.multihost import LeaderRunner
 
     ran, closed, channel = [], [], _Recorder()

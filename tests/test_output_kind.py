@@ -3,9 +3,9 @@ end whose deltas hold everything (what LLM.generate asks for); the metrics count
 
 import pytest
 
-from jaxserve.metrics import PREFIX, EngineMetrics
-from jaxserve.output_processor import OutputProcessor
-from jaxserve.request import FinishReason, Request, SamplingParams, TokenEvent
+from jaxserve.engine.metrics import PREFIX, EngineMetrics
+from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.core.request import FinishReason, Request, SamplingParams, TokenEvent
 from tiny_models import CharTokenizer
 
 
@@ -107,7 +107,7 @@ def test_generate_with_samples_and_a_stop_string_hands_each_sample_whole(small_l
 def test_a_hand_out_takes_exactly_the_deltas_since_the_one_before():
     """CompletionOutput.hand_out after no, one and several appends: no, one and every step's
     deltas; a snapshot handed out keeps its own, whatever the record takes later."""
-    from jaxserve.outputs import CompletionOutput
+    from jaxserve.engine.outputs import CompletionOutput
 
     record = CompletionOutput(0, logprobs=[])
     record.append([5], "a", [-1.0], [])

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from jaxserve.page_manager import PageManager, stable_page_hash
+from jaxserve.core.page_manager import PageManager, stable_page_hash
 
 PAGE_SIZE = 4
 NUM_PAGES = 16  # 15 allocatable: small, so eviction and out-of-pages happen often
@@ -341,7 +341,7 @@ def test_prefix_hit_stats_count_admissions():
 
 
 def test_default_hash_is_stable_across_processes():
-    code = ("from jaxserve.page_manager import stable_page_hash as h; "
+    code = ("from jaxserve.core.page_manager import stable_page_hash as h; "
             "print(h(h(None, (1, 2, 3)), (4, 5, 6)))")
     env = {**os.environ, "PYTHONHASHSEED": "random", "PYTHONPATH": str(Path(__file__).parents[1])}
     outputs = {subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,

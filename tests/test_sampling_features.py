@@ -13,7 +13,7 @@ import pytest
 
 from conftest import make_llm
 from jaxserve import SamplingParams
-from jaxserve.request import Request
+from jaxserve.core.request import Request
 from jaxserve.runner.compile_count import CompileCounter
 from test_engine import assert_idle_and_no_leak, mixed_requests
 from test_logits_processors import reference
@@ -152,7 +152,7 @@ def test_token_ids_outside_the_vocabulary_are_refused(llm, kwargs, field):
 
 
 def test_n_samples_share_one_prefill_and_each_reproduces_alone(llm, monkeypatch):
-    from jaxserve.request import sample_seed
+    from jaxserve.core.request import sample_seed
 
     prompt = list(range(5, 75))  # 70 tokens: four full pages of 16 and a partial one
     sp = SamplingParams(max_tokens=12, temperature=0.9, seed=5, n=4, ignore_eos=True,

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from jaxserve.page_manager import PageManager
-from jaxserve.request import Request, SamplingParams
-from jaxserve.scheduler import Scheduler
-from jaxserve.swap_space import HostSwapSpace
+from jaxserve.core.page_manager import PageManager
+from jaxserve.core.request import Request, SamplingParams
+from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.swap_space import HostSwapSpace
 
 
 def make_scheduler(**kw) -> Scheduler:
@@ -125,7 +125,7 @@ def test_a_chunks_page_table_is_the_page_managers_own_tuple_until_the_pages_chan
 
 
 def test_commit_slices_the_tokens_across_the_prompt_output_boundary():
-    from jaxserve.scheduler_results import _Prefix
+    from jaxserve.core.scheduler_results import _Prefix
 
     r = Request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=8), seed=0)
     r.output_token_ids = [6, 7, 8]

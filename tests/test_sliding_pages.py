@@ -14,10 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxserve.page_manager import NULL_PAGE, PageManager
-from jaxserve.request import Request, SamplingParams
-from jaxserve.scheduler import Scheduler, reusable_window
-from jaxserve.swap_space import HostSwapSpace
+from jaxserve.core.page_manager import NULL_PAGE, PageManager
+from jaxserve.core.request import Request, SamplingParams
+from jaxserve.core.scheduler import Scheduler, reusable_window
+from jaxserve.core.swap_space import HostSwapSpace
 
 
 def make(num_pages=64, page_size=4, window=8, caching=True, **kw):
@@ -192,7 +192,7 @@ def test_window_reuse_never_releases_a_needed_page_nor_leaks(window, page_size, 
 def mistral_window_run(loaded, prompts, *, reuse: bool, **engine_settings):
     """Greedy tokens of `prompts` through the engine, whether pages were released, and
     (preemptions, swaps)."""
-    from jaxserve.llm import LLM
+    from jaxserve.entrypoints.llm import LLM
 
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     with LLM(loaded=loaded, page_size=4, max_num_batched_tokens=16, max_num_seqs=6,

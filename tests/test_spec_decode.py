@@ -65,7 +65,7 @@ def spec_llm(draft_dirs):
         from model_fixtures import tiny_tokenizer
         from tiny_models import TinyLoaded, tiny_model
 
-        from jaxserve.llm import LLM
+        from jaxserve.entrypoints.llm import LLM
         loaded = TinyLoaded(*tiny_model(seed=0), tokenizer=tiny_tokenizer())
         return LLM(loaded=loaded, progress=False,
                    speculative_draft=str(draft_dirs[DRAFT_DIRS[name]]),

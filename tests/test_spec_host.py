@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxserve.page_manager import PageManager
-from jaxserve.request import FinishReason, Request, SamplingParams
-from jaxserve.scheduler import Scheduler
+from jaxserve.core.page_manager import PageManager
+from jaxserve.core.request import FinishReason, Request, SamplingParams
+from jaxserve.core.scheduler import Scheduler
 from jaxserve.spec.ngram import NgramProposer
 from jaxserve.spec.policy import PROBE_INTERVAL, SpeculationPolicy
 

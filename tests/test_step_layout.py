@@ -8,13 +8,13 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.plan import ProcessorRow, SamplingRow, ScheduledChunk, StepPlan
+from jaxserve.core.plan import ProcessorRow, SamplingRow, ScheduledChunk, StepPlan
 from jaxserve.runner.batch import build_step_inputs
 from jaxserve.runner.buckets import BucketTable
 from jaxserve.runner.host_page_tables import HostPageTables
 from jaxserve.runner.host_sampling import HostSamplingRows
 from jaxserve.runner.packed_inputs import unpack
-from jaxserve.step_layout import StepLayout, layouts_for
+from jaxserve.model.step_layout import StepLayout, layouts_for
 
 BUCKETS = BucketTable.build(64, 8, 64, 16, (8, 64), (8,))
 WORDS = 2  # grammar bitmask words per row (a 64-token vocabulary)
@@ -102,6 +102,6 @@ def test_a_step_without_grammars_makes_no_bitmask():
 
 
 def test_a_field_of_another_width_is_refused():
-    from jaxserve.step_layout import _words
+    from jaxserve.model.step_layout import _words
     with pytest.raises(TypeError, match="int64"):
         _words(np.zeros(3, np.int64))

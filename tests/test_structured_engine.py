@@ -31,7 +31,7 @@ def tiny_llm(**settings):
     from model_fixtures import random_model, tiny_tokenizer
     from tiny_models import TinyLoaded
 
-    from jaxserve.llm import LLM
+    from jaxserve.entrypoints.llm import LLM
 
     config, params = random_model(seed=0)
     return LLM(loaded=TinyLoaded(config, params, tiny_tokenizer()), progress=False,
@@ -128,7 +128,7 @@ def test_structured_outputs_with_ignore_eos_is_refused():
 
 @pytest.mark.slow
 def test_default_model_fifty_requests_over_ten_schemas_all_validate():
-    from jaxserve.llm import LLM
+    from jaxserve.entrypoints.llm import LLM
 
     # scanned layers and two token buckets: a third of the unrolled default engine's compile
     llm = LLM("default", progress=False, max_model_len=1024, max_num_seqs=16,
@@ -168,7 +168,7 @@ def test_default_model_fifty_requests_over_ten_schemas_all_validate():
 def test_async_engine_refuses_an_invalid_grammar_before_queueing_and_serves_a_valid_one():
     import asyncio
 
-    from jaxserve.async_engine import AsyncEngine
+    from jaxserve.engine.async_engine import AsyncEngine
 
     llm = tiny_llm()
     engine = AsyncEngine(llm.engine)

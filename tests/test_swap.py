@@ -7,7 +7,7 @@ import pytest
 from jax import monitoring
 
 from jaxserve.runner.swap import KVSwapper
-from jaxserve.swap_space import HostSwapSpace, kv_bytes_per_page
+from jaxserve.core.swap_space import HostSwapSpace, kv_bytes_per_page
 
 LAYERS, NUM_PAGES, PAGE_SIZE, KV_HEADS, HEAD_DIM = 2, 24, 4, 2, 8
 BUCKETS = (1, 2, 4, 8)

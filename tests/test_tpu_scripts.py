@@ -88,7 +88,7 @@ def test_model_fetches_from_cloud_storage_and_converts(tmp_path):
     fetch, convert = dry_run(tmp_path, "model.sh", *VM, "--from", "gs://bucket/llama-hf/",
                              "--convert")
     assert "gcloud storage cp --recursive gs://bucket/llama-hf/ models/" in remote(fetch)
-    assert remote(convert) == "python3 -m jaxserve.cli convert models/llama-hf " \
+    assert remote(convert) == "python3 -m jaxserve.entrypoints.cli convert models/llama-hf " \
                               "models/llama-hf-jaxserve"
     assert "--worker=all" in fetch and "--worker=all" in convert
 
@@ -106,7 +106,7 @@ def test_serve_starts_every_host_of_a_slice_and_waits_on_process_0(tmp_path):
                           "--", "--max-num-seqs", "64")
     assert "--worker=all" in start and "--worker=0" in wait
     serve = shlex.split(remote(start).split(">")[0].removeprefix("nohup "))
-    assert serve == ["python3", "-m", "jaxserve.cli", "serve", "--model", "models/llama-jaxserve",
+    assert serve == ["python3", "-m", "jaxserve.entrypoints.cli", "serve", "--model", "models/llama-jaxserve",
                      "--host", "0.0.0.0", "--port", "9000", "--tensor-parallel-size", "16",
                      "--distributed", "auto", "--max-num-seqs", "64"]
     assert 'JaxServeClient("127.0.0.1:9000")' in remote(wait)
@@ -123,7 +123,7 @@ def test_bench_runs_bench_serve_on_worker_0_and_copies_the_report_back(tmp_path)
     bench, mkdir, scp = dry_run(tmp_path, "bench.sh", *VM, "--out", "res", "--",
                                 "--num-prompts", "32", "--max-concurrency", "8")
     assert shlex.split(remote(bench)) == [
-        "python3", "-m", "jaxserve.cli", "bench", "serve", "--address", "127.0.0.1:50051",
+        "python3", "-m", "jaxserve.entrypoints.cli", "bench", "serve", "--address", "127.0.0.1:50051",
         "--json", "~/jaxserve-bench-v5litepod-8.json", "--num-prompts", "32",
         "--max-concurrency", "8"]
     assert mkdir == ["mkdir", "-p", "res"]

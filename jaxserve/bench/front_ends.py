@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", dest="json_path", default=None)
     args = parser.parse_args(ours)
     head = [sys.executable, args.server_script] if args.server_script else \
-        [sys.executable, "-m", "jaxserve.cli", "serve", "--host", args.host, "--port", "0",
+        [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--host", args.host, "--port", "0",
          "--http-port", str(_free_port(args.host))]
     proc, grpc_address, base_url = start_server(head + server_args)
     runs = []

@@ -17,10 +17,10 @@ import grpc
 
 from jaxserve.bench.datasets import ServeRequest
 from jaxserve.bench.stats import RequestTimeline
-from jaxserve.request import SamplingParams
-from jaxserve.server import convert
-from jaxserve.server.pb import jaxserve_pb2 as pb
-from jaxserve.server.pb import jaxserve_pb2_grpc as pb_grpc
+from jaxserve.core.request import SamplingParams
+from jaxserve.entrypoints.grpc import convert
+from jaxserve.entrypoints.grpc.pb import jaxserve_pb2 as pb
+from jaxserve.entrypoints.grpc.pb import jaxserve_pb2_grpc as pb_grpc
 
 _CHANNELS = 8  # streams spread over a few HTTP/2 connections
 

@@ -17,7 +17,7 @@ import time
 
 from jaxserve.bench.stats import RequestTimeline, report
 from jaxserve.bench.workloads import build_workload
-from jaxserve.request import SamplingParams
+from jaxserve.core.request import SamplingParams
 
 
 def add_offline_flags(parser) -> None:
@@ -93,7 +93,7 @@ def _print(label: str, r: dict) -> None:
 
 
 def run_offline_bench(args, config) -> int:
-    from jaxserve.engine import Engine
+    from jaxserve.engine.engine import Engine
     from jaxserve.model.loader import load_model
 
     loaded = load_model(config.model, progress=not args.quiet)

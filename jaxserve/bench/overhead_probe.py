@@ -54,7 +54,7 @@ def max_tokens(n: int, steps: int) -> int:
 
 
 def build_llm(n: int, steps: int, tokenizer):
-    from jaxserve.llm import LLM
+    from jaxserve.entrypoints.llm import LLM
     from jaxserve.model.config import ModelConfig
     from jaxserve.model.llama import random_params
     from jaxserve.model.weights import LoadedModel
@@ -123,12 +123,12 @@ def host_only(n: int, steps: int, tokenizer, cold: bool = False) -> dict:
 
     import numpy as np
 
-    from jaxserve.output_processor import OutputProcessor
-    from jaxserve.page_manager import PageManager
-    from jaxserve.request import Request, SamplingParams
+    from jaxserve.engine.output_processor import OutputProcessor
+    from jaxserve.core.page_manager import PageManager
+    from jaxserve.core.request import Request, SamplingParams
     from jaxserve.runner.batch import build_step_inputs
     from jaxserve.runner.buckets import BucketTable
-    from jaxserve.scheduler import Scheduler
+    from jaxserve.core.scheduler import Scheduler
 
     max_len = PROMPT_LEN + max_tokens(n, steps) + 14
     pages = PageManager(num_pages=n * (-(-max_len // 16)) + 2, page_size=16)
@@ -156,7 +156,7 @@ def host_only(n: int, steps: int, tokenizer, cold: bool = False) -> dict:
         from jaxserve.runner.host_sampling import HostSamplingRows
         layout["samplers"] = HostSamplingRows(n + 1 + n)
     if "layouts" in inspect.signature(build_step_inputs).parameters:  # one buffer per step
-        from jaxserve.step_layout import layouts_for
+        from jaxserve.model.step_layout import layouts_for
         layout["layouts"] = layouts_for(table.shapes(), table.max_pages_per_request, 1)
     totals = dict.fromkeys(("schedule", "build", "update", "emit"), 0.0)
     flush = np.ones(FLUSH_BYTES if cold else 0, np.uint8)  # (ones: real pages, not the zero page)
@@ -183,7 +183,7 @@ def host_only(n: int, steps: int, tokenizer, cold: bool = False) -> dict:
         one(False)  # the prefill steps
     gc.collect()
     try:  # the heap freeze (and young-collection threshold) the engine's serving loops use
-        from jaxserve.engine import frozen_heap
+        from jaxserve.engine.engine import frozen_heap
     except ImportError:
         frozen_heap = _gc_frozen
     with frozen_heap():
@@ -197,7 +197,7 @@ def measure(n: int, steps: int) -> dict:
 
     import jaxserve
     from jaxserve.model.loader import load_model
-    from jaxserve.request import SamplingParams
+    from jaxserve.core.request import SamplingParams
 
     tokenizer = load_model("default", progress=False).tokenizer
     llm = build_llm(n, steps, tokenizer)
@@ -221,7 +221,7 @@ def measure(n: int, steps: int) -> dict:
         timings.reset()
     num_tokens, first_timed = 0, len(captured)
     try:  # where the engine has it, the heap freeze its own serving loops use
-        from jaxserve.engine import frozen_heap
+        from jaxserve.engine.engine import frozen_heap
     except ImportError:
         frozen_heap = contextlib.nullcontext
     with frozen_heap():

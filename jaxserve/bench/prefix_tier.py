@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 from jaxserve.bench.stats import RequestTimeline, report, summarize
-from jaxserve.request import SamplingParams
+from jaxserve.core.request import SamplingParams
 
 
 def add_arguments(parser) -> None:
@@ -124,7 +124,7 @@ def side_configs(config, loaded, args) -> dict:
 
 
 def main(args, config) -> int:
-    from jaxserve.engine import Engine
+    from jaxserve.engine.engine import Engine
     from jaxserve.model.loader import load_model
 
     loaded = load_model(config.model, progress=not args.quiet)

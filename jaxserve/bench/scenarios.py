@@ -134,7 +134,7 @@ def peer_prompts(scale: Scale, tokenizer, seed: int = 5) -> list[list[int]]:
 # ---- engines and runners --------------------------------------------------------------------
 def build_engine(loaded, settings: dict, **overrides):
     from jaxserve.config import EngineConfig
-    from jaxserve.engine import Engine
+    from jaxserve.engine.engine import Engine
 
     start = time.perf_counter()
     engine = Engine(EngineConfig.from_kwargs(**{**settings, **overrides}), loaded=loaded,
@@ -159,8 +159,8 @@ class Served:
     """An engine behind an in-process gRPC server (AsyncEngine + ServerThread)."""
 
     def __init__(self, engine):
-        from jaxserve.async_engine import AsyncEngine
-        from jaxserve.server.background import ServerThread
+        from jaxserve.engine.async_engine import AsyncEngine
+        from jaxserve.entrypoints.grpc.background import ServerThread
 
         self.engine = engine
         self.async_engine = AsyncEngine(engine)
@@ -187,7 +187,7 @@ class Served:
 
 def offline(engine, prompts: list[list[int]], max_tokens: int) -> dict:
     """Every prompt added at t=0 and the engine stepped to the end (no server)."""
-    from jaxserve.request import SamplingParams
+    from jaxserve.core.request import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
@@ -204,7 +204,7 @@ def offline(engine, prompts: list[list[int]], max_tokens: int) -> dict:
 
 def decode_steps(engine, prompt: list[int], num_steps: int, batch: int = 1) -> list[float]:
     """Seconds per step once every request is decoding (prefill steps excluded)."""
-    from jaxserve.request import SamplingParams
+    from jaxserve.core.request import SamplingParams
 
     params = SamplingParams(max_tokens=num_steps + 1, temperature=0.0, ignore_eos=True)
     for _ in range(batch):

@@ -176,7 +176,7 @@ def print_result(result: dict, title: str = "Serving Benchmark Result") -> None:
 
 
 def run_serve_bench(args) -> int:
-    from jaxserve.server.client import JaxServeClient, JaxServeError
+    from jaxserve.entrypoints.grpc.client import JaxServeClient, JaxServeError
 
     slos = parse_goodput(args.goodput)
     if args.backend != "grpc":

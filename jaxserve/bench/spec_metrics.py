@@ -51,7 +51,7 @@ def print_metrics(result: dict) -> None:
 def compare_speculative(config, loaded, requests, run_workload, print_run, *, rounds: int,
                         ignore_eos: bool, progress: bool) -> dict:
     """{'off': best run, 'on': best run, 'speculative_over_plain': tokens/s ratio}."""
-    from jaxserve.engine import Engine
+    from jaxserve.engine.engine import Engine
 
     if config.speculative_method is None:
         raise ValueError("--compare-speculative needs --speculative-method (and "

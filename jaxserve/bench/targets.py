@@ -21,7 +21,7 @@ class ServerFacts:
 
 def wait_until_serving(client, seconds: float) -> None:
     """Poll health until SERVING; after `seconds`, let the next call fail with its reason."""
-    from jaxserve.server.client import JaxServeError
+    from jaxserve.entrypoints.grpc.client import JaxServeError
 
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:

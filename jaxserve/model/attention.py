@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jaxserve.model import cpu_attention, device_select
 from jaxserve.model.decode_attention import WIDE_MAX_KV_HEADS, decode_attention, decode_work
 from jaxserve.model.device_select import ATTENTION_IMPLS  # noqa: F401  (re-exported)
-from jaxserve.step_inputs import AttentionMetadata
+from jaxserve.model.step_inputs import AttentionMetadata
 
 
 class PagedAttention(Protocol):

@@ -16,7 +16,7 @@ import logging
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
-from jaxserve.byte_level import bytes_to_unicode
+from jaxserve.model.byte_level import bytes_to_unicode
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from jaxserve.model.quant import QuantizedTensor
 from jaxserve.model import pytrees  # noqa: F401  (registers the step inputs as pytrees)
 from jaxserve.model.attention import PagedAttention
 from jaxserve.model.config import ModelConfig
-from jaxserve.step_inputs import AttentionMetadata, ModelInputs
+from jaxserve.model.step_inputs import AttentionMetadata, ModelInputs
 
 # Every per-layer weight name a config can have (ModelConfig.param_shapes() says which it has).
 LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm",

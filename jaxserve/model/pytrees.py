@@ -1,4 +1,4 @@
-"""Registers the step-input dataclasses of jaxserve/step_inputs.py (and step_layout.py's
+"""Registers the step-input dataclasses of jaxserve/model/step_inputs.py (and step_layout.py's
 PackedStepInputs) as jax pytrees.
 
 step_inputs.py stays jax-free (the scheduler side and runner/batch.py build it with numpy); the
@@ -12,8 +12,8 @@ import dataclasses
 
 import jax
 
-from jaxserve import step_inputs
-from jaxserve.step_layout import PackedStepInputs
+from jaxserve.model import step_inputs
+from jaxserve.model.step_layout import PackedStepInputs
 
 _CLASSES = (step_inputs.ModelInputs, step_inputs.AttentionMetadata, step_inputs.SamplingInputs,
             step_inputs.StepInputs, step_inputs.PageTableInputs, step_inputs.VerifyInputs,

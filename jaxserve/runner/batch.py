@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxserve.plan import ProcessorRow, ScheduledChunk, StepPlan
+from jaxserve.core.plan import ProcessorRow, ScheduledChunk, StepPlan
 from jaxserve.runner.buckets import BucketTable
 from jaxserve.runner.host_page_tables import HostPageTables
 from jaxserve.runner.host_sampling import HostSamplingRows
-from jaxserve.step_inputs import SamplingInputs, StepInputs
-from jaxserve.step_layout import PackedStepInputs, StepLayout
+from jaxserve.model.step_inputs import SamplingInputs, StepInputs
+from jaxserve.model.step_layout import PackedStepInputs, StepLayout
 
 
 def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from jaxserve.runner.buckets import powers_of_two
-from jaxserve.step_inputs import PageTableInputs
+from jaxserve.model.step_inputs import PageTableInputs
 
 
 def write(tables, slots, rows):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxserve.plan import SamplingRow
+from jaxserve.core.plan import SamplingRow
 
 
 class HostSamplingRows:

@@ -10,7 +10,7 @@ cache (a plain step, a speculative verify step) shares one DeviceKV. No page acc
 
 from __future__ import annotations
 
-from jaxserve.plan import StepPlan
+from jaxserve.core.plan import StepPlan
 from jaxserve.runner.buckets import powers_of_two
 from jaxserve.runner.host_prefix_pool import HostPrefixPool
 from jaxserve.runner.swap import HostPages, KVCache, KVSwapper

@@ -1,6 +1,6 @@
 """Logits processors inside the compiled step, and the device state they read.
 
-ProcessorState holds one row per processor slot (jaxserve/processor_slots.py assigns them):
+ProcessorState holds one row per processor slot (jaxserve/core/processor_slots.py assigns them):
   counts [slots, V] i32   output-token counts, updated on device from each step's own samples
   prompt [slots, V] bool  prompt-token presence (repetition_penalty reads prompt and output)
   bias   [slots, V] f32   logit_bias, -inf outside allowed_token_ids and on single-token bad words
@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.model import pytrees  # noqa: F401  (registers the step inputs as pytrees)
-from jaxserve.plan import ProcessorInit, StepPlan
-from jaxserve.step_inputs import SamplingInputs
+from jaxserve.core.plan import ProcessorInit, StepPlan
+from jaxserve.model.step_inputs import SamplingInputs
 
 
 def empty_arrays(num_slots: int, vocab_size: int) -> tuple:

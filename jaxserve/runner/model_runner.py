@@ -32,7 +32,7 @@ from flax import nnx
 from jaxserve.model import device_select
 from jaxserve.model.attention import resolve_attention_impl
 from jaxserve.model.config import ModelConfig
-from jaxserve.plan import StepPlan
+from jaxserve.core.plan import StepPlan
 from jaxserve.runner import batch_tokens
 from jaxserve.runner.batch import build_step_inputs
 from jaxserve.runner.batch_tokens import BatchTokens
@@ -50,7 +50,7 @@ from jaxserve.runner.logits_processors import ProcessorState
 from jaxserve.runner.protocol import StepResult
 from jaxserve.runner.sampler import prompt_logprobs, sample, top_logprobs
 from jaxserve.runner.tensor_parallel import Placement
-from jaxserve.step_layout import PackedStepInputs, layouts_for
+from jaxserve.model.step_layout import PackedStepInputs, layouts_for
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from jaxserve.plan import StepPlan
+from jaxserve.core.plan import StepPlan
 
 log = logging.getLogger(__name__)
 _STOP, _PLAN, _PING = 0, 1, 2

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.model import pytrees  # noqa: F401  (registers PackedStepInputs as a pytree)
-from jaxserve.step_inputs import StepInputs
-from jaxserve.step_layout import PackedStepInputs
+from jaxserve.model.step_inputs import StepInputs
+from jaxserve.model.step_layout import PackedStepInputs
 
 
 def unpack(packed: PackedStepInputs) -> StepInputs:

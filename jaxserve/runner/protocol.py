@@ -13,7 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
-from jaxserve.plan import StepPlan
+from jaxserve.core.plan import StepPlan
 from jaxserve.runner.buckets import BucketTable
 
 

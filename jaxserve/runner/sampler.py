@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxserve.step_inputs import MAX_TOP_LOGPROBS, SamplingInputs
+from jaxserve.model.step_inputs import MAX_TOP_LOGPROBS, SamplingInputs
 
 _BASE_KEY = 0x6A61  # arbitrary fixed root; keys differ per (seed, output index)
 

@@ -14,10 +14,10 @@ import dataclasses
 
 import numpy as np
 
-from jaxserve.plan import StepPlan
+from jaxserve.core.plan import StepPlan
 from jaxserve.runner.batch import build_step_inputs
 from jaxserve.runner.buckets import BucketTable
-from jaxserve.step_inputs import (DraftInputs, SpecStepInputs, StepInputs, VerifyInputs,
+from jaxserve.model.step_inputs import (DraftInputs, SpecStepInputs, StepInputs, VerifyInputs,
                                   num_logit_rows)
 
 

@@ -22,7 +22,7 @@ from flax import nnx
 
 from jaxserve.model.config import ModelConfig
 from jaxserve.spec.rejection import draft_sample
-from jaxserve.step_inputs import AttentionMetadata, DraftInputs, ModelInputs, SamplingInputs
+from jaxserve.model.step_inputs import AttentionMetadata, DraftInputs, ModelInputs, SamplingInputs
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from jaxserve.plan import StepPlan
+from jaxserve.core.plan import StepPlan
 from jaxserve.runner.batch import build_step_inputs
 from jaxserve.runner.compiled_step import CompiledStep
 from jaxserve.runner.model_runner import ModelRunner, unpack
@@ -28,7 +28,7 @@ from jaxserve.spec import step
 from jaxserve.spec.batch import build_spec_inputs, empty_spec_inputs
 from jaxserve.spec.draft import share_weights
 from jaxserve.spec.policy import SpeculationPolicy
-from jaxserve.step_inputs import StepInputs
+from jaxserve.model.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
 _TIMING_RUNS = 5

@@ -18,7 +18,7 @@ from flax import nnx
 
 from jaxserve.runner.grammar_mask import maybe_apply_bitmask
 from jaxserve.spec import draft, rejection
-from jaxserve.step_inputs import SpecStepInputs, StepInputs, VerifyInputs
+from jaxserve.model.step_inputs import SpecStepInputs, StepInputs, VerifyInputs
 
 
 def _verify(graphdef, attention, k, state, kv, step: StepInputs, verify: VerifyInputs,

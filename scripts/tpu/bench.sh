@@ -28,7 +28,7 @@ while (($#)); do
 done
 
 REPORT="jaxserve-bench-$ACCELERATOR_TYPE.json"
-bench="$REMOTE_PYTHON -m jaxserve.cli bench serve --address 127.0.0.1:$PORT --json ~/$REPORT"
+bench="$REMOTE_PYTHON -m jaxserve.entrypoints.cli bench serve --address 127.0.0.1:$PORT --json ~/$REPORT"
 for word in "${EXTRA[@]}"; do
   bench+=" $(quote_word "$word")"
 done

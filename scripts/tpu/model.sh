@@ -45,7 +45,7 @@ case "$FROM" in
 esac
 
 if [[ "$CONVERT" == 1 ]]; then
-  on_workers all "$REMOTE_PYTHON -m jaxserve.cli convert $(quote_word "$(vm_model_path "$FROM" 0)") \
+  on_workers all "$REMOTE_PYTHON -m jaxserve.entrypoints.cli convert $(quote_word "$(vm_model_path "$FROM" 0)") \
 $(quote_word "$(vm_model_path "$FROM" 1)")"
 fi
 echo "model on the VM: --model $(vm_model_path "$FROM" "$CONVERT")" >&2

@@ -55,7 +55,7 @@ if [[ "$STOP" == 1 ]]; then
   exit 0
 fi
 
-serve=("$REMOTE_PYTHON" -m jaxserve.cli serve --model "$MODEL" --host 0.0.0.0 --port "$PORT"
+serve=("$REMOTE_PYTHON" -m jaxserve.entrypoints.cli serve --model "$MODEL" --host 0.0.0.0 --port "$PORT"
        --tensor-parallel-size "$TP")
 if [[ "$MULTIHOST" == 1 ]]; then
   serve+=(--distributed auto)
@@ -69,7 +69,7 @@ on_workers "$WORKERS" "nohup ${line}> ~/jaxserve-serve.log 2>&1 < /dev/null & ec
 
 # Poll health on worker 0 (process 0 serves) until SERVING; show the log if it never is.
 wait_py="import sys, time
-from jaxserve.server.client import JaxServeClient, JaxServeError
+from jaxserve.entrypoints.grpc.client import JaxServeClient, JaxServeError
 client, deadline = JaxServeClient(\"127.0.0.1:$PORT\"), time.time() + $WAIT_SECONDS
 while time.time() < deadline:
     try:

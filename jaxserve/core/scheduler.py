@@ -1,0 +1,394 @@
+"""Scheduler: decides, every step, which requests run and how many tokens each gets.
+
+Order within a step: running requests (one decode token or the next prefill chunk), then
+swapped-out requests coming back, then waiting requests (priority, then arrival), all within
+`max_num_batched_tokens` and `max_num_seqs`. When a page can't be found, the lowest-priority,
+latest-arrived running request is preempted (recompute, or swap with recompute as fallback).
+When to admit and what padding costs is the batching policy's (batching.py: continuous, or the
+static baseline). With a speculation policy (jaxserve/spec), a decoding request also gets draft
+rows to verify, carried as plan-level data (StepPlan.drafts); update() keeps only the accepted
+tokens, gives back the KV slots of rejected ones and caches only accepted ones. With `kv_window`
+(every layer of every model sharing the page tables has a sliding window: reusable_window), a
+request's pages wholly before the window are given back after each step, and a swap moves only
+the pages still in the window. The samples of an n > 1 request wait until sample 0 has
+computed the prompt, then share its pages (PageManager.fork). Requests using logits processors
+hold a ProcessorSlots row while running, and no step speculates while any is in the engine.
+Async scheduling: schedule() counts a scheduled chunk's tokens as computed and its sample as
+pending at once, so the next step can be planned before this one's tokens reach the host; the
+pending token is read on the device from the request's batch slot (its row of the device batch
+state, held while running). update() (scheduler_results.py) takes them in one step late. With
+decode_rows (a runner that keeps each slot's settings and page table: ModelRunner), the steady
+decoders go into the plan as arrays (plan.DecodeRows), not a chunk each.
+Plain Python: no jax, no device arrays, no text (stop strings are the engine's job, finish()).
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+from jaxserve.core.batching_policy import make_batching_policy
+from jaxserve.core.page_manager import PageManager
+from jaxserve.core.plan import DecodeRows, DraftRows, SamplingRow, StepPlan, SwapIn, SwapOut
+from jaxserve.core.processor_slots import ProcessorSlots
+from jaxserve.core.request import FinishReason, Request, RequestStatus, TokenEvent
+from jaxserve.core.scheduler_results import SchedulerResults
+from jaxserve.core.step_rows import build_chunk
+from jaxserve.core.swap_space import HostSwapSpace
+
+
+def reusable_window(*models_layer_windows) -> int | None:
+    """The window past which a request's KV pages are dead for every model sharing the page
+    tables (a target and its draft): the largest window when every layer of every model has
+    one, else None (some layer reads the whole prefix, so no page ever dies)."""
+    windows = [w for layer_windows in models_layer_windows for w in layer_windows]
+    return None if not windows or None in windows else max(windows)
+
+
+class Scheduler(SchedulerResults):
+    def __init__(self, page_manager: PageManager, *, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int,
+                 preemption_mode: str = "recompute", enable_chunked_prefill: bool = True,
+                 batching: str = "continuous", swap_space: HostSwapSpace | None = None,
+                 speculation=None, kv_window: int | None = None, decode_rows: bool = False):
+        self.pages = page_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.preemption_mode = preemption_mode
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.batching = make_batching_policy(batching)
+        self.swap_space = swap_space
+        self.speculation = speculation  # jaxserve.spec.policy.SpeculationPolicy or None
+        self.kv_window = kv_window  # keys older than this are never read again (None: all are)
+        # steady decoders as plan.DecodeRows (not with speculation nor static batching: their
+        # runner and padding read chunks)
+        self.decode_rows = (decode_rows and speculation is None
+                            and not self.batching.admits_whole_batch)
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []   # sorted by Request.sort_key
+        self.running: list[Request] = []   # sorted by Request.sort_key
+        self.swapped: list[Request] = []   # FIFO
+        # n > 1: sample 0's id -> the other samples, held until its prompt KV is computed
+        self._held: dict[str, list[Request]] = {}
+        self._dropped_swaps: list[str] = []
+        self.processor_slots = ProcessorSlots(max_num_seqs + 1)
+        self._num_plain_only = 0  # requests only plain steps compute: none speculates meanwhile
+        self._num_host_bound = 0  # requests whose inputs need their last token on the host
+        self._free_batch_slots = list(range(max_num_seqs, 0, -1))  # 0: none
+        self._host_drafts = speculation is not None and speculation.method == "ngram"
+        self.num_preemptions = 0
+        self.num_swaps = 0
+        self._stop_sets: dict[frozenset, frozenset] = {}
+
+    # ---- lifecycle -------------------------------------------------------------------
+    def add(self, request: Request) -> TokenEvent | None:
+        """Queue a request. One that can never fit is finished at once; its event is returned."""
+        total = min(request.num_tokens + request.sampling.max_tokens, self.max_model_len)
+        needed = self.pages.num_pages_for(total)
+        capacity = self.pages.num_pages - 1
+        self.requests[request.request_id] = request
+        sp = request.sampling
+        stop_ids = frozenset(sp.stop_token_ids) | frozenset(
+            () if sp.ignore_eos else request.eos_token_ids)
+        # one shared set per distinct value (update() reads it per request and step: requests
+        # alike share its cache lines); a bounded memo, as clients choose stop_token_ids
+        if len(self._stop_sets) >= 256:
+            self._stop_sets.clear()
+        request.stop_ids = self._stop_sets.setdefault(stop_ids, stop_ids)
+        request.max_output_tokens = min(sp.max_tokens, self.max_model_len - request.num_tokens)
+        request.sampling_row = SamplingRow(sp.temperature, sp.top_k, sp.top_p, sp.min_p,
+                                           request.seed, sp.top_logprobs)
+        request.plain_rows = not sp.uses_processors and (sp.prompt_logprobs is None
+                                                         or request.sample_index != 0)
+        request.steady_rows = (self.decode_rows and request.plain_rows and not sp.top_logprobs
+                               and sp.structured_outputs is None)
+        self._num_plain_only += request.sampling.needs_plain_steps(self._host_drafts)
+        self._num_host_bound += request.needs_host_tokens
+        if needed > capacity:
+            request.error = (f"request needs {needed} KV pages ({total} tokens) but the page "
+                             f"pool holds {capacity}; lower max_tokens or the prompt length")
+            self._finish(request, FinishReason.ERROR)
+            return TokenEvent(request.request_id, (), (), FinishReason.ERROR, request.error)
+        request.status = RequestStatus.WAITING
+        source = self.requests.get(request.shares_prompt_of or "")
+        if source is not None and not source.output_token_ids:
+            self._held.setdefault(source.request_id, []).append(request)
+            return None
+        bisect.insort(self.waiting, request, key=Request.sort_key)
+        return None
+
+    def finish(self, request_id: str, reason: FinishReason) -> bool:
+        """Finish a request from outside (abort, stop string). False if unknown or done."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return False
+        self._finish(request, reason)
+        return True
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        self._release_held(request.request_id)  # its samples prefill on their own now
+        held = self._held.get(request.shares_prompt_of or "")
+        if held and request in held:
+            held.remove(request)
+        elif request.status == RequestStatus.WAITING and request in self.waiting:
+            self.waiting.remove(request)
+        elif request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+            self._release_batch_slot(request)
+        elif request.status == RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+            self.swap_space.release(request.request_id)
+            self._dropped_swaps.append(request.request_id)
+        self.pages.free(request.request_id)
+        self.processor_slots.release(request.request_id)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        if self.requests.pop(request.request_id, None) is not None:
+            self._num_plain_only -= request.sampling.needs_plain_steps(self._host_drafts)
+            self._num_host_bound -= request.needs_host_tokens
+
+    def may_plan_ahead(self) -> bool:
+        """Whether the next step can be planned before this one's tokens reach the host: no
+        request needs its last token on the host to build its inputs, and no speculation or
+        static batching (both read every result before planning)."""
+        return (self._num_host_bound == 0 and self.speculation is None
+                and not self.batching.admits_whole_batch)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped or self._held)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + sum(len(h) for h in self._held.values())
+
+    def _release_held(self, request_id: str) -> None:
+        """The samples waiting for this one's prompt KV join the waiting queue."""
+        for request in self._held.pop(request_id, ()):
+            bisect.insort(self.waiting, request, key=Request.sort_key)
+
+    # ---- scheduling ----------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        """Running requests, then swapped-out ones coming back, then waiting ones."""
+        plan = StepPlan(dropped_swaps=self._dropped_swaps)
+        self._dropped_swaps = []
+        self.batching.begin_step(self.requests)
+        scheduled: list[tuple[Request, int]] = []
+        steady = [[], [], [], []] if self.decode_rows else None  # DecodeRows' fields
+        budget, preempted = self._schedule_running(plan, scheduled, self.max_num_batched_tokens,
+                                                   steady)
+        if not preempted:
+            budget = self._schedule_swapped(plan, scheduled, budget)
+        if not preempted and not self.swapped and self.batching.may_admit(len(self.running)):
+            budget = self._schedule_waiting(scheduled, budget)
+        plan.static_padding = self.batching.padding(budget, self.requests)
+        scheduled.sort(key=lambda item: item[1] != 1)  # decode rows first
+        chunks, table_of, drafts = plan.chunks, self.pages.page_table_tuple, plan.drafts
+        for request, num_new in scheduled:
+            draft = drafts.get(request.request_id) if drafts else None
+            chunk = build_chunk(request, num_new, table_of(request.request_id),
+                                self.processor_slots, draft.token_ids if draft else ())
+            chunks.append(chunk)
+            request.num_computed_tokens += num_new  # being computed; update() confirms
+            if chunk.sampling is not None:
+                request.num_pending_tokens += 1
+                if request.steady_rows:  # its slot gets its settings and this table
+                    request.decode_table = chunk.page_table
+        if steady and steady[0]:
+            plan.decode = DecodeRows(*steady[:3], np.array(steady[3], np.int64).reshape(-1, 5))
+        if self.pages.host_tier is not None:
+            plan.prefix_stores, plan.prefix_loads = self.pages.take_prefix_ops()
+        return plan
+
+    def _schedule_running(self, plan: StepPlan, scheduled, budget: int,
+                          steady) -> tuple[int, bool]:
+        """Each running request's next token or prefill chunk (plus draft rows when speculating),
+        preempting others for pages; a steady decoder's into `steady` (DecodeRows' fields),
+        counted as being computed at once. Returns (budget left, whether anything was
+        preempted)."""
+        preempted = False
+        speculate = (self.speculation is not None and self._num_plain_only == 0
+                     and self.speculation.should_speculate(sum(
+                         r.num_scheduled_tokens - r.num_computed_tokens == 1
+                         for r in self.running)))
+        chunked = self.enable_chunked_prefill
+        for index, request in enumerate(list(self.running)):
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            # (this runs per request and step: plain locals, no helper calls)
+            num_outputs, pending = len(request.output_token_ids), request.num_pending_tokens
+            if pending and num_outputs + pending >= request.max_output_tokens:
+                continue  # its token in flight is its last (max_tokens within max_model_len)
+            remaining = (len(request.prompt_token_ids) + num_outputs + pending
+                         - request.num_computed_tokens)
+            # a prefill chunk that doesn't fit waits unless chunked prefill is on
+            num_new = 0 if remaining > budget and not chunked else min(remaining, budget)
+            if num_new == 0:
+                continue
+            num_draft, draft_ids = 0, ()
+            if speculate and remaining == 1:
+                # Drafts never take the row another running request needs for its decode.
+                room = budget - 1 - (len(self.running) - index - 1)
+                num_draft, draft_ids = self.speculation.propose(
+                    request.all_token_ids, self._max_drafts(request, room))
+            while not self.pages.append_slots(request.request_id,
+                                              request.num_computed_tokens + num_new + num_draft):
+                victim = self._pick_victim({r.request_id for r, _ in scheduled}
+                                           | set(steady[0] if steady else ()))
+                self._preempt(victim, plan)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                budget -= num_new + num_draft
+                if (steady is not None and remaining == 1 and request.decode_table
+                        is self.pages.page_table_tuple(request.request_id)):
+                    # a steady decode: its slot holds its settings and this table already
+                    start = request.num_computed_tokens  # known tokens: start + 1 - pending
+                    outputs = request.output_token_ids
+                    steady[0].append(request.request_id)
+                    steady[1].append(request.decode_table)
+                    steady[2].append(request.sampling_row)
+                    steady[3] += (start, 0 if pending else outputs[-1] if outputs
+                                  else request.prompt_token_ids[-1], request.batch_slot,
+                                  pending, num_outputs + pending)
+                    request.num_computed_tokens = start + 1
+                    request.num_pending_tokens = pending + 1
+                    continue
+                scheduled.append((request, num_new))
+                if num_draft:
+                    plan.drafts[request.request_id] = DraftRows(num_draft, tuple(draft_ids))
+        return budget, preempted
+
+    def _max_drafts(self, request: Request, room: int) -> int:
+        """Drafts that fit the budget, max_tokens (the bonus token counts) and max_model_len."""
+        left = request.sampling.max_tokens - len(request.output_token_ids) - 1
+        return max(0, min(room, left, self.max_model_len - request.num_tokens))
+
+    def _schedule_swapped(self, plan: StepPlan, scheduled, budget: int) -> int:
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.swapped[0]
+            if request.num_pending_tokens:
+                break  # swapped out while its last step ran: resumes once its token is in
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_released = self._num_dead_pages(request.num_computed_tokens)  # as at swap-out
+            if self.pages.allocate(request.request_id, (), request.num_computed_tokens + num_new,
+                                   num_released_pages=num_released) is None:
+                break
+            self.swapped.pop(0)
+            num_pages = self.pages.num_pages_for(request.num_computed_tokens)
+            page_ids = tuple(self.pages.page_table(request.request_id)[num_released:num_pages])
+            plan.swap_in.append(SwapIn(request.request_id, page_ids))
+            self.swap_space.release(request.request_id)
+            self._start_running(request)
+            scheduled.append((request, num_new))
+            budget -= num_new
+        return budget
+
+    def _schedule_waiting(self, scheduled, budget: int) -> int:
+        new_batch, index = [], 0
+        while (index < len(self.waiting) and (budget > 0 or self.batching.admits_whole_batch)
+               and len(self.running) < self.max_num_seqs):
+            request = self.waiting[index]
+            if ((request.sampling.structured_outputs is not None and request.grammar is None)
+                    or request.num_pending_tokens):
+                index += 1  # its grammar is still compiling, or (preempted while its last
+                continue    # step ran) its token is not in yet: the others go on without it
+            tokens = request.all_token_ids
+            got = self._admit_pages(request, budget)
+            if got is None:
+                break
+            self.waiting.pop(index)
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = got
+            request.num_computed_tokens = got
+            num_new = min(len(tokens) - got, budget)
+            self._start_running(request)
+            if num_new > 0:
+                scheduled.append((request, num_new))
+            new_batch.append(request)
+            budget -= num_new
+        self.batching.admitted(new_batch)
+        return budget
+
+    def _admit_pages(self, request: Request, budget: int) -> int | None:
+        """Pages to admit a waiting request: the prompt pages of the sample it shares them with
+        (n > 1) while that one holds them, else its cached prefix; then fresh pages for what it
+        computes this step. Returns the tokens whose KV it has, or None, nothing changed, when
+        pages run out (or its prompt doesn't fit the budget and chunked prefill is off)."""
+        tokens, rid = request.all_token_ids, request.request_id
+        source = self.requests.get(request.shares_prompt_of or "")
+        num_prompt = len(request.prompt_token_ids)
+        if request.sampling.prompt_logprobs is not None and request.sample_index == 0:
+            tokens = ()  # every prompt position's logits are needed: no cached prefix
+        if (source is not None and self.pages.has_request(source.request_id)
+                and source.num_computed_tokens >= num_prompt):
+            num_shared = (num_prompt - 1) // self.pages.page_size * self.pages.page_size
+        else:
+            source, num_shared = None, len(self.pages.lookup_prefix(tokens)) * self.pages.page_size
+        num_new = request.num_tokens - num_shared
+        if num_new > budget and not self.enable_chunked_prefill:
+            return None
+        num_new = min(num_new, budget)
+        if source is None:
+            return self.pages.allocate(rid, tokens, num_shared + num_new)
+        got = self.pages.fork(source.request_id, rid, num_shared)
+        if not self.pages.append_slots(rid, got + num_new):
+            self.pages.free(rid)
+            return None
+        return got
+
+    def _start_running(self, request: Request) -> None:
+        request.status = RequestStatus.RUNNING
+        request.decode_table = None  # a new slot: its settings and table not sent yet
+        request.batch_slot = self._free_batch_slots.pop()  # never empty: <= max_num_seqs run
+        bisect.insort(self.running, request, key=Request.sort_key)
+
+    def _release_batch_slot(self, request: Request) -> None:
+        self._free_batch_slots.append(request.batch_slot)
+        request.batch_slot, request.decode_table = 0, None
+
+    def _pick_victim(self, exclude: set[str]) -> Request:
+        # The request asking for a page is never in `exclude`, so this is never empty.
+        return max((r for r in self.running if r.request_id not in exclude),
+                   key=Request.sort_key)
+
+    def _preempt(self, victim: Request, plan: StepPlan) -> None:
+        self.running.remove(victim)
+        self._release_batch_slot(victim)
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.processor_slots.release(victim.request_id)  # refilled from histories on resume
+        plan.preempted.append(victim.request_id)
+        num_pages = self.pages.num_pages_for(victim.num_computed_tokens)
+        num_released = self._release_window(victim)  # only pages still in the window move
+        page_ids = tuple(self.pages.page_table(victim.request_id)[num_released:num_pages])
+        if (self.preemption_mode == "swap" and self.swap_space is not None and page_ids
+                and self.swap_space.reserve(victim.request_id, len(page_ids))):
+            plan.swap_out.append(SwapOut(victim.request_id, page_ids))
+            self.pages.free(victim.request_id)
+            victim.status = RequestStatus.SWAPPED
+            self.swapped.append(victim)
+            self.num_swaps += 1
+            return
+        self.pages.free(victim.request_id)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, victim, key=Request.sort_key)
+
+    def _num_dead_pages(self, num_computed_tokens: int) -> int:
+        """Leading pages no later query reads: all their keys are before the first one the next
+        query (at num_computed_tokens) sees, num_computed_tokens - kv_window + 1."""
+        if self.kv_window is None:
+            return 0
+        return max(num_computed_tokens - self.kv_window + 1, 0) // self.pages.page_size
+
+    def _release_window(self, request: Request, kv_len: int | None = None) -> int:
+        """Give back the request's dead pages (after commit) for a query at kv_len (default:
+        num_computed_tokens); the NULL_PAGE entries it has now."""
+        if self.kv_window is None:
+            return 0
+        kv_len = request.num_computed_tokens if kv_len is None else kv_len
+        return self.pages.release_window(request.request_id, kv_len - self.kv_window + 1)

@@ -1,0 +1,176 @@
+"""The scheduler's half that takes a step's results in: sampled tokens -> TokenEvents.
+
+A mixin of Scheduler (scheduler.py), kept apart so each file stays one job: schedule() plans
+and counts a chunk's tokens as computed at once; update() here confirms them when the step's
+tokens reach the host, which under async scheduling is one step later. Then a request may have
+been preempted (its token is still taken: recompute re-reads it, a swap copied the KV that
+holds it), or finished meanwhile (its token is dropped, with its KV slot: the pages went back
+when it finished). Only KV written by steps whose results are in is ever committed to the
+prefix cache. Plain Python: no jax, no device arrays, no text.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxserve.core.plan import StepPlan
+from jaxserve.core.request import DecodeTokens, FinishReason, Request, RequestStatus, TokenEvent
+from jaxserve.core.step_rows import prompt_logprob_entries, top_logprob_pairs
+
+
+class SchedulerResults:
+    def update(self, plan: StepPlan, token_ids, logprobs, top_ids=None, top_logprobs=None,
+               prompt=None) -> list[TokenEvent]:
+        """Apply one step's sampled tokens (index i belongs to the plan's i-th request: its
+        decode rows first, then plan.chunks).
+
+        token_ids[i] is one token, or (speculative steps) a row of tokens: the accepted drafts,
+        then the target's own next token, then -1 padding. logprobs[i] has the same shape.
+        top_ids[i] / top_logprobs[i] (plain steps): the most likely alternatives, best first.
+        prompt: (ids, logprobs) [T, 1 + K] per token row (the next prompt token's, then the
+        alternatives), when a chunk reports prompt logprobs."""
+        events, verified = [], []
+        token_rows, logprob_rows = np.asarray(token_ids).tolist(), np.asarray(logprobs).tolist()
+        requests, held, page_size = self.requests, self._held, self.pages.page_size
+        next_row = num_decode = plan.num_decode_rows  # next_row: the chunk's rows end there
+        if num_decode:
+            self._update_decode_rows(plan.decode, token_rows, logprob_rows, events)
+        for i, chunk in enumerate(plan.chunks, num_decode):
+            num_rows = len(chunk.token_ids)
+            next_row += num_rows
+            request = requests.get(chunk.request_id)
+            if request is None:
+                continue  # finished (aborted, stopped) while the step ran: drop its tokens
+            running = request.status == RequestStatus.RUNNING
+            if chunk.prompt_logprob_next:
+                request.prompt_logprobs.extend(
+                    prompt_logprob_entries(chunk, next_row - num_rows, prompt))
+            if chunk.sampling is None:
+                if running:
+                    self._commit(request, chunk.start_position, chunk.kv_len)
+                continue
+            request.num_pending_tokens -= 1
+            row, row_logprobs = token_rows[i], logprob_rows[i]
+            if isinstance(row, list):  # a speculative row: accepted drafts, bonus, -1 padding
+                num_emitted = sum(t >= 0 for t in row)
+                new_tokens, new_logprobs = row[:num_emitted], row_logprobs[:num_emitted]
+                reason = self._take_tokens(request, new_tokens)
+                if reason is not None and len(new_tokens) < num_emitted:
+                    new_logprobs = new_logprobs[:len(new_tokens)]
+            else:  # one token (as _take_tokens, inline: this runs per request and step)
+                num_emitted, new_tokens, new_logprobs = 1, (row,), (row_logprobs,)
+                outputs = request.output_token_ids
+                outputs.append(row)
+                reason = (FinishReason.STOP if row in request.stop_ids else FinishReason.LENGTH
+                          if len(outputs) >= request.max_output_tokens else None)
+            if request.grammar is not None and not request.grammar.accept(list(new_tokens)):
+                request.error = f"the grammar refused sampled tokens {list(new_tokens)}"
+                reason = FinishReason.ERROR  # never expected: the step masked them
+            start, kv_len = chunk.start_position, chunk.start_position + num_rows
+            num_draft = plan.num_drafts_of(chunk.request_id) if plan.drafts else 0
+            if num_draft:  # speculative steps run synchronously: the request is running
+                verified.append((num_draft, num_emitted - 1))
+                # Accepted drafts' KV is final; the rejected ones' slots are given back.
+                request.num_computed_tokens += len(new_tokens) - 1
+                kv_len += len(new_tokens) - 1
+                self.pages.truncate(request.request_id, request.num_computed_tokens)
+            if running and (kv_len // page_size > start // page_size
+                            or self.kv_window is not None):
+                self._commit(request, start, kv_len)
+            if held:
+                self._release_held(request.request_id)  # its prompt KV is final: share it
+            if reason is not None:
+                self._finish(request, reason)
+            top = ()
+            if top_ids is not None and new_tokens and chunk.sampling.top_logprobs:  # plain only
+                top = top_logprob_pairs(chunk, top_ids[i], top_logprobs[i])
+            events.append(TokenEvent(
+                request.request_id, tuple(new_tokens), tuple(new_logprobs), reason,
+                request.error if reason is FinishReason.ERROR else None, top))
+        if self.speculation is not None:
+            self.speculation.record_step(verified)
+        return events
+
+    def _update_decode_rows(self, decode, token_rows, logprob_rows, events) -> None:
+        """update() of plan.DecodeRows (rows 0..D-1): one token each, of a plain request (no
+        grammar, no top logprobs, no speculation), as update()'s one-token case. The tokens
+        that finish nothing go out as one DecodeTokens event, first; the others each as a
+        TokenEvent."""
+        requests, held, page_size = self.requests, self._held, self.pages.page_size
+        window = self.kv_window is not None
+        positions = decode.meta[:, decode.POSITION].tolist()
+        batch = DecodeTokens([], [], [])
+        events.append(batch)
+        ids, tokens, logprobs = batch.request_ids, batch.token_ids, batch.logprobs
+        for request_id, token, logprob, start in zip(decode.request_ids, token_rows,
+                                                     logprob_rows, positions):
+            request = requests.get(request_id)
+            if request is None:
+                continue  # finished while the step ran: its token is dropped
+            request.num_pending_tokens -= 1
+            outputs = request.output_token_ids
+            outputs.append(token)
+            reason = (FinishReason.STOP if token in request.stop_ids else FinishReason.LENGTH
+                      if len(outputs) >= request.max_output_tokens else None)
+            if (window or (start + 1) % page_size == 0) and (
+                    request.status == RequestStatus.RUNNING):
+                self._commit(request, start, start + 1)
+            if held:
+                self._release_held(request_id)
+            if reason is None:
+                ids.append(request_id)
+                tokens.append(token)
+                logprobs.append(logprob)
+            else:
+                self._finish(request, reason)
+                events.append(TokenEvent(request_id, (token,), (logprob,), reason))
+
+    def _commit(self, request: Request, start: int, kv_len: int) -> None:
+        """KV of positions start..kv_len-1 is written (its step's results are in): cache the
+        pages that filled (none when the step completed no page: the next one that does
+        registers every full page since), and give back those wholly out of the window."""
+        ps = self.pages.page_size
+        if kv_len // ps > start // ps:
+            self.pages.commit(request.request_id, _Prefix(request, kv_len))
+        self._release_window(request, kv_len)  # (not past what is committed: async lag)
+
+    def _take_tokens(self, request: Request, tokens: list):
+        """Append a step's tokens to the request, up to the first that ends it (the rest of
+        `tokens` is cut off in place); its finish reason, or None."""
+        outputs = request.output_token_ids
+        for j, token in enumerate(tokens):
+            outputs.append(token)
+            if token in request.stop_ids:
+                reason = FinishReason.STOP
+            elif len(outputs) >= request.max_output_tokens:
+                reason = FinishReason.LENGTH
+            else:
+                continue
+            del tokens[j + 1:]  # a stop inside an accepted run: drop the tokens after it
+            return reason
+        return None
+
+
+class _Prefix:
+    """A request's first `length` tokens (prompt, then outputs) for PageManager.commit, which
+    slices a page at a time: no copy of the whole history per committed page."""
+
+    __slots__ = ("prompt", "outputs", "length")
+
+    def __init__(self, request: Request, length: int):
+        self.prompt, self.outputs = request.prompt_token_ids, request.output_token_ids
+        self.length = min(length, len(self.prompt) + len(self.outputs))  # as a list's [:length]
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: slice) -> list[int]:
+        start, stop, step = index.indices(self.length)
+        if step != 1:
+            raise ValueError("a token prefix slices with step 1 only")
+        n = len(self.prompt)
+        if stop <= n:
+            return self.prompt[start:stop]
+        if start >= n:
+            return self.outputs[start - n:stop - n]
+        return self.prompt[start:] + self.outputs[:stop - n]

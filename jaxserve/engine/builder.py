@@ -1,0 +1,197 @@
+"""build_engine: everything an Engine runs on, wired from an EngineConfig in one place.
+
+Loading (sharded straight into the tensor-parallel mesh), the speculation settings, the KV page
+pool's size, the page manager, host swap space, scheduler and batching policy, the runner (plain
+or speculative, warmed up, then wrapped for multi-host) and the frozen EngineInfo. The Engine
+only runs the loop over these parts; tests can build parts of their own. Nothing here runs a
+step or touches a request.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine.info import EngineInfo
+from jaxserve.core.host_prefix_tier import HostPrefixTier
+from jaxserve.entrypoints.logging_setup import phase
+from jaxserve.core.page_manager import PageManager
+from jaxserve.core.scheduler import Scheduler, reusable_window
+from jaxserve.core.swap_space import HostSwapSpace
+
+log = logging.getLogger(__name__)
+DEFAULT_KV_CACHE_MEMORY = 1 << 30
+
+
+@dataclass
+class EngineParts:
+    config: EngineConfig          # validated
+    model_config: object          # ModelConfig
+    tokenizer: object
+    max_model_len: int
+    dtype_name: str
+    mesh: object                  # a ("tp",) Mesh, or None on one device
+    speculation: object           # spec.setup.Speculation
+    pages: PageManager
+    scheduler: Scheduler
+    runner: object                # runner.protocol.Runner
+    info: EngineInfo
+
+
+def device_kv_budget(fraction: float, devices) -> int | None:
+    """vLLM's --gpu-memory-utilization: the KV pool gets `fraction` of each device's memory
+    less what is already in use there (the loaded weights), summed over the devices the pool is
+    sharded on. None where the backend reports no memory figures (the CPU)."""
+    budget = 0
+    for device in devices:
+        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+        if not stats or "bytes_limit" not in stats:
+            return None
+        free = int(fraction * stats["bytes_limit"]) - stats.get("bytes_in_use", 0)
+        if free <= 0:
+            raise ValueError(f"gpu_memory_utilization={fraction} leaves no room for the KV "
+                             f"pool on {device}: {stats.get('bytes_in_use', 0) / 2**30:.2f} "
+                             f"GiB of {stats['bytes_limit'] / 2**30:.2f} GiB are in use")
+        budget += free
+    return budget
+
+
+def size_page_pool(config: EngineConfig, kv_bytes_per_token: int, max_model_len: int,
+                   device_budget: int | None = None) -> int:
+    """Pages for the KV pool: given directly, or from a byte budget (page 0 included).
+    device_budget: bytes from gpu_memory_utilization (device_kv_budget), when set."""
+    if config.num_pages is not None:
+        return config.num_pages
+    budget = config.kv_cache_memory if device_budget is None else device_budget
+    if budget is None:  # enough for every sequence at full length, within a default budget
+        budget = min(DEFAULT_KV_CACHE_MEMORY,
+                     config.max_num_seqs * (max_model_len + config.page_size) * kv_bytes_per_token)
+    num_pages = budget // (config.page_size * kv_bytes_per_token)
+    if num_pages < 2:
+        raise ValueError(f"kv_cache_memory={budget} bytes holds {num_pages} pages of "
+                         f"{config.page_size} tokens; at least 2 are needed")
+    return int(num_pages)
+
+
+def host_prefix_tier(config: EngineConfig, bytes_per_page: int,
+                     num_processes: int) -> HostPrefixTier | None:
+    """The prefix cache's host tier from host_prefix_cache_size (None when 0). Its bytes and
+    swap_space's follow one rule (whole pages of bytes_per_page), and together they must fit
+    the host's memory."""
+    size = config.host_prefix_cache_size
+    if size == 0:
+        return None
+    if num_processes > 1:
+        raise ValueError(f"host_prefix_cache_size={size} is not supported with several JAX "
+                         f"processes ({num_processes}): each holds only its shard of the KV")
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if size + config.swap_space > total:
+        raise ValueError(f"host_prefix_cache_size={size} plus swap_space={config.swap_space} "
+                         f"bytes exceed this host's memory ({total} bytes)")
+    tier = HostPrefixTier(size, bytes_per_page)
+    if tier.num_slots == 0:
+        raise ValueError(f"host_prefix_cache_size={size} bytes holds no page of "
+                         f"{bytes_per_page} bytes; give at least that, or 0 for no host tier")
+    log.info("prefix cache host tier: %d pages, %.1f MiB", tier.num_slots,
+             tier.num_slots * bytes_per_page / 2**20)
+    return tier
+
+
+def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> EngineParts:
+    """loaded: a LoadedModel (None: load config.model). Compiles every step before returning."""
+    import jax
+
+    from jaxserve.model.sharding import make_mesh
+    from jaxserve.runner import multihost, tensor_parallel
+    from jaxserve.runner.buckets import powers_of_two, token_buckets_for
+    from jaxserve.runner.cpu_threads import lower_xla_cpu_threads
+    from jaxserve.runner.model_runner import ModelRunner, resolve_dtype
+    from jaxserve.spec.setup import Speculation
+    from jaxserve.model.loader import quantize
+    from jaxserve.model.quant import report
+
+    config = config.validate()
+    start = time.perf_counter()
+    mesh = make_mesh(config.tensor_parallel_size)  # None: one device, unsharded
+    if loaded is None:  # a checkpoint is restored straight into the mesh's shardings
+        with phase(log, f"loading model {config.model!r} on {jax.default_backend()}"):
+            loaded = tensor_parallel.load_model(config.model, mesh, progress=progress,
+                                                quantization=config.quantization)
+    loaded = quantize(loaded, config.quantization)  # a float LoadedModel given by the caller
+    loaded_s = time.perf_counter() - start
+    mc = loaded.config
+    max_model_len = config.max_model_len or min(mc.max_position_embeddings, 2048)
+    if mc.max_exact_len is not None and config.max_model_len is None:
+        max_model_len = min(max_model_len, mc.max_exact_len)  # where RoPE is exact
+    mc.check_runnable(max_model_len)  # a longer max_model_len than that is refused
+    dtype = resolve_dtype(config.dtype, jax.default_backend())
+    speculation = Speculation.build(config, loaded, progress=progress)
+    itemsize = jax.numpy.dtype(dtype).itemsize
+    kv_per_token = mc.kv_bytes_per_token(itemsize) + speculation.draft_kv_bytes_per_token(itemsize)
+    device_budget = None
+    if config.gpu_memory_utilization is not None:
+        devices = mesh.devices.flat if mesh is not None else jax.local_devices()[:1]
+        device_budget = device_kv_budget(config.gpu_memory_utilization, devices)
+        if device_budget is None:
+            log.warning("gpu_memory_utilization=%s is ignored on the %s backend (no device "
+                        "memory figures): set kv_cache_memory for the KV pool's size",
+                        config.gpu_memory_utilization, jax.default_backend())
+    num_pages = size_page_pool(config, kv_per_token, max_model_len, device_budget)
+    log.info("KV cache: %d pages x %d tokens = %d tokens, %.1f MiB", num_pages - 1,
+             config.page_size, (num_pages - 1) * config.page_size,
+             num_pages * config.page_size * kv_per_token / 2**20)
+    tier = host_prefix_tier(config, config.page_size * kv_per_token, jax.process_count())
+    pages = PageManager(num_pages, config.page_size, config.enable_prefix_caching,
+                        host_tier=tier)
+    max_pages = -(-max_model_len // config.page_size)
+    swap = HostSwapSpace(config.swap_space, config.page_size * kv_per_token,
+                         page_buckets=powers_of_two(1, max_pages))
+    # Pages no layer of the target (nor of a draft sharing its page tables) can see again
+    # go back to the pool as requests advance: only when every layer has a sliding window.
+    draft_windows = () if speculation.draft is None else (speculation.draft[0].layer_windows,)
+    scheduler = Scheduler(
+        pages, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
+        preemption_mode=config.preemption_mode, enable_chunked_prefill=config.enable_chunked_prefill,
+        batching=config.batching, swap_space=swap, speculation=speculation.policy,
+        kv_window=reusable_window(mc.layer_windows, *draft_windows),
+        decode_rows=True)  # ModelRunner lays plan.DecodeRows out (none when speculating)
+    runner = speculation.wrap(ModelRunner(
+        mc, loaded.params, num_pages=num_pages, page_size=config.page_size,
+        max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens, dtype=config.dtype,
+        attention_impl=config.attention_impl, layer_loop=config.layer_loop,
+        token_buckets=config.token_buckets or token_buckets_for(
+            jax.default_backend(), config.max_num_batched_tokens),
+        seq_buckets=config.seq_buckets,
+        compile_cache_dir=config.compile_cache_dir, mesh=mesh,
+        host_prefix_slots=0 if tier is None else tier.num_slots))
+    with phase(log, "warm-up: trace, compile (or read the compile cache) and run every step "
+                    "bucket"):
+        runner.warmup(progress=progress)
+    if jax.default_backend() == "cpu":  # the host loop keeps a core beside XLA's threads
+        lower_xla_cpu_threads(config.xla_cpu_nice)
+    # Several JAX processes: process 0 broadcasts each plan, the others follow it.
+    runner = multihost.for_this_process(runner)
+    dtype_name = jax.numpy.dtype(dtype).name
+    weight_bytes, weight_formats = report(loaded.params, dtype)
+    log.info("weights on device: %.1f MiB; %s", weight_bytes / 2**20, "; ".join(
+        f"{group} {fmt} {size / 2**20:.1f} MiB" for group, fmt, size in weight_formats))
+    info = EngineInfo(
+        model_name=mc.name, architecture=mc.architecture, max_model_len=max_model_len,
+        vocab_size=mc.vocab_size, dtype=dtype_name, page_size=config.page_size,
+        num_pages=num_pages, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_queued_requests=config.max_queued_requests,
+        eos_token_ids=tuple(int(t) for t in loaded.tokenizer.eos_token_ids),
+        tensor_parallel_size=config.tensor_parallel_size,
+        speculative_method=config.speculative_method, quantization=config.quantization,
+        weight_bytes=weight_bytes, weight_formats=weight_formats)
+    total = time.perf_counter() - start
+    log.info("engine ready in %.1f s: model %.1f s, page pool + warm-up %.1f s", total,
+             loaded_s, total - loaded_s)
+    return EngineParts(config, mc, loaded.tokenizer, max_model_len, dtype_name, mesh, speculation,
+                       pages, scheduler, runner, info)

@@ -1,0 +1,284 @@
+"""Engine: the serving loop. step() = schedule -> dispatch -> (previous step's) update -> emit.
+
+With async scheduling (the default, where the lag can hold: Scheduler.may_plan_ahead and a
+runner with dispatch / collect) step N+1 is planned and dispatched before step N's tokens are
+read, so the host's update and output processing of step N overlap the device's step N+1;
+otherwise a step is schedule -> execute -> update -> emit, and a step in flight is taken in
+first.
+
+It validates and tokenizes requests, fans an n > 1 request out into its samples, starts the
+compile of a structured request's grammar (off-thread) and gives each sample its matcher once
+ready, and turns the scheduler's token events into RequestOutputs with text (output_processor:
+one record per request and per sample). Its parts (model, page pool, scheduler, runner) are
+wired by engine_builder.build_engine. It is single-threaded: callers on other threads go
+through AsyncEngine. It never touches device arrays itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import itertools
+import logging
+import random
+import time
+import uuid
+from contextlib import contextmanager
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine.builder import EngineParts, build_engine
+from jaxserve.engine.info import engine_stats
+from jaxserve.engine.metrics import EngineMetrics
+from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.engine.outputs import RequestOutput
+from jaxserve.core.processor_slots import bad_words_ids
+from jaxserve.core.request import FinishReason, Request, SamplingParams, TokenEvent, sample_seed
+from jaxserve.engine.step_timings import StepTimings
+
+log = logging.getLogger(__name__)
+
+
+# While a serving loop runs, a young-generation collection starts only past this many new
+# container objects (Python's default: 700). A step makes ~12 per request that live until the
+# step's outputs are handed on, so at 256 requests the default ran two young collections and
+# a middle one every few steps: 0.29-0.36 ms a step of 4.8-7 ms (issue 18), none at 10 000.
+# Objects freed by reference counting never wait for it; only cyclic garbage waits longer.
+SERVING_GEN0_THRESHOLD = 50_000
+
+
+@contextmanager
+def frozen_heap():
+    """While a serving loop runs, the objects alive when it started (the engine, its model's
+    host arrays, compiled executables: hundreds of thousands) leave the garbage collector's
+    scans: a full collection over them cost ~4 ms per step at 256 requests on the 2-core CPU;
+    and young collections wait for SERVING_GEN0_THRESHOLD new objects. Afterwards both are as
+    they were (no leak when an engine is dropped)."""
+    thresholds = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(max(thresholds[0], SERVING_GEN0_THRESHOLD), *thresholds[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.unfreeze()
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds max_queued_requests already."""
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, loaded=None, progress: bool = True, *,
+                 parts: EngineParts | None = None):
+        """parts: prebuilt by engine_builder.build_engine (None: built here from config)."""
+        parts = parts or build_engine(config, loaded, progress)
+        self.config = parts.config
+        self.model_config = parts.model_config
+        self.tokenizer = parts.tokenizer
+        self.model_name = parts.model_config.name
+        self.max_model_len = parts.max_model_len
+        self.dtype_name = parts.dtype_name
+        self.mesh = parts.mesh
+        self.speculation = parts.speculation
+        self.pages = parts.pages
+        self.scheduler = parts.scheduler
+        self.runner = parts.runner
+        self.info = parts.info
+        self._outputs = OutputProcessor(self.tokenizer, self.scheduler.finish)
+        self._pending_events: list[TokenEvent] = []
+        self.grammars = None        # a GrammarCompiler, made by the first structured request
+        self._awaiting_grammar: list[Request] = []  # samples whose grammar is compiling
+        self._arrivals = itertools.count()
+        self._seed_rng = random.Random(self.config.seed)
+        self.num_steps = 0
+        self._closed = False
+        self.timings = StepTimings()
+        if hasattr(self.runner, "timings"):
+            self.runner.timings = self.timings
+        self._async = self.config.async_scheduling and hasattr(self.runner, "dispatch")
+        self._in_flight = None  # (plan, the runner's pending step) dispatched, not yet read
+        self.num_overlapped_steps = 0  # steps dispatched before their predecessor was read
+        self._publish_stats()
+        self.metrics = EngineMetrics(lambda: self.stats, self.info)
+
+    def close(self) -> None:
+        """Release the runner (multi-host: stop the followers). Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self.runner.close()
+            if self.grammars is not None:
+                self.grammars.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _publish_stats(self) -> None:
+        """A fresh immutable snapshot for other threads (metrics, front ends) to read."""
+        self.stats = engine_stats(self.scheduler, self.pages.stats(), self.num_steps)
+
+    # ---- requests ---------------------------------------------------------------------
+    def make_request(self, prompt: str | list[int] | None = None,
+                     params: SamplingParams | None = None, *, request_id: str | None = None,
+                     priority: int = 0, prompt_token_ids: list[int] | None = None) -> Request:
+        """Validate and tokenize; raises ValueError naming the field, the value and the limit."""
+        params = params or SamplingParams()
+        if isinstance(prompt, (list, tuple)):
+            prompt, prompt_token_ids = None, list(prompt)
+        if (prompt is None) == (prompt_token_ids is None):
+            raise ValueError("exactly one of prompt (text) and prompt_token_ids must be given")
+        if prompt is not None:
+            if not isinstance(prompt, str) or not prompt:
+                raise ValueError("prompt must be a non-empty string")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        ids = [int(t) for t in prompt_token_ids]
+        if not ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids contains {bad[0]}, outside the vocabulary "
+                             f"[0, {vocab})")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt length {len(ids)} + max_tokens {params.max_tokens} = "
+                             f"{len(ids) + params.max_tokens} exceeds max_model_len "
+                             f"{self.max_model_len}")
+        for name, tokens in (("logit_bias", [t for t, _ in params.logit_bias]),
+                             ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = [t for t in tokens if t >= vocab]
+            if bad:
+                raise ValueError(f"{name} contains token id {bad[0]}, outside the vocabulary "
+                                 f"[0, {vocab})")
+        if params.structured_outputs is not None:
+            self._grammar_compiler().submit(params.structured_outputs)  # compiles off-thread
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
+        return Request(request_id or uuid.uuid4().hex, ids, params, seed,
+                       eos_token_ids=tuple(self.tokenizer.eos_token_ids), priority=priority,
+                       bad_words_ids=bad_words_ids(self.tokenizer, params.bad_words))
+
+    def add(self, request: Request) -> None:
+        """Queue a made request; with sampling.n > 1 its other samples too (ids
+        "<request_id>#<i>", seeds sample_seed(seed, i)), which share its prompt's KV pages."""
+        n = request.sampling.n
+        limit = self.config.max_queued_requests
+        if limit is not None and self.scheduler.num_waiting + n > limit:
+            raise QueueFullError(f"waiting queue is full (max_queued_requests={limit})")
+        samples = [request] + [dataclasses.replace(
+            request, request_id=f"{request.request_id}#{i}", seed=sample_seed(request.seed, i),
+            sample_index=i, shares_prompt_of=request.request_id, output_token_ids=[],
+            prompt_logprobs=[]) for i in range(1, n)]
+        if any(s.request_id in self._outputs for s in samples):
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        seq, now = next(self._arrivals), time.monotonic()
+        for sample in samples:
+            sample.arrival_seq, sample.arrival_time = seq, now
+        self._outputs.add(samples)
+        if request.sampling.structured_outputs is not None:
+            self._awaiting_grammar.extend(samples)
+        for sample in samples:
+            event = self.scheduler.add(sample)
+            if event is not None:
+                self._pending_events.append(event)
+        self._publish_stats()
+
+    def add_request(self, prompt=None, params=None, **kwargs) -> str:
+        request = self.make_request(prompt, params, **kwargs)
+        self.add(request)
+        return request.request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Abort every sample of the request; its final output, or None if unknown or done."""
+        samples = [s for s in self._outputs.samples_of(request_id)
+                   if self.scheduler.finish(s, FinishReason.ABORT)]
+        if not samples:
+            return None
+        outs = self._outputs.process([TokenEvent(s, (), (), FinishReason.ABORT) for s in samples],
+                                     self._log_failure)
+        self.metrics.observe_outputs(outs)
+        self._publish_stats()
+        return outs[0] if outs else None
+
+    def has_unfinished(self) -> bool:
+        # A step in flight when no request is unfinished holds only finished ones' rows: the
+        # next step reads and drops it.
+        return self.scheduler.has_unfinished() or bool(self._pending_events)
+
+    # ---- the loop -----------------------------------------------------------------------
+    def _grammar_compiler(self):
+        if self.grammars is None:
+            from jaxserve.structured.compiler import GrammarCompiler
+            if not hasattr(self.tokenizer, "backend"):
+                raise ValueError("structured_outputs needs a Hugging Face `tokenizers` "
+                                 "tokenizer; this model's tokenizer is not one")
+            self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+        return self.grammars
+
+    def _attach_grammars(self) -> None:
+        """Each sample whose grammar has compiled gets its own matcher, and may be scheduled;
+        one whose grammar failed (or timed out) finishes with the error."""
+        waiting = []
+        for sample in self._awaiting_grammar:
+            if sample.is_finished:
+                continue
+            try:
+                compiled = self.grammars.check(sample.sampling.structured_outputs)
+            except (ValueError, TimeoutError) as exc:
+                if self.scheduler.finish(sample.request_id, FinishReason.ERROR):
+                    self._pending_events.append(TokenEvent(
+                        sample.request_id, (), (), FinishReason.ERROR, str(exc)))
+                continue
+            if compiled is None:
+                waiting.append(sample)
+            else:
+                sample.grammar = compiled.new_matcher()
+        self._awaiting_grammar = waiting
+
+    def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
+        if self._awaiting_grammar:
+            self._attach_grammars()
+        ahead = self._async and self.scheduler.may_plan_ahead()
+        events: list[TokenEvent] = []
+        if self._in_flight is not None and not ahead:  # the lag can't hold: read it first
+            events = self._take_in(*self._in_flight)
+            self._in_flight = None
+        with self.timings.phase("schedule"):
+            plan = self.scheduler.schedule()
+        if ahead:
+            pending = self.runner.dispatch(plan)
+            if self._in_flight is not None:  # the device runs `plan` meanwhile
+                events = self._take_in(*self._in_flight)
+                self.num_overlapped_steps += bool(plan.num_seqs)
+            self._in_flight = (plan, pending) if plan.num_seqs else None
+        else:
+            events += self._take_in(plan, self.runner.execute(plan))
+        self.num_steps += 1
+        with self.timings.phase("emit"):
+            outputs = self._process(events)
+            self._publish_stats()
+            self.metrics.observe_outputs(outputs)
+        self.metrics.observe_step(time.perf_counter() - start)
+        return outputs
+
+    def _take_in(self, plan, result) -> list[TokenEvent]:
+        """A step's results (a runner's StepResult, or its pending step to collect) into the
+        scheduler: the step's token events."""
+        if not hasattr(result, "token_ids"):
+            result = self.runner.collect(result)
+        prompt = None if result.prompt_ids is None else (result.prompt_ids,
+                                                          result.prompt_logprobs)
+        with self.timings.phase("update"):
+            return self.scheduler.update(plan, result.token_ids, result.logprobs,
+                                         result.top_ids, result.top_logprobs, prompt)
+
+    def _process(self, events: list[TokenEvent]) -> list[RequestOutput]:
+        if self._pending_events:
+            events = self._pending_events + events
+            self._pending_events = []
+        return self._outputs.process(events, self._log_failure)
+
+    @staticmethod
+    def _log_failure(sample_id: str, exc: Exception) -> None:
+        log.error("output processing failed for %s", sample_id, exc_info=exc)

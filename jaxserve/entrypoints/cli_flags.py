@@ -1,0 +1,208 @@
+"""The CLI's engine and sampling flags, made from one place: EngineConfig's field metadata and
+SamplingParams' defaults.
+
+Each flag's help says what it does, its unit, its choices and its default; sizes take units
+(`4GiB`, `512MiB`; a plain number is in vLLM's unit for the same flag); booleans are
+`--flag / --no-flag`; vLLM's names are accepted as aliases. `mapping_table()` writes the
+README's jaxserve <-> vLLM table from the same metadata. This module only declares and reads
+flags: it runs nothing and never imports jax.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+from jaxserve.config import EngineConfig, parse_size
+
+_SKIP = {"model"}  # a positional MODEL on serve; --model elsewhere (add_model_flag)
+
+
+def parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def size_type(plain_unit: str):
+    """An argparse type: bytes from '4GiB', or a plain number in plain_unit."""
+    def parse(text: str) -> int:
+        try:
+            return parse_size(text, plain_unit)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    parse.__name__ = "size"
+    return parse
+
+
+class BoolFlag(argparse.Action):
+    """`--flag` sets True, `--no-flag` sets False (argparse.BooleanOptionalAction, plus the
+    negated spelling of every alias)."""
+
+    def __init__(self, option_strings, dest, default=None, help=None, **kwargs):
+        names = []
+        for name in option_strings:
+            names.append(name)
+            if name.startswith("--"):
+                names.append("--no-" + name[2:])
+        super().__init__(names, dest, nargs=0, default=default, help=help, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, not option_string.startswith("--no-"))
+
+    def format_usage(self) -> str:
+        return " | ".join(self.option_strings)
+
+
+def _describe(meta: dict, default, plain_unit: str | None) -> str:
+    parts = [meta["help"]]
+    if plain_unit:
+        parts.append(f"size: 4GiB, 512MiB, 2GB; a plain number is in {plain_unit}")
+    elif meta.get("unit"):
+        parts.append(f"unit: {meta['unit']}")
+    if meta.get("choices"):
+        parts.append("choices: " + ", ".join(map(str, meta["choices"])))
+    parts.append(f"default: {_show_default(default, meta)}")
+    if meta.get("vllm"):
+        parts.append("vLLM: " + ("same name" if meta["vllm"] == "=" else meta["vllm"]))
+    return "; ".join(parts)
+
+
+def _show_default(default, meta: dict) -> str:
+    if default is None:
+        return "unset"
+    if meta.get("cli_plain_unit") and isinstance(default, int):
+        for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+            if default >= scale and default % scale == 0:
+                return f"{default // scale}{unit}"
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    return str(default)
+
+
+def engine_fields() -> list[tuple[dataclasses.Field, str]]:
+    hints = typing.get_type_hints(EngineConfig)
+    return [(f, str(hints[f.name])) for f in dataclasses.fields(EngineConfig)]
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_model_flag(parser: argparse.ArgumentParser) -> None:
+    field = {f.name: f for f in dataclasses.fields(EngineConfig)}["model"]
+    parser.add_argument("--model", default=None, dest="model",
+                        help=_describe(field.metadata, field.default, None))
+
+
+def add_engine_flags(parser: argparse.ArgumentParser, with_model: bool = True) -> None:
+    """Every EngineConfig field as a flag of the same name (defaults None: unset fields keep
+    EngineConfig's own defaults)."""
+    from jaxserve.entrypoints import distributed
+
+    group = parser.add_argument_group("engine (EngineConfig; the same names in LLM(...))")
+    if with_model:
+        add_model_flag(group)
+    for f, hint in engine_fields():
+        if f.name in _SKIP:
+            continue
+        meta = f.metadata
+        names = [flag_name(f.name), *meta.get("cli_alias", ())]
+        plain = meta.get("cli_plain_unit")
+        kwargs: dict = {"default": None, "dest": f.name,
+                        "help": _describe(meta, f.default, plain)}
+        if plain:
+            kwargs.update(type=size_type(plain), metavar="SIZE")
+        elif "bool" in hint:
+            kwargs["action"] = BoolFlag
+        elif "tuple" in hint:
+            kwargs.update(type=int, nargs="+", metavar="N")
+        elif "float" in hint:
+            kwargs.update(type=float, metavar="X")
+        elif "int" in hint:
+            kwargs.update(type=int, metavar="N")
+        if meta.get("choices") and "type" not in kwargs and "action" not in kwargs:
+            kwargs["choices"] = meta["choices"]
+        group.add_argument(*names, **kwargs)
+    distributed.add_distributed_flags(parser)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    settings = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
+                if getattr(args, f.name, None) is not None}
+    return EngineConfig.from_kwargs(**settings)
+
+
+# Sampling flags: (SamplingParams field, type, help). Defaults are SamplingParams' own (the
+# Python API's and the servers'), so the CLI, LLM and both front ends sample alike; a model's
+# generation_config.json overrides them unless a flag is given (generation_defaults.py).
+_SAMPLING = (
+    ("max_tokens", int, "most tokens to generate"),
+    ("temperature", float, "sampling temperature; 0 is greedy"),
+    ("top_k", int, "keep the k most likely tokens; 0 keeps all"),
+    ("top_p", float, "keep the most likely tokens up to this total probability; 1 keeps all"),
+    ("min_p", float, "drop tokens less likely than min_p times the most likely; 0 keeps all"),
+    ("repetition_penalty", float, "divide repeated tokens' positive logits by this; 1 is off"),
+    ("presence_penalty", float, "subtract from tokens already in the output; in [-2, 2]"),
+    ("frequency_penalty", float, "subtract per occurrence in the output; in [-2, 2]"),
+)
+
+
+def sampling_defaults() -> dict:
+    from jaxserve.core.request import SamplingParams
+    return {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+
+
+def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    defaults = sampling_defaults()
+    group = parser.add_argument_group(
+        "sampling (SamplingParams; unset flags take the model's generation_config.json, "
+        "else SamplingParams' defaults)")
+    for name, kind, text in _SAMPLING:
+        group.add_argument(flag_name(name), type=kind, default=None, dest=name,
+                           metavar="N" if kind is int else "X",
+                           help=f"{text}; default: the model's, else {defaults[name]}")
+    group.add_argument("--sampling-seed", type=int, default=None, dest="sampling_seed",
+                       metavar="N",
+                       help="per-request sampling seed (--seed is the engine's); default: "
+                            "unset (a fresh seed per request)")
+    group.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                       help="stop at this string (repeat for several); default: none")
+    group.add_argument("--ignore-eos", action=BoolFlag, default=False,
+                       help="keep generating past EOS up to --max-tokens; default: off")
+
+
+def sampling_overrides(args: argparse.Namespace) -> dict:
+    """The sampling settings the user gave on the command line (unset flags left out)."""
+    given = {name: getattr(args, name) for name, _, _ in _SAMPLING
+             if getattr(args, name, None) is not None}
+    if getattr(args, "sampling_seed", None) is not None:
+        given["seed"] = args.sampling_seed
+    if getattr(args, "stop", None):
+        given["stop"] = tuple(args.stop)
+    if getattr(args, "ignore_eos", False):
+        given["ignore_eos"] = True
+    return given
+
+
+def mapping_table() -> str:
+    """The README's table: every engine flag, its unit and default, and vLLM's name for it."""
+    rows = ["| jaxserve flag (LLM keyword) | unit / choices | default | vLLM |",
+            "|---|---|---|---|"]
+    for f, _ in engine_fields():
+        meta = f.metadata
+        names = ", ".join(f"`{n}`" for n in (flag_name(f.name), *meta.get("cli_alias", ())))
+        unit = meta.get("unit") or ""
+        if meta.get("cli_plain_unit"):
+            unit = f"size (`4GiB`, `512MiB`); plain number: {meta['cli_plain_unit']}"
+            unit += " on the CLI, bytes in Python"
+        if meta.get("choices"):
+            unit = " / ".join(map(str, meta["choices"]))
+        vllm = meta.get("vllm") or "-"
+        vllm = "same" if vllm == "=" else f"`{vllm}`"
+        rows.append(f"| {names} (`{f.name}`) | {unit} | {_show_default(f.default, meta)} | "
+                    f"{vllm} |")
+    return "\n".join(rows)

@@ -1,0 +1,154 @@
+"""A small synchronous client for the JaxServe gRPC API (the CLI's `generate --address`, tests).
+
+JaxServeClient wraps one channel: generate (the raw response stream, cancellable),
+generate_text (collected), tokenize, model_info, health. stream_generate yields text deltas.
+Failures raise JaxServeError carrying the gRPC status code (InvalidRequestError, also a
+ValueError, for INVALID_ARGUMENT). It holds no engine code and imports no jax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from jaxserve.core.request import SamplingParams
+from jaxserve.entrypoints.grpc import convert
+from jaxserve.entrypoints.grpc.pb import jaxserve_pb2 as pb
+from jaxserve.entrypoints.grpc.pb import jaxserve_pb2_grpc as pb_grpc
+
+
+class JaxServeError(RuntimeError):
+    """A call failed; `code` is its grpc.StatusCode, `details` the server's message."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self.code, self.details = code, details
+
+
+class InvalidRequestError(JaxServeError, ValueError):
+    """INVALID_ARGUMENT: the message names the field, the value and the limit."""
+
+
+def _error(exc: grpc.RpcError) -> JaxServeError:
+    cls = InvalidRequestError if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else JaxServeError
+    return cls(exc.code(), exc.details() or "")
+
+
+@dataclass
+class GenerateResult:
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # logprobs = k > 0
+    finish_reason: str | None = None       # "stop" or "length"
+    usage: pb.Usage | None = None
+    text_deltas: list[str] = field(default_factory=list)
+    # prompt_logprobs: per prompt position from the second, {token id: logprob}, own first
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # n > 1: every sample, by index (samples[0] is this result itself)
+    samples: dict[int, "GenerateResult"] = field(default_factory=dict)
+
+
+class JaxServeClient:
+    def __init__(self, address: str, timeout: float | None = None):
+        """address: "host:port"; timeout: default per-call deadline in seconds."""
+        self.address, self.timeout = address, timeout
+        self.channel = grpc.insecure_channel(address)
+        self.stub = pb_grpc.JaxServeStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "JaxServeClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def generate(self, prompt: str | list[int] | None = None,
+                 params: SamplingParams | None = None, *, messages: list[dict] | None = None,
+                 request_id: str = "", priority: int = 0, timeout: float | None = None):
+        """The raw call: an iterator of GenerateResponse with .cancel(); it raises
+        grpc.RpcError on failure. Exactly one of prompt (text or token ids) and messages."""
+        request = convert.generate_request(prompt, params, messages=messages,
+                                           request_id=request_id, priority=priority)
+        return self.stub.Generate(request, timeout=timeout or self.timeout)
+
+    def generate_text(self, prompt: str | list[int] | None = None,
+                      params: SamplingParams | None = None, **kwargs) -> GenerateResult:
+        """Run one request to the end; raises JaxServeError on failure."""
+        result = GenerateResult(request_id=kwargs.get("request_id", ""))
+        try:
+            result.samples[0] = result
+            for response in self.generate(prompt, params, **kwargs):
+                result.request_id = response.request_id
+                sample = result.samples.setdefault(
+                    response.index, GenerateResult(response.request_id))
+                sample.text += response.text
+                sample.text_deltas.append(response.text)
+                sample.token_ids.extend(response.token_ids)
+                sample.logprobs.extend(response.logprobs)
+                sample.top_logprobs.extend(dict(zip(top.token_ids, top.logprobs))
+                                           for top in response.top_logprobs)
+                if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                    sample.finish_reason = convert.FINISH_REASON_NAMES[response.finish_reason]
+                result.prompt_logprobs.extend(dict(zip(e.token_ids, e.logprobs))
+                                              for e in response.prompt_logprobs)
+                if response.HasField("usage"):
+                    result.usage = response.usage
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+        return result
+
+    def tokenize(self, text: str | None = None, *, messages: list[dict] | None = None,
+                 add_special_tokens: bool = True) -> list[int]:
+        request = pb.TokenizeRequest()
+        if messages is not None:
+            request.chat.CopyFrom(convert.chat_to_proto(messages))
+        else:
+            request.text = text
+            request.add_special_tokens = add_special_tokens
+        try:
+            return list(self.stub.Tokenize(request, timeout=self.timeout).token_ids)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+
+    def model_info(self) -> pb.ModelInfoResponse:
+        try:
+            return self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=self.timeout)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+
+    def health(self, service: str = "") -> str:
+        """"SERVING", "NOT_SERVING", ...; raises JaxServeError (UNAVAILABLE) when unreachable."""
+        try:
+            response = self.health_stub.Check(health_pb2.HealthCheckRequest(service=service),
+                                              timeout=self.timeout or 5.0)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+
+def stream_generate(address: str, prompt: str, params: SamplingParams | None = None,
+                    chat: bool = False) -> Iterator[str]:
+    """Text deltas of one completion from the server at address; chat wraps the prompt as a
+    user message. Raises JaxServeError (InvalidRequestError for bad input) on failure."""
+    with JaxServeClient(address) as client:
+        if chat:
+            call = client.generate(messages=[{"role": "user", "content": prompt}],
+                                   params=params)
+        else:
+            call = client.generate(prompt, params)
+        try:
+            for response in call:
+                if response.text:
+                    yield response.text
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+        finally:
+            call.cancel()  # no-op when finished; aborts the request if the caller stops early

@@ -1,0 +1,82 @@
+"""LLM: the offline Python API. LLM(model=..., **engine settings).generate(prompts, params).
+
+A thin driver over Engine: adds every prompt, steps until all finish, returns outputs in
+prompt order. It holds no scheduling or device logic of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from tqdm.auto import tqdm
+
+from jaxserve.engine import generation_defaults
+from jaxserve.config import EngineConfig
+from jaxserve.engine.engine import Engine, frozen_heap
+from jaxserve.engine.outputs import RequestOutput
+from jaxserve.core.request import SamplingParams
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, int) for p in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+class LLM:
+    def __init__(self, model: str = "default", *, loaded=None, progress: bool = True, **settings):
+        self.config = EngineConfig.from_kwargs(model=model, **settings)
+        self.engine = Engine(self.config, loaded=loaded, progress=progress)
+        # generate(prompts) without params: the model's generation_config.json, as vLLM does
+        self.default_sampling_params = generation_defaults.sampling_params(
+            {}, generation_defaults.read_generation_defaults(model))
+
+    def close(self) -> None:
+        """Release the engine's runner (multi-host: stop the followers)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | Sequence, sampling_params=None, *, use_tqdm: bool = True,
+                 priorities: Sequence[int] | None = None) -> list[RequestOutput]:
+        prompts = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or self.default_sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        # Only finished outputs are read here: the engine makes no per-step snapshots for them
+        # (as vLLM's LLM.generate asks for RequestOutputKind.FINAL_ONLY).
+        final = {id(sp): dataclasses.replace(sp, output_kind="final_only") for sp in params}
+        requests = [self.engine.make_request(p, final[id(sp)],
+                                             priority=priorities[i] if priorities else 0)
+                    for i, (p, sp) in enumerate(zip(prompts, params))]
+        for request in requests:
+            self.engine.add(request)
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(requests), desc="generating", disable=not use_tqdm) as bar, \
+                frozen_heap():
+            while len(results) < len(requests):
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        return [results[r.request_id] for r in requests]
+
+    def chat(self, messages: list[dict], sampling_params=None, **kwargs) -> RequestOutput:
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        return self.generate([ids], sampling_params, **kwargs)[0]

@@ -1,0 +1,107 @@
+"""The HTTP front end's gate: ASGI middleware that checks every request before any route runs.
+
+In order: the API key (401, when one is set), the body size (413: Content-Length against the
+limit, or a chunked body read here up to it), a JSON Content-Type on the generation, tokenize
+and detokenize routes (415), and readiness (503 while starting, draining or after the engine
+died). It also counts the requests in flight, which shutdown waits on. Probes, scrapers and the
+schema (/health, /metrics, /version, /openapi.json, /docs) pass without any check. No routes,
+no engine calls: it reads only the state that http_server.py gives it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+
+from fastapi.responses import JSONResponse
+
+from jaxserve.entrypoints.openai.errors import OpenAIError
+
+# Paths served whatever the state and without the API key (probes, scrapers, the schema).
+_OPEN_PATHS = {"/health", "/metrics", "/version", "/openapi.json", "/docs", "/redoc",
+               "/docs/oauth2-redirect"}
+_JSON_PATHS = {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
+
+
+class GateState:
+    """What the routes and the gate share; `serving` (an OpenAIServing) is None until attach."""
+
+    def __init__(self):
+        self.serving = None
+        self.draining = False
+        self.num_in_flight = 0
+        self.started = int(time.time())
+
+    def unavailable(self) -> str | None:
+        if self.draining:
+            return "the server is shutting down"
+        if self.serving is None:
+            return "the server is starting: the engine is loading and compiling"
+        error = self.serving.async_engine.error
+        return None if error is None else f"engine stopped: {error!r}"
+
+
+async def send_error(error: OpenAIError, scope, receive, send) -> None:
+    await JSONResponse(error.body(), error.status, error.headers)(scope, receive, send)
+
+
+class Gate:
+    """ASGI middleware before any route: API key, body size, content type, readiness, and the
+    in-flight count."""
+
+    def __init__(self, app, settings: HttpSettings, state: GateState):
+        self.app, self.settings, self.state = app, settings, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in _OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        key = self.settings.api_key
+        if key is not None:
+            given = headers.get(b"authorization", b"").decode("latin-1")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                return await send_error(OpenAIError(
+                    401, "missing or invalid API key: send the header 'Authorization: Bearer "
+                         "<key>'", "authorization", "authentication_error"), scope, receive, send)
+        limit = self.settings.max_body_bytes
+        length = headers.get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > limit:
+            return await send_error(OpenAIError(
+                413, f"the request body ({length.decode('latin-1')} bytes) exceeds the limit of "
+                     f"{limit} bytes", "body", "request_too_large"), scope, receive, send)
+        if scope["path"] in _JSON_PATHS and scope["method"] == "POST":
+            given = headers.get(b"content-type", b"").decode("latin-1")
+            if given.partition(";")[0].strip().lower() != "application/json":
+                return await send_error(OpenAIError(
+                    415, f"the request body must be JSON, sent with the header 'Content-Type: "
+                         f"application/json' (got {given or 'none'!r})", "content-type",
+                    "unsupported_media_type"), scope, receive, send)
+        reason = self.state.unavailable()
+        if reason is not None:
+            return await send_error(OpenAIError(503, reason, None, "service_unavailable"),
+                                     scope, receive, send)
+        if b"content-length" not in headers and scope["method"] == "POST":
+            # A chunked body has no length to check first: read it here, up to the limit.
+            messages, received, more = [], 0, True
+            while more:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return
+                received += len(message.get("body", b""))
+                if received > limit:
+                    return await send_error(OpenAIError(
+                        413, f"the request body exceeds the limit of {limit} bytes", "body",
+                        "request_too_large"), scope, receive, send)
+                messages.append(message)
+                more = message.get("more_body", False)
+
+            async def replayed():
+                return messages.pop(0) if messages else await receive()
+        else:
+            replayed = receive
+
+        self.state.num_in_flight += 1
+        try:
+            await self.app(scope, replayed, send)
+        finally:
+            self.state.num_in_flight -= 1

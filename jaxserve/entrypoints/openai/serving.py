@@ -1,0 +1,369 @@
+"""OpenAIServing: OpenAI completion and chat requests -> AsyncEngine calls -> responses and SSE.
+
+A thin translation layer, as vLLM's entrypoints/openai serving classes are. It reads only the
+engine's frozen facts (`engine.info`), its tokenizer, and talks to the engine through
+AsyncEngine.generate (whose iterator is always closed, so a request whose client went away is
+aborted); it never touches the scheduler, the page manager or the runner, and knows nothing of
+routing, auth or health (http_server.py). Prompt sizes are checked against AsyncEngine's
+PromptLimits before any tokenizer work; tokenizing, chat templating and detokenizing run on its
+bounded text pool, never on the event loop. A request's `timeout` becomes its deadline. Every refusal is an OpenAIError with the HTTP status, a message naming
+the field and its limit, and the field itself (openai_errors.py, with the parameters refused until
+the engine learns them); walking engine streams, SSE, usage and logprobs are openai_stream.py's.
+Output constraints (response_format, vLLM's structured_outputs and guided_*: at most one) become
+SamplingParams.structured_outputs; AsyncEngine.generate compiles the grammar before queueing, so
+an invalid one is a 400 naming its field before any work is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+
+from jaxserve import __version__
+from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.entrypoints.prompt_intake import encode
+from jaxserve.core.request import SamplingParams
+from jaxserve.entrypoints.openai import protocol as api
+from jaxserve.entrypoints.openai.chat_prompt import render_chat, with_chat_template
+from jaxserve.entrypoints.openai.errors import (OpenAIError, bad_request, check_supported,
+                                           error_for_exception, logit_bias)
+from jaxserve.entrypoints.openai.stream import (SSE_DONE, EventStream, chat_logprobs,
+                                           completion_logprobs, final, finish_reason, merged,
+                                           prompt_logprobs, sse, usage)
+from jaxserve.structured.params import StructuredOutputs, StructuredOutputsError
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class OpenAIServing:
+    def __init__(self, async_engine: AsyncEngine, served_model_name: str | None = None,
+                 chat_template: str | None = None):
+        self.async_engine = async_engine
+        self.info = async_engine.engine.info
+        self.tokenizer = async_engine.engine.tokenizer
+        self.model_name = served_model_name or self.info.model_name
+        self.chat_tokenizer = with_chat_template(self.tokenizer, chat_template)
+        self.fingerprint = f"jaxserve-{__version__}-{self.info.dtype}"
+        # A request can hold at most this many tokens: the context, or the whole KV pool.
+        self.max_tokens_total = min(self.info.max_model_len,
+                                    (self.info.num_pages - 1) * self.info.page_size)
+
+    # ---- checks ------------------------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise OpenAIError(404, f"model {name!r} does not exist: this server serves "
+                                   f"{self.model_name!r}", "model", "model_not_found")
+
+    def _check_ids(self, ids: list[int], field: str) -> None:
+        vocab = self.info.vocab_size
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise bad_request(f"{field} contains token id {bad}, outside the vocabulary "
+                              f"[0, {vocab})", field)
+
+    @staticmethod
+    def constraint(request) -> tuple[StructuredOutputs | None, str | None]:
+        """The request's output constraint and the field that set it (None, None: none)."""
+        fields = api.constraint_fields(request)
+        if not fields:
+            return None, None
+        if len(fields) > 1:
+            raise bad_request(f"{' and '.join(fields)} are set together: constrain the output "
+                              f"with at most one of response_format (json_object or "
+                              f"json_schema), structured_outputs, guided_json, guided_regex, "
+                              f"guided_choice, guided_grammar", fields[1])
+        field = fields[0]
+        try:
+            return api.structured_outputs(request, field), field
+        except StructuredOutputsError as exc:
+            message = str(exc)
+            if field.startswith("guided_"):  # "structured_outputs.json" is guided_json here
+                message = message.replace(f"structured_outputs.{field[7:]}", field)
+            raise bad_request(f"{field} is invalid: {message}", field) from None
+
+    def _params(self, request, prompt_len: int, field: str, max_tokens: int | None,
+                default_max_tokens: int | None, logprobs: int | None,
+                prompt_logprobs: int | None = None,
+                structured_outputs: StructuredOutputs | None = None) -> SamplingParams:
+        max_field = ("max_completion_tokens" if getattr(request, "max_completion_tokens", None)
+                     is not None else "max_tokens")
+        limit, context = self.max_tokens_total, self.info.max_model_len
+        if prompt_len >= limit:
+            raise bad_request(f"{field} has {prompt_len} tokens, but a request may hold at "
+                              f"most {limit} (max_model_len {context}, KV pool "
+                              f"{(self.info.num_pages - 1) * self.info.page_size} tokens), "
+                              f"output included", field)
+        if max_tokens is None:
+            max_tokens = limit - prompt_len
+            if default_max_tokens is not None:
+                max_tokens = min(max_tokens, default_max_tokens)
+        elif prompt_len + max_tokens > limit:
+            raise bad_request(f"{max_field}={max_tokens} is too large: the prompt has "
+                              f"{prompt_len} tokens and a request may hold at most {limit} "
+                              f"(max_model_len {context}), so {max_field} must be at most "
+                              f"{limit - prompt_len}", max_field)
+        top_k = request.top_k if request.top_k not in (None, -1) else 0
+        optional = dict(temperature=request.temperature, top_p=request.top_p,
+                        min_p=request.min_p, seed=request.seed)
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens, top_k=top_k, stop=request.stop or (),
+                stop_token_ids=tuple(request.stop_token_ids or ()), ignore_eos=request.ignore_eos,
+                n=request.n, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                presence_penalty=request.presence_penalty,
+                frequency_penalty=request.frequency_penalty,
+                repetition_penalty=request.repetition_penalty,
+                logit_bias=logit_bias(request.logit_bias), min_tokens=request.min_tokens,
+                allowed_token_ids=request.allowed_token_ids, bad_words=request.bad_words or (),
+                include_stop_str_in_output=request.include_stop_str_in_output,
+                skip_special_tokens=request.skip_special_tokens,
+                structured_outputs=structured_outputs,
+                **{k: v for k, v in optional.items() if v is not None})
+        except ValueError as exc:
+            raise error_for_exception(exc) from None
+
+    async def _in_thread(self, fn, *args):
+        try:
+            return await self.async_engine.text_pool.run(fn, *args)
+        except Exception as exc:
+            raise error_for_exception(exc) from None
+
+    # ---- prompts -----------------------------------------------------------------------------
+    def _completion_prompts(self, prompt) -> tuple[list[list[int]], list[str | None]]:
+        """Token ids per prompt, and each prompt's text when it was given as text."""
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if isinstance(prompt[0], int):
+            prompt = [prompt]
+        limits = self.async_engine.limits
+        if isinstance(prompt[0], str):
+            for text in prompt:
+                limits.check_text(text)
+            return [encode(self.tokenizer, p) for p in prompt], list(prompt)
+        for ids in prompt:
+            limits.check_num_tokens(len(ids), "prompt")
+            self._check_ids(ids, "prompt")
+        return [list(ids) for ids in prompt], [None] * len(prompt)
+
+    def chat_prompt(self, request) -> list[int]:
+        try:
+            self.async_engine.limits.check_messages(
+                [m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)
+                 for m in request.messages])
+            _, ids = render_chat(self.chat_tokenizer, request.messages,
+                                 request.add_generation_prompt, request.continue_final_message)
+        except ValueError as exc:
+            param = "continue_final_message" if "continue_final_message" in str(exc) else \
+                "messages"
+            raise bad_request(str(exc), param) from None
+        return ids
+
+    # ---- engine ------------------------------------------------------------------------------
+    async def _start(self, request_id: str, prompts: list[list[int]],
+                     params: list[SamplingParams], prompt_field: str,
+                     constraint_field: str | None = None, timeout: float | None = None):
+        """Submit every prompt; (first output, stream) each, or one error for all (the
+        submitted ones are aborted)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        streams = [self.async_engine.generate(None, p, request_id=f"{request_id}-{i}",
+                                              prompt_token_ids=ids, deadline=deadline)
+                   for i, (ids, p) in enumerate(zip(prompts, params))]
+        firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+        failed = next((f for f in firsts if isinstance(f, BaseException)), None)
+        if failed is not None:
+            for stream in streams:
+                await stream.aclose()
+            raise error_for_exception(failed, prompt_field, constraint_field)
+        return list(zip(firsts, streams))
+
+    def _header(self, request_id: str, kind: str, created: int) -> dict:
+        return {"id": request_id, "object": kind, "created": created, "model": self.model_name,
+                "system_fingerprint": self.fingerprint}
+
+    # ---- /v1/completions -----------------------------------------------------------------------
+    async def completions(self, request: api.CompletionRequest):
+        """An api.Completion, or (streaming) an async iterator of SSE event strings. Prompt p's
+        sample i is choice p * n + i, as in vLLM."""
+        self.check_model(request.model)
+        check_supported(request)
+        constraint, constraint_field = self.constraint(request)
+        prompts, texts = await self._in_thread(self._completion_prompts, request.prompt)
+        num_prompt_lps = request.prompt_logprobs
+        if num_prompt_lps is None and request.echo:
+            num_prompt_lps = request.logprobs  # as vLLM: an echoed prompt gets logprobs' k
+        params = [self._params(request, len(ids), "prompt", request.max_tokens,
+                               DEFAULT_COMPLETION_MAX_TOKENS, request.logprobs, num_prompt_lps,
+                               constraint)
+                  for ids in prompts]
+        request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        started = await self._start(request_id, prompts, params, "prompt", constraint_field,
+                                    request.timeout)
+        echoes = [None] * len(prompts)
+        if request.echo:
+            echoes = [t if t is not None else await self._in_thread(self.tokenizer.decode, ids)
+                      for t, ids in zip(texts, prompts)]
+        header = self._header(request_id, "text_completion", created)
+        if request.stream:
+            return EventStream(self._completion_stream(request, header, started, echoes),
+                               started)
+        outs = await asyncio.gather(*(final(f, s) for f, s in started))
+        choices = [api.CompletionChoice(**self._completion_choice(
+            request, out, sample, p, echoes[p], 0, delta=False))
+            for p, out in enumerate(outs) for sample in out.outputs]
+        return api.Completion(**header, choices=choices, usage=usage(outs))
+
+    def _completion_choice(self, request, out, sample, prompt_index: int, echo: str | None,
+                           offset: int, delta: bool) -> dict:
+        """One sample's choice (delta: only this step's part); echo: the prompt text to put
+        before it, or None; offset: where its text starts in the choice's whole text."""
+        if delta:
+            ids, text = sample.new_token_ids, sample.new_text
+            lps, tops = sample.new_logprobs, sample.new_top_logprobs
+        else:
+            ids, text, lps, tops = sample.token_ids, sample.text, sample.logprobs, \
+                sample.top_logprobs
+        choice = {"index": prompt_index * request.n + sample.index, "text": (echo or "") + text,
+                  "logprobs": None, "finish_reason": finish_reason(sample, out)}
+        if request.logprobs is not None:
+            prompt = (out.prompt_token_ids, out.prompt_logprobs) \
+                if echo is not None and out.prompt_logprobs is not None else None
+            choice["logprobs"] = completion_logprobs(
+                self.tokenizer, (ids, lps or [], tops if request.logprobs else None),
+                offset + len(echo or ""), prompt)
+        if request.return_token_ids:
+            choice["token_ids"] = ids
+            if not delta:
+                choice["prompt_token_ids"] = out.prompt_token_ids
+        if request.prompt_logprobs is not None:  # never streamed (check_supported)
+            choice["prompt_logprobs"] = prompt_logprobs(
+                self.tokenizer, out.prompt_token_ids, out.prompt_logprobs,
+                request.prompt_logprobs)
+        return choice
+
+    async def _completion_stream(self, request, header, started, echoes):
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        finals, offsets, done = [], {}, set()  # per choice index: text sent so far; finished
+        try:
+            async with contextlib.aclosing(merged(started)) as outs:
+                async for p, out in outs:
+                    for sample in out.outputs:
+                        index = p * request.n + sample.index
+                        if index in done:
+                            continue
+                        reason = finish_reason(sample, out)
+                        if not (sample.new_text or sample.new_token_ids or reason):
+                            continue
+                        echo = echoes[p] if index not in offsets else None
+                        choice = self._completion_choice(request, out, sample, p, echo,
+                                                         offsets.get(index, 0), delta=True)
+                        offsets[index] = offsets.get(index, 0) + len(choice["text"])
+                        if reason:
+                            done.add(index)
+                        chunk = dict(header, choices=[choice])
+                        if include_usage:
+                            chunk["usage"] = None
+                        yield sse(chunk)
+                    if out.finished:
+                        finals.append(out)
+        except Exception as exc:
+            yield sse(error_for_exception(exc).body())
+        else:
+            if include_usage:
+                yield sse(dict(header, choices=[], usage=usage(finals)))
+        yield SSE_DONE
+
+    # ---- /v1/chat/completions ------------------------------------------------------------------
+    async def chat(self, request: api.ChatCompletionRequest):
+        """An api.ChatCompletion, or (streaming) an async iterator of SSE event strings."""
+        self.check_model(request.model)
+        check_supported(request)
+        constraint, constraint_field = self.constraint(request)
+        ids = await self._in_thread(self.chat_prompt, request)
+        max_tokens = request.max_completion_tokens or request.max_tokens
+        params = self._params(request, len(ids), "messages", max_tokens, None,
+                              (request.top_logprobs or 0) if request.logprobs else None,
+                              request.prompt_logprobs, constraint)
+        request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        started = await self._start(request_id, [ids], [params], "messages", constraint_field,
+                                    request.timeout)
+        header = self._header(request_id, "chat.completion", created)
+        if request.stream:
+            header["object"] = "chat.completion.chunk"
+            return EventStream(self._chat_stream(request, header, started), started)
+        out = await final(*started[0])
+        choices = [api.ChatChoice(
+            index=sample.index, message=api.AssistantMessage(content=sample.text),
+            finish_reason=finish_reason(sample, out),
+            logprobs=self._chat_logprobs(request, sample.token_ids, sample.logprobs,
+                                         sample.top_logprobs),
+            token_ids=sample.token_ids if request.return_token_ids else None)
+            for sample in out.outputs]
+        return api.ChatCompletion(
+            **header, choices=choices, usage=usage([out]),
+            prompt_token_ids=ids if request.return_token_ids else None,
+            prompt_logprobs=prompt_logprobs(self.tokenizer, ids, out.prompt_logprobs,
+                                            request.prompt_logprobs))
+
+    def _chat_logprobs(self, request, token_ids, logprobs, tops) -> dict | None:
+        if not request.logprobs:
+            return None
+        return chat_logprobs(self.tokenizer, token_ids, logprobs or [],
+                             tops if request.top_logprobs else None)
+
+    async def _chat_stream(self, request, header, started):
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+
+        def chunk(index: int, delta: dict, reason=None, sample=None) -> str:
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            if sample is not None:
+                choice["logprobs"] = self._chat_logprobs(
+                    request, sample.new_token_ids, sample.new_logprobs, sample.new_top_logprobs)
+            if request.return_token_ids:
+                choice["token_ids"] = sample.new_token_ids if sample is not None else []
+            body = dict(header, choices=[choice])
+            if include_usage:
+                body["usage"] = None
+            return sse(body)
+
+        for index in range(request.n):
+            yield chunk(index, {"role": "assistant", "content": ""})
+        last, done = None, set()
+        try:
+            async with contextlib.aclosing(merged(started)) as outs:
+                async for _, out in outs:
+                    for sample in out.outputs:
+                        if sample.index in done:
+                            continue
+                        reason = finish_reason(sample, out)
+                        if sample.new_text or sample.new_token_ids:
+                            yield chunk(sample.index, {"content": sample.new_text}, sample=sample)
+                        if reason:
+                            done.add(sample.index)
+                            yield chunk(sample.index, {}, reason)
+                    if out.finished:
+                        last = out
+        except Exception as exc:
+            yield sse(error_for_exception(exc).body())
+        else:
+            if include_usage:
+                yield sse(dict(header, choices=[], usage=usage([last])))
+        yield SSE_DONE
+
+    # ---- /tokenize, /detokenize --------------------------------------------------------------
+    async def tokenize(self, request) -> api.TokenizeResponse:
+        self.check_model(request.model)
+        if isinstance(request, api.TokenizeChatRequest):
+            ids = await self._in_thread(self.chat_prompt, request)
+        else:
+            ids = await self._in_thread(encode, self.tokenizer, request.prompt,
+                                        request.add_special_tokens)
+        return api.TokenizeResponse(count=len(ids), max_model_len=self.info.max_model_len,
+                                    tokens=list(ids))
+
+    async def detokenize(self, request: api.DetokenizeRequest) -> api.DetokenizeResponse:
+        self.check_model(request.model)
+        self._check_ids(request.tokens, "tokens")
+        return api.DetokenizeResponse(
+            prompt=await self._in_thread(self.tokenizer.decode, request.tokens))

@@ -1,5 +1,0 @@
-"""The gRPC front end: server (grpc_server, background), client, proto conversions (convert).
-
-Generated protobuf code lives in server/pb (scripts/gen_protos.py). Importing this package does
-not import jax or grpc; import the submodule you need.
-"""
