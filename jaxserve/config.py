@@ -1,7 +1,7 @@
 """EngineConfig: every engine setting, with the same name as its CLI flag and LLM(...) keyword.
 
 Frozen plain data plus validate(); each field carries its documentation (help, unit, choices,
-vLLM's name) as metadata, which the CLI's help and the README's table are made from. No jax
+vLLM's name) as metadata, which the CLI's help and docs/cli.md's table are made from. No jax
 import, no defaults that depend on the device (those are resolved by the runner, e.g.
 dtype="auto").
 """
@@ -47,7 +47,7 @@ def parse_size(text: str | int | float, plain_unit: str = "B") -> int:
 
 def setting(default, help: str, *, unit: str | None = None, choices=None, vllm: str = "",
             cli_plain_unit: str | None = None, cli_alias: tuple[str, ...] = ()):
-    """A field with its documentation: the CLI's help, README's table and errors read it.
+    """A field with its documentation: the CLI's help, docs/cli.md's table and errors read it.
 
     unit: what a number means (tokens, bytes, ...); cli_plain_unit: sizes only, the unit of a
     plain number on the command line (vLLM's for the same flag; the Python API takes bytes or a

@@ -1,6 +1,6 @@
 """Before/after comparison of two jaxserve commits, side by side in one run.
 
-  python scripts/ab_commits.py BASE [--head HEAD] [--rounds 2] [--json out.json]
+  python scripts/ab_commits.py BASE [--head HEAD] [--rounds=2] [--json out.json]
 
 Checks BASE and HEAD out into temporary git worktrees (so uncommitted edits in this checkout
 never enter either side) and runs scripts/engine_probe.py (this checkout's copy) once per

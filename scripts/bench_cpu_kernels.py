@@ -1,6 +1,6 @@
 """jaxserve's CPU kernels against the XLA ops they replace, side by side in one process.
 
-    python scripts/bench_cpu_kernels.py [--rounds 7] [--out FILE.json]
+    python scripts/bench_cpu_kernels.py [--rounds=7] [--out FILE.json]
 
 * int8 matmul: SmolLM2's 30 layers of seven int8 matrices chained in one jit, at 2, 8, 32 and
   1024 activation rows: the kernel (model/cpu_int8.py), XLA's int8 dot_general (YNNPACK), and

@@ -1,6 +1,6 @@
 """float32 vs int8 vs int4 weights on the default model, side by side in one run.
 
-    python scripts/bench_quant.py [--rounds 2] [--out scripts/bench_results/quant.json]
+    python scripts/bench_quant.py [--rounds=2] [--out scripts/bench_results/quant.json]
 
 Builds one engine per weight form (float32; int8 and int4: the GGUF's blocks mapped straight to
 each, model/gguf_quant.py, groups of 32; int8 per channel: the float32 weights quantized at load,

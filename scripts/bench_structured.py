@@ -1,7 +1,7 @@
 """Structured output's cost: 16 concurrent JSON-schema requests vs the same workload without
 constraints, side by side in one run (one engine, rounds alternating which goes first).
 
-  python scripts/bench_structured.py [--num-requests 48] [--max-tokens 128] [--rounds 2]
+  python scripts/bench_structured.py [--num-requests 48] [--max-tokens 128] [--rounds=2]
 
 The workload is the ten schemas of jaxserve/bench/structured_schemas.py with their chat prompts,
 greedy, max_num_seqs 16. Each unconstrained request ignores EOS and runs exactly as many tokens

@@ -12,7 +12,7 @@ is):
   launcher: the call handed to ModelRunner's launcher thread (the engine thread's cost)
   flatten:  what flattening the weights costs per call, as the NNX state (what each call paid
             before CompiledStep passed them as one flat tuple) and as that tuple
-It measures; the choice it informs is written in model_runner.py and the README.
+It measures; the choice it informs is written in model_runner.py and docs/host_loop.md.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ by side (warm-up, then the median of --iters runs, each ended by block_until_rea
 KV-read bandwidth it achieves next to the device's HBM bandwidth. Last it runs
 `jaxserve bench offline` once per runnable path (--attention-impl pallas, reference) and prints
 each; if the CLI has no offline bench yet it says so and skips that part. Then the host loop on
-this device (issue 18): `jaxserve bench overhead` (the tiny random model's host time per step by
+this device: `jaxserve bench overhead` (the tiny random model's host time per step by
 phase and the device's busy fraction at 1 / 16 / 64 / 256 requests), and the default model's
 decode tokens/s with 1 / 16 / 64 / 256 requests all decoding (prefill excluded; decode_rates).
 Everything fits well inside 10 minutes. Without a GPU it exits with status 2, unless

@@ -28,7 +28,7 @@ values per byte, low nibble = even input). Options:
   mixed         lax.dot_general of float32 x int8 (JAX inserts the convert)
 The reductions use an add YNNPACK's reduce fusion does not match (`_add`), so XLA's own loops
 run them; with the plain add YNNPACK took them and ran 10-20x slower than float32.
-It measures and prints; the choice it informs is in jaxserve/model/qlinear.py and the README.
+It measures and prints; the choice it informs is in jaxserve/model/qlinear.py and docs/quantization.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Teacher-forced accuracy of quantized weights against float32 on the default model.
 
-    python tests/quant_accuracy.py       # prints every form's figures (the README's table)
+    python tests/quant_accuracy.py       # prints every form's figures (docs/quantization.md's table)
 
 `Forward` runs one Llama (float or quantized params; scanned layers: a quarter of the unrolled
 compile time) through two compiled shapes: a 256-row prefill over up to 32 requests (the KL text

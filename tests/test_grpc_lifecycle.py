@@ -4,7 +4,7 @@ swap-in of KV pages.
 
 Each test runs tests/grpc_server_main.py (the tiny model, conftest.SMALL_ENGINE shapes, so
 warm-up hits the compile cache); faults are injected there by flag. The one wall-clock bound is
-the issue's: health answers within 100 ms at p99 while six 3 MiB prompts are being refused.
+the server's: health answers within 100 ms at p99 while six 3 MiB prompts are being refused.
 """
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ def test_the_request_in_a_failing_engine_is_500_then_health_and_requests_are_503
         return failed, health, after
 
     failed, health, after = asyncio.run(scenario())
-    # The request the engine held when it failed is a 500; later ones are 503 (issue 20).
+    # The request the engine held when it failed is a 500; later ones are 503.
     assert failed.status_code == 500 and "device lost" in failed.text, failed.text
     assert (health.status_code, health.json()["status"]) == (503, "unavailable"), health.text
     assert "device lost" in health.json()["reason"], health.text

@@ -1,6 +1,6 @@
 """Quantized weights of the real default model: their bytes on device, and int8's accuracy
 against float32, teacher-forced (tests/quant_accuracy.py measures; these tests hold the
-targets of issue 19).
+accuracy targets).
 
 int8 here is quantized from the float32 weights (per output channel), the path every Hugging
 Face or Orbax model takes; the GGUF's own int8 mapping is exact (test_quant.py).

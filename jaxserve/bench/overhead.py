@@ -1,7 +1,7 @@
 """`jaxserve bench overhead`: the engine loop's host time per step, before and after.
 
     jaxserve bench overhead [--requests 1,16,64,256] [--steps 40] [--prompt-len 8]
-                            [--baseline COMMIT | --baseline-json FILE] [--rounds 1] [--json OUT]
+                            [--baseline COMMIT | --baseline-json FILE] [--rounds=1] [--json OUT]
 
 For each request count N, overhead_probe.py (a tiny random model, N requests all decoding,
 prompts of --prompt-len tokens: longer ones show the host work that grows with a request's

@@ -3,7 +3,7 @@
 Run as a script in a fresh process (`python overhead_probe.py N STEPS [PROMPT_LEN]`), from a
 copy outside any checkout, with PYTHONPATH set to the checkout it measures: `bench overhead
 --baseline COMMIT` runs it inside an old commit's worktree too, so it uses only the API every
-commit since 5792bce has: LLM / EngineConfig settings, LoadedModel, random_params,
+baseline commit has: LLM / EngineConfig settings, LoadedModel, random_params,
 Engine.add_request / step / has_unfinished, runner.step.run (and runner.wait where present;
 Scheduler(decode_rows=True) and StepPlan.num_seqs where present, as the engine has them).
 It prints one JSON line; it never compares.

@@ -3,7 +3,7 @@ and off, side by side in one run.
 
     jaxserve bench prefix-tier [--conversations 32] [--turns 4] [--history 1000]
                                [--user-tokens 32] [--answer-tokens 16] [--device-conversations 4]
-                               [--unique-requests 16] [--rounds 1] [--json OUT] [engine flags]
+                               [--unique-requests 16] [--rounds=1] [--json OUT] [engine flags]
 
 Each conversation has its own history of --history random tokens. Turn t of every conversation
 is submitted at once (a round); its prompt is the history so far plus --user-tokens new ones,

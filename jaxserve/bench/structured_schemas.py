@@ -1,6 +1,6 @@
 """Constraint workloads for structured output: ten JSON schemas, regexes and choice lists.
 
-The schemas cover what the acceptance of issue 17 asks for (nested objects, arrays with bounds,
+The schemas cover what constrained decoding must handle (nested objects, arrays with bounds,
 enums, required fields, numbers with ranges, strings with patterns), and each has a prompt
 asking a model for it. Tests, the grammar-library measurement (scripts/grammar_libs.py) and the
 structured-output benchmark share them. Plain data only: this module must not import a grammar

@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 # While a serving loop runs, a young-generation collection starts only past this many new
 # container objects (Python's default: 700). A step makes ~12 per request that live until the
 # step's outputs are handed on, so at 256 requests the default ran two young collections and
-# a middle one every few steps: 0.29-0.36 ms a step of 4.8-7 ms (issue 18), none at 10 000.
+# a middle one every few steps: 0.29-0.36 ms a step of 4.8-7 ms (2-core CPU), none at 10 000.
 # Objects freed by reference counting never wait for it; only cyclic garbage waits longer.
 SERVING_GEN0_THRESHOLD = 50_000
 

@@ -4,7 +4,7 @@ SamplingParams' defaults.
 Each flag's help says what it does, its unit, its choices and its default; sizes take units
 (`4GiB`, `512MiB`; a plain number is in vLLM's unit for the same flag); booleans are
 `--flag / --no-flag`; vLLM's names are accepted as aliases. `mapping_table()` writes the
-README's jaxserve <-> vLLM table from the same metadata. This module only declares and reads
+docs/cli.md's jaxserve <-> vLLM table from the same metadata. This module only declares and reads
 flags: it runs nothing and never imports jax.
 """
 
@@ -189,7 +189,7 @@ def sampling_overrides(args: argparse.Namespace) -> dict:
 
 
 def mapping_table() -> str:
-    """The README's table: every engine flag, its unit and default, and vLLM's name for it."""
+    """docs/cli.md's table: every engine flag, its unit and default, and vLLM's name for it."""
     rows = ["| jaxserve flag (LLM keyword) | unit / choices | default | vLLM |",
             "|---|---|---|---|"]
     for f, _ in engine_fields():

@@ -88,7 +88,7 @@ class ReferenceAttention:
                  items_per_chunk: int = 64, cpu_kernel: bool | None = None):
         """shape: what the model's layers use (None: no sliding window; each layer then makes
         its own work list); tile_pages: KV pages per decode work item; items_per_chunk: items
-        one loop iteration gathers (measured on the 2-core CPU, issue 18 note); cpu_kernel:
+        one loop iteration gathers (measured on the 2-core CPU, docs/host_loop.md); cpu_kernel:
         decode rows through model/cpu_attention.py's kernel (None: wherever it can run)."""
         self.cpu_kernel = cpu_kernel
         self.sliding_windows = (None,) if shape is None else shape.sliding_windows

@@ -6,8 +6,8 @@ request's K/V tiles into a new array, then two small batched matmuls that XLA ha
 (which repacks the gathered K/V again), a scatter-merge per chunk, and a while loop: on the
 2-core CPU ~0.2 ms a layer at batch 1 for a few hundred positions, mostly per-op cost. The
 kernel reads each request's K/V rows straight from the paged cache once, one task per
-(request, KV head) over XLA's intra-op threads (README, "Quantized weights" and issue 18's
-section, for the measured figures). It computes the same attention (float32 softmax, online
+(request, KV head) over XLA's intra-op threads (docs/quantization.md, "CPU kernels", and
+docs/host_loop.md: the measured figures). It computes the same attention (float32 softmax, online
 over blocks of 128 positions) in another order, so it agrees with the XLA path to float32
 rounding, not bit for bit; a request's result never depends on the others in the batch.
 

@@ -10,7 +10,7 @@ scatter. So the work follows the real contexts (no request pays for a longer one
 no padding row costs anything), and a layer costs a few dozen XLA ops per chunk whatever the
 number of requests: the reference path (pallas_kernels/reference.py, this module's oracle)
 runs one small loop per 4 rows, ~700 ops a layer at 64 decode rows, which on the CPU cost
-more than the arithmetic (measured in the issue 18 note). Where jaxserve's CPU kernel can
+more than the arithmetic (measured: docs/host_loop.md). Where jaxserve's CPU kernel can
 run (model/cpu_attention.py: a one-device CPU process, float32 pages) attention.py sends
 decode rows there instead. Pure jnp; no requests, no scheduling.
 """
@@ -26,7 +26,7 @@ NEG_INF = -1e30
 # Up to this many KV heads, a chunk's scores are one plain batched matmul per item against the
 # tile's K as stored ([tile, Hkv * D]) with each query head's row zero outside its own KV
 # head's columns: Hkv times the (small) arithmetic, but no transposed copy of the gathered K/V
-# tile, which on the CPU cost more than the matmuls (issue 18 note). With more KV heads the
+# tile, which on the CPU cost more than the matmuls (docs/host_loop.md). With more KV heads the
 # wasted arithmetic outgrows that (8 heads of 128: 1.5-2x the reference's time), so
 # model/attention.py keeps such models on the reference path.
 WIDE_MAX_KV_HEADS = 4

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 MODES = ("none", "int8", "int4")
-INT4_GROUP = 32        # measured: see README "Quantized weights"
+INT4_GROUP = 32        # measured: see docs/quantization.md
 # The int4 embedding (also the tied head) in groups of 16: on the default model mean KL to float32
 # 0.039 (0.063 with groups of 32) at 16.3% of float32's bytes (an int8 one: 0.000, but 17.9%).
 INT4_EMBED_GROUP = 16

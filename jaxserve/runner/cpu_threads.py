@@ -6,7 +6,7 @@ with every core busy in XLA, the loop's thread gets a share of a core and every 
 stretches (1.2-2x measured on 2 cores at 256 requests), which is time the next step then waits
 for. A higher nice value on XLA's threads lets the host thread take its core when it is
 runnable and leaves XLA every core the rest of the time; it wins back the share of a core, not
-what sharing caches and memory with XLA's compute costs (README, session 15). Linux only (threads are found by name
+what sharing caches and memory with XLA's compute costs (docs/host_loop.md). Linux only (threads are found by name
 in /proc); elsewhere, and on accelerators (whose compute is not on these cores), it does
 nothing. It never touches threads other than XLA's compute pool.
 """

@@ -9,8 +9,8 @@ before it still computes (its outputs, and so the donated KV the new step reads,
 is only queued by XLA, and the call returns at once. Launching that one from the caller's
 thread saves two thread hand-offs and the wait for the GIL between them: the launcher thread,
 woken while the engine's thread runs Python, waits for the GIL, and the engine's thread, woken
-when a step ends, waits for it in turn (the overhead probe's tiny model at 64 requests, issue
-18: a launch took 0.5-0.8 ms on the launcher thread beside the loop, 0.29 ms alone; paired
+when a step ends, waits for it in turn (the overhead probe's tiny model at 64 requests,
+2-core CPU: a launch took 0.5-0.8 ms on the launcher thread beside the loop, 0.29 ms alone; paired
 blocks of steps, old way against this one: 1.06x at 64 requests, 1.11x at 256). Every launch
 still happens in order: the caller's thread launches only when every launch before it is done.
 

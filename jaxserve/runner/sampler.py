@@ -50,7 +50,7 @@ def sample(logits, sampling: SamplingInputs):
     vocab = logits.shape[-1]
     row_max = jnp.max(logits, axis=-1)
     # argmax as two plain reductions (the first index of the maximum, as jnp.argmax): XLA on
-    # the CPU runs argmax's (value, index) reduction several times slower (issue 18 note)
+    # the CPU runs argmax's (value, index) reduction several times slower (docs/host_loop.md)
     greedy = jnp.min(jnp.where(logits == row_max[:, None], jnp.arange(vocab, dtype=jnp.int32),
                                vocab - 1), axis=-1)  # (a NaN row: the last token)
 
