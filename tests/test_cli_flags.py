@@ -209,10 +209,10 @@ def test_model_generation_config_applies_unless_a_flag_overrides_it(tmp_path):
     assert read_generation_defaults("default") == {}
 
 
-def test_readme_mapping_table_is_the_one_made_from_the_config():
-    readme = (ROOT / "README.md").read_text()
-    assert cli_flags.mapping_table() in readme, (
-        "README's flag table is stale: paste python -c 'from jaxserve.entrypoints.cli_flags import "
+def test_docs_cli_mapping_table_is_the_one_made_from_the_config():
+    doc = (ROOT / "docs" / "cli.md").read_text()
+    assert cli_flags.mapping_table() in doc, (
+        "docs/cli.md's flag table is stale: paste python -c 'from jaxserve.entrypoints.cli_flags import "
         "mapping_table; print(mapping_table())'")
 
 
