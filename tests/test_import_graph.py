@@ -1,7 +1,19 @@
-"""The module-level import graph of jaxserve/: no loop, and no module importing a layer above
-its own (DESIGN.md's layering: plain data, then model and kernels, then runner, then spec, then
-engine, front ends and benchmarks). Function-local imports (lazy, to keep start-up light) are
-not edges. The compiled step takes exactly (state, kv, inputs).
+"""The import graph of jaxserve/: no loop, and no module importing a layer above its own
+(DESIGN.md's layering: plain data, then model and kernels, then runner, then spec, then engine,
+front ends and benchmarks). The compiled step takes exactly (state, kv, inputs).
+
+Every import statement is an edge, wherever it sits: at module level, inside a function (a lazy
+import, to keep start-up light, still runs the module it names), and under `if TYPE_CHECKING:`
+(a type checker follows it). Relative imports are resolved. `from pkg import name` is an edge
+to pkg.name when that is a module, else to pkg. Generated protobuf code
+(jaxserve/entrypoints/grpc/pb/) is left out.
+
+The package root jaxserve/__init__.py is a facade. Python runs it before any submodule of the
+package; that implicit edge is not drawn (it would close a loop through each of the root's eager
+imports). Its own imports, eager and the lazy re-exports in its `__getattr__` (LLM,
+RequestOutput) alike, are edges like any other module's and take part in loop detection, so a
+module inside the package that imports `jaxserve` (for `__version__`) must not be reachable from
+entrypoints.llm or engine.outputs.
 """
 
 from __future__ import annotations
@@ -11,66 +23,168 @@ import inspect
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+EXCLUDED = ("jaxserve.entrypoints.grpc.pb",)
 # plain data: the scheduler side, settings, grammars, and what the engine hands back
 DATA = ("jaxserve.core", "jaxserve.config", "jaxserve.structured", "jaxserve.engine.info",
         "jaxserve.engine.outputs", "jaxserve.engine.detokenizer", "jaxserve.model.byte_level",
         "jaxserve.model.step_inputs", "jaxserve.model.step_layout")
+MAX_LOOPS_LISTED = 100
 
 
-def module_graph() -> dict[str, set[str]]:
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def module_files() -> dict[str, Path]:
+    """Dotted module name -> file, for every module of jaxserve/ but the excluded ones."""
     files = {}
-    for path in (ROOT / "jaxserve").rglob("*.py"):
-        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
-        files[name.removesuffix(".__init__")] = path
+    for path in sorted((ROOT / "jaxserve").rglob("*.py")):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        if not any(_within(name, e) for e in EXCLUDED):
+            files[name] = path
+    return files
+
+
+def _imports(name: str, path: Path, files: dict[str, Path]):
+    """(imported module, line) for every import statement anywhere in the file."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module
+            if node.level:
+                parts = package.split(".")
+                assert node.level <= len(parts), f"{path}:{node.lineno}: import above jaxserve/"
+                base = ".".join(parts[:len(parts) - node.level + 1])
+                module = f"{base}.{module}" if module else base
+            for alias in node.names:
+                full = f"{module}.{alias.name}"
+                yield (full if full in files else module), node.lineno
+
+
+def module_graph() -> dict[str, dict[str, int]]:
+    """module -> {jaxserve module it imports: line of the first such import}."""
+    files = module_files()
     graph = {}
     for name, path in files.items():
-        deps = set()
-        for node in ast.parse(path.read_text()).body:
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                for alias in node.names:
-                    full = f"{node.module}.{alias.name}"
-                    deps.add(full if full in files else node.module)
-            elif isinstance(node, ast.Import):
-                deps.update(alias.name for alias in node.names)
-        graph[name] = {d for d in deps if d in files and d != name}
+        deps: dict[str, int] = {}
+        for dep, line in _imports(name, path, files):
+            if dep in files and dep != name:
+                deps[dep] = min(line, deps.get(dep, line))
+        graph[name] = deps
     return graph
 
 
+def strongly_connected(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Tarjan's components of more than one module (a module never imports itself here)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return components
+
+
+def import_loops(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Every elementary cycle (up to MAX_LOOPS_LISTED), each starting at its smallest module."""
+    loops = []
+    for component in strongly_connected(graph):
+        members = set(component)
+        for start in component:  # cycles through `start` and modules after it only: each once
+            def walk(path: list[str]) -> None:
+                for dep in sorted(graph[path[-1]]):
+                    if len(loops) >= MAX_LOOPS_LISTED:
+                        return
+                    if dep == start:
+                        loops.append(path + [start])
+                    elif dep in members and dep > start and dep not in path:
+                        walk(path + [dep])
+            walk([start])
+    return loops
+
+
+def describe(loop: list[str], graph: dict[str, dict[str, int]], files: dict[str, Path]) -> str:
+    steps = [f"{a} ({files[a].relative_to(ROOT)}:{graph[a][b]})" for a, b in zip(loop, loop[1:])]
+    return " -> ".join(steps + [loop[-1]])
+
+
 def layer(module: str) -> int:
-    if any(module == d or module.startswith(d + ".") for d in DATA):
+    if any(_within(module, d) for d in DATA):
         return 0
-    if module.startswith("jaxserve.model"):
+    if _within(module, "jaxserve.model"):
         return 1
-    if module.startswith("jaxserve.runner"):
+    if _within(module, "jaxserve.runner"):
         return 2
-    if module.startswith("jaxserve.spec"):
+    if _within(module, "jaxserve.spec"):
         return 3
-    return 4  # engine, front ends, benchmarks, cli
+    return 4  # engine, front ends, benchmarks, cli, the package root
+
+
+def test_the_graph_sees_lazy_relative_and_type_checking_imports(tmp_path):
+    pkg = tmp_path / "jaxserve" / "sub"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from . import a\n")
+    (pkg / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                              "    from .b import B\n")
+    (pkg / "b.py").write_text("def f():\n    from ..sub import c\n    import jaxserve.sub.a\n")
+    (pkg / "c.py").write_text("")
+    files = {"jaxserve.sub": pkg / "__init__.py", "jaxserve.sub.a": pkg / "a.py",
+             "jaxserve.sub.b": pkg / "b.py", "jaxserve.sub.c": pkg / "c.py"}
+    edges = {n: {d for d, _ in _imports(n, p, files)} for n, p in files.items()}
+    assert edges["jaxserve.sub"] == {"jaxserve.sub.a"}
+    assert "jaxserve.sub.b" in edges["jaxserve.sub.a"]
+    assert {"jaxserve.sub.c", "jaxserve.sub.a"} <= edges["jaxserve.sub.b"]
+    graph = {n: {d: 1 for d in deps if d in files and d != n} for n, deps in edges.items()}
+    assert import_loops(graph) == [["jaxserve.sub.a", "jaxserve.sub.b", "jaxserve.sub.a"]]
 
 
 def test_no_import_loop():
-    graph, done, loops = module_graph(), set(), []
+    graph, files = module_graph(), module_files()
+    loops = import_loops(graph)
+    listed = "\n  ".join(describe(loop, graph, files) for loop in loops)
+    assert not loops, (f"{len(loops)} import loop(s), each module followed by the file:line of "
+                       f"its import of the next:\n  {listed}")
 
-    def visit(node, path):
-        for dep in graph[node]:
-            if dep in path:
-                loops.append(path[path.index(dep):] + [dep])
-            elif dep not in done:
-                done.add(dep)
-                visit(dep, path + [dep])
 
-    for node in graph:
-        if node not in done:
-            done.add(node)
-            visit(node, [node])
-    assert not loops, f"import loops: {loops}"
+def test_the_layers_name_modules_that_exist():
+    files = module_files()
+    missing = [d for d in DATA if not any(_within(m, d) for m in files)]
+    assert not missing, f"DATA names no module: {missing}"
 
 
 def test_no_module_imports_a_layer_above_its_own():
-    graph = module_graph()
-    bad = [f"{m} -> {d}" for m, deps in graph.items() for d in deps
+    graph, files = module_graph(), module_files()
+    bad = [f"{m} (layer {layer(m)}, {files[m].relative_to(ROOT)}:{line}) -> {d} (layer {layer(d)})"
+           for m, deps in graph.items() for d, line in deps.items()
            if layer(m) < 4 and layer(d) > layer(m)]
-    assert not bad, f"imports from above: {bad}"
+    assert not bad, "imports from above:\n  " + "\n  ".join(bad)
 
 
 def test_the_compiled_steps_take_state_kv_inputs():

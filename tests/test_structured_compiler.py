@@ -10,8 +10,8 @@ import pytest
 from structured_fixtures import compiler, tokenizer  # noqa: F401  (fixtures)
 
 from jaxserve.bench.structured_schemas import ARITHMETIC_LARK, CHOICES, JSON_SCHEMAS, REGEXES
-from jaxserve.structured.compiler import (CompiledGrammar, GrammarCompiler, GrammarTimeoutError,
-                                          InvalidGrammarError)
+from jaxserve.structured.compiler import GrammarCompiler, GrammarTimeoutError, InvalidGrammarError
+from jaxserve.structured.matcher import CompiledGrammar
 from jaxserve.structured.params import StructuredOutputs
 
 

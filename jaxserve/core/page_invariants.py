@@ -7,16 +7,14 @@ Plain integers only: no jax.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from jaxserve.core.page_manager import PageManager
-
 NULL_PAGE = 0
 
 
-def check_invariants(pm: "PageManager") -> None:
-    """Raise AssertionError describing the first broken accounting rule."""
+def check_invariants(pm) -> None:
+    """Raise AssertionError describing the first broken accounting rule of `pm`, a PageManager.
+
+    Read through its fields only: page_manager.py imports this module, so this one does not
+    import page_manager.py, not even for the annotation (that would be an import loop)."""
     def require(ok: bool, msg: str) -> None:
         if not ok:
             raise AssertionError(msg)

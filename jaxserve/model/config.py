@@ -15,12 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jaxserve.model.families import SUPPORTED_ARCHITECTURES, get_family
-from jaxserve.model.families.base import Family
+from jaxserve.model.families.base import FULL, SLIDING, Family
+from jaxserve.model.hf_config import read_hf_config, write_hf_config
 from jaxserve.model.rope import RopeScaling, rotary_dim
 
 __all__ = ["ModelConfig", "RopeScaling", "SUPPORTED_ARCHITECTURES", "FULL", "SLIDING"]
-
-FULL, SLIDING = "full_attention", "sliding_attention"
 
 
 @dataclass(frozen=True)
@@ -186,13 +185,11 @@ class ModelConfig:
     def from_hf_dict(cls, d: dict, name: str = "model") -> "ModelConfig":
         """Read a config.json dict (transformers 4 or 5 layout); raises ValueError naming any key
         that would change the forward pass and is not supported."""
-        from jaxserve.model.hf_config import read_hf_config
         config = cls(**read_hf_config(d), name=name)
         config.check_runnable()
         return config
 
     def to_hf_dict(self) -> dict:
-        from jaxserve.model.hf_config import write_hf_config
         return write_hf_config(self)
 
     def save(self, directory: str | Path) -> None:

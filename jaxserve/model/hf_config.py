@@ -6,15 +6,15 @@ transformers 4 writes `rope_theta` / `rope_scaling` at the top level; transforme
 forward pass (dropout, bookkeeping), or an error naming the key and its value: a setting that
 changes the math must never be dropped silently. `JAXSERVE_IGNORE_CONFIG_KEYS=key1,key2`
 overrides that for keys the user has checked. This module must not import jax or read files.
+It sits below config.py (ModelConfig.from_hf_dict and to_hf_dict call it) and never imports it.
 """
 
 from __future__ import annotations
 
 import os
 
-from jaxserve.model.config import FULL, SLIDING, ModelConfig
 from jaxserve.model.families import family_for_hf
-from jaxserve.model.families.base import Family
+from jaxserve.model.families.base import FULL, SLIDING, Family
 from jaxserve.model.rope import parse_rope
 
 IGNORE_ENV = "JAXSERVE_IGNORE_CONFIG_KEYS"
@@ -165,8 +165,9 @@ def read_hf_config(d: dict) -> dict:
         final_logit_softcap=d.get("final_logit_softcapping"))
 
 
-def write_hf_config(c: ModelConfig) -> dict:
-    """A transformers 5 config.json that both jaxserve and transformers read back."""
+def write_hf_config(c) -> dict:
+    """A transformers 5 config.json that both jaxserve and transformers read back, from `c`, a
+    ModelConfig read through its fields (config.py imports this module, not the reverse)."""
     family = c.family
     rope = {"rope_type": "default", "rope_theta": c.rope_theta}
     if c.rope_scaling is not None:

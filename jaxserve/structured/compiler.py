@@ -8,7 +8,8 @@ holding up the batch. Results (and errors) are cached in a bounded LRU keyed by
 grammar is an `InvalidGrammarError` (a ValueError naming the problem); a compile still running
 `timeout_s` after it was submitted is a `GrammarTimeoutError`, never a wait without end
 (llguidance's parser limits bound the work itself). This module must not import jax, and never
-touches a per-request matcher state: `CompiledGrammar.new_matcher` hands each request its own.
+touches a per-request matcher state: `CompiledGrammar.new_matcher` (matcher.py) hands each
+request its own.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 
 import llguidance as llg
 
+from jaxserve.structured.matcher import CompiledGrammar
 from jaxserve.structured.params import StructuredOutputs
 
 # JSON whitespace between tokens: at most 16 characters per gap. llguidance's default (any run
@@ -38,23 +39,6 @@ class InvalidGrammarError(ValueError):
 
 class GrammarTimeoutError(TimeoutError):
     """The grammar did not compile within the compiler's `timeout_s`."""
-
-
-@dataclass(frozen=True)
-class CompiledGrammar:
-    """A validated grammar for one tokenizer; matchers for requests come from `new_matcher`."""
-
-    key: str
-    kind: str
-    grammar: str                      # llguidance's grammar text (what LLMatcher takes)
-    tokenizer: "llg.LLTokenizer"
-    vocab_size: int                   # the model's logits width (embedding rows)
-    tokenizer_vocab_size: int         # ids the tokenizer knows; ids past it are never allowed
-    template: "llg.LLMatcher"         # fresh state, never advanced: copied per request
-
-    def new_matcher(self):
-        from jaxserve.structured.matcher import GrammarMatcher
-        return GrammarMatcher(self)
 
 
 def build_ll_tokenizer(tokenizer, vocab_size: int | None = None) -> tuple["llg.LLTokenizer", int]:

@@ -1,6 +1,7 @@
 """GrammarMatcher: one request's position in its grammar, and the allowed-token bitmask of the
 next step; `fill_batch` writes one step's bitmasks for a batch, `fill_draft_rows` those of
-speculative verification rows.
+speculative verification rows. CompiledGrammar, what compiler.py builds, lives here too: it
+makes the matchers, and the compiler imports this module, never the other way round.
 
 A bitmask row is int32 [ceil(vocab_size / 32)] over the model's vocabulary, bit `t % 32` of word
 `t // 32` set when token t is allowed (llguidance's and xgrammar's layout, which the compiled
@@ -16,11 +17,10 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import llguidance as llg
 import numpy as np
-
-from jaxserve.structured.compiler import CompiledGrammar
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -46,6 +46,22 @@ def _known_ids(num_known: int, vocab_size: int) -> np.ndarray:
 @functools.lru_cache(maxsize=8)
 def _eos_row(eos_ids: tuple[int, ...], vocab_size: int) -> np.ndarray:
     return _pack([t for t in eos_ids if t < vocab_size], vocab_size)
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A validated grammar for one tokenizer; matchers for requests come from `new_matcher`."""
+
+    key: str
+    kind: str
+    grammar: str                      # llguidance's grammar text (what LLMatcher takes)
+    tokenizer: "llg.LLTokenizer"
+    vocab_size: int                   # the model's logits width (embedding rows)
+    tokenizer_vocab_size: int         # ids the tokenizer knows; ids past it are never allowed
+    template: "llg.LLMatcher"         # fresh state, never advanced: copied per request
+
+    def new_matcher(self) -> GrammarMatcher:
+        return GrammarMatcher(self)
 
 
 @functools.lru_cache(maxsize=1)

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The attention kinds a layer can have, by their transformers names (config.json layer_types).
+FULL, SLIDING = "full_attention", "sliding_attention"
+
 
 @dataclass(frozen=True)
 class Family:
