@@ -14,12 +14,16 @@ def make_scheduler(**kw) -> Scheduler:
     return Scheduler(PageManager(64, 16), swap_space=HostSwapSpace(1 << 20, 1024), **settings)
 
 
-def add(sched: Scheduler, n: int, prompt_len: int, max_tokens: int = 8,
+def add(sched: Scheduler, n: int, prompt_len: int | list[int], max_tokens: int | list[int] = 8,
         prefix: str = "r") -> list[Request]:
+    """Queue n requests; prompt_len / max_tokens are one value for all, or one per request
+    (fixed before Scheduler.add, which derives each request's output budget from them)."""
+    lens = prompt_len if isinstance(prompt_len, list) else [prompt_len] * n
+    budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * n
     reqs = []
     for i in range(n):
-        r = Request(f"{prefix}{i}", [5 + i] * prompt_len,
-                    SamplingParams(max_tokens=max_tokens, temperature=0), seed=i)
+        r = Request(f"{prefix}{i}", [5 + i] * lens[i],
+                    SamplingParams(max_tokens=budgets[i], temperature=0), seed=i)
         r.arrival_seq = len(sched.requests)
         assert sched.add(r) is None
         reqs.append(r)
@@ -41,14 +45,21 @@ def test_static_batch_takes_all_members_even_when_their_prompts_exceed_the_budge
 
 def test_static_batch_admits_nothing_until_every_member_finished():
     sched = make_scheduler(batching="static")
-    first = add(sched, 4, prompt_len=10, max_tokens=3)
-    first[0].sampling = SamplingParams(max_tokens=1, temperature=0)
+    first = add(sched, 4, prompt_len=10, max_tokens=[1, 3, 3, 3])  # r0 finishes early
     run_step(sched)
+    assert first[0].is_finished and not any(r.is_finished for r in first[1:]), (
+        "r0 (max_tokens=1) should finish after the first step, the others not")
     add(sched, 2, prompt_len=10, prefix="late")
+    steps_with_a_free_seat = 0
     while any(not r.is_finished for r in first):
+        steps_with_a_free_seat += len(sched.running) < sched.max_num_seqs
         plan, _ = run_step(sched)
         assert all(c.request_id.startswith("r") for c in plan.chunks), "joined a live batch"
-    assert sched.num_waiting == 2
+        assert sched.num_waiting == 2, "a late request was admitted into a live batch"
+    assert steps_with_a_free_seat >= 2, "the batch never had a finished member's seat free"
+    plan, _ = run_step(sched)
+    assert sorted(c.request_id for c in plan.chunks) == ["late0", "late1"], (
+        "the next batch should start once every member finished")
 
 
 def test_continuous_batch_cuts_long_prompts_into_chunks_within_the_budget():
@@ -79,15 +90,16 @@ def test_static_batch_computes_finished_members_slots_over_the_longest_context()
     from jaxserve.runner.buckets import BucketTable
 
     sched = make_scheduler(batching="static")
-    members = add(sched, 4, prompt_len=10, max_tokens=6)
-    members[0].sampling = SamplingParams(max_tokens=1, temperature=0)
-    members[0].max_output_tokens = 1  # the budget the scheduler derived when it was queued
-    members[3].all_token_ids.extend([9] * 20)  # the longest member: 30 prompt tokens
-    run_step(sched)
-    run_step(sched)  # member 0 has finished; the batch still steps its slot
+    # member 0 finishes after its first token; member 3, the longest, has 30 prompt tokens
+    members = add(sched, 4, prompt_len=[10, 10, 10, 30], max_tokens=[1, 6, 6, 6])
+    run_step(sched)  # members 0-2 prefill, member 3 its first 2 prompt tokens
+    assert members[0].is_finished
+    run_step(sched)  # the batch still steps member 0's slot; member 3 prefills the rest
     plan = sched.schedule()
     assert len(plan.chunks) == 3 and plan.static_padding.num_finished_slots == 1
     assert plan.num_padding_rows >= 1
+    assert [c.kv_len for c in plan.chunks] == [12, 12, 31], (
+        "members 1, 2 decode at kv_len 12 and member 3 (the longest, last) at 31")
     table = BucketTable.build(32, 4, 512, 16)
     inputs = build_step_inputs(plan, table, 16)
     batch, rows = inputs.attention, inputs.model
