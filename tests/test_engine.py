@@ -66,14 +66,17 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(small_llm):
 
 def test_abort_mid_generation_frees_pages_within_one_step(small_llm):
     engine = small_llm.engine
-    rid = engine.add_request([5] * 40, SamplingParams(max_tokens=200, ignore_eos=True,
-                                                      temperature=0))
-    other = engine.add_request([7] * 10, SamplingParams(max_tokens=5, ignore_eos=True,
-                                                        temperature=0))
+    request = engine.make_request([5] * 40, SamplingParams(max_tokens=200, ignore_eos=True,
+                                                           temperature=0))
+    other = engine.make_request([7] * 10, SamplingParams(max_tokens=5, ignore_eos=True,
+                                                         temperature=0))
+    engine.add(request)
+    engine.add(other)
+    rid, other = request.request_id, other.request_id  # the engine's ids key its pages
     for _ in range(4):
         engine.step()
     assert engine.pages.has_request(rid)
-    out = engine.abort(rid)
+    out = engine.abort(request.external_id)
     assert out.finished and out.finish_reason == "abort"
     assert not engine.pages.has_request(rid), "aborted request still holds pages"
     while engine.has_unfinished():
@@ -158,7 +161,8 @@ def test_a_failure_while_emitting_one_request_fails_only_that_request(small_llm)
     def broken(token_ids, final):
         raise RuntimeError("detokenizer broke")
 
-    engine._outputs._samples[bad].detok.feed = broken
+    sample_id, = engine._outputs.samples_of(bad)  # the engine's id of its one sample
+    engine._outputs._samples[sample_id].detok.feed = broken
     outs = {}
     while engine.has_unfinished():
         for out in engine.step():

@@ -405,3 +405,26 @@ def test_structured_outputs_cross_the_wire_and_need_a_real_tokenizer(served):
         served.client.generate_text("abc", SamplingParams(structured_outputs={"regex": "a"}))
     assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "structured_outputs" in error.value.details
+
+
+@pytest.mark.parametrize("ending", ["stopped", "cancelled"])
+def test_an_id_reused_after_its_request_ended_gets_the_tokens_of_a_fresh_id(served, ending):
+    def tokens(prompt, request_id, **sampling):
+        params = SamplingParams(**{"max_tokens": 16, **GREEDY, **sampling})
+        return [t for r in served.client.generate(prompt, params, request_id=request_id)
+                for t in r.token_ids]
+
+    first_prompt, second_prompt = [5, 9, 33, 40, 7, 8, 12], [60, 61, 62, 63, 90, 91]
+    fresh = tokens(second_prompt, f"fresh-{ending}")
+    if ending == "stopped":  # on its 4th token: with async scheduling a step is in flight then
+        stop = tokens(first_prompt, f"probe-{ending}")[3]
+        tokens(first_prompt, f"reused-{ending}", max_tokens=200, stop_token_ids=[stop])
+    else:
+        call = served.client.generate(first_prompt, SamplingParams(max_tokens=200, **GREEDY),
+                                      request_id=f"reused-{ending}")
+        next(iter(call))
+        call.cancel()
+    wait_until_idle(served.engine)
+    again = tokens(second_prompt, f"reused-{ending}")
+    assert again == fresh, f"a reused id after the request {ending} got another request's state"
+    wait_until_idle(served.engine)

@@ -71,11 +71,13 @@ def _prompt_kv(llm, prompt, num_pages: int):
     """Admit one request, step until its prompt is computed (its first token is out), read its
     prefix pages; then let it finish."""
     engine = llm.engine
-    rid = engine.add_request(prompt, SamplingParams(max_tokens=3, temperature=0.0,
-                                                    ignore_eos=True))
-    while not any(out.token_ids for out in engine.step() if out.request_id == rid):
+    request = engine.make_request(prompt, SamplingParams(max_tokens=3, temperature=0.0,
+                                                         ignore_eos=True))
+    engine.add(request)
+    while not any(out.token_ids for out in engine.step()
+                  if out.request_id == request.external_id):
         pass
-    kv = _prefix_kv(llm, rid, num_pages)
+    kv = _prefix_kv(llm, request.request_id, num_pages)  # (the engine's id keys its pages)
     while engine.has_unfinished():
         engine.step()
     return kv

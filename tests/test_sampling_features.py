@@ -84,7 +84,7 @@ def test_alone_and_in_a_busy_preempted_batch_give_the_same_tokens(mode, llm, alo
     sched = busy.engine.scheduler
     original = sched._preempt
     monkeypatch.setattr(sched, "_preempt",
-                        lambda victim, plan: (preempted.append(victim.request_id),
+                        lambda victim, plan: (preempted.append(victim.external_id),
                                               original(victim, plan))[1])
     filler, filler_params = mixed_requests(n=12, seed=3, max_prompt=60, max_out=40)
     extras = [(PROMPTS[2], params(0, logprobs=5)),
@@ -173,7 +173,7 @@ def test_n_samples_share_one_prefill_and_each_reproduces_alone(llm, monkeypatch)
                 prefill[chunk.request_id] = prefill.get(chunk.request_id, 0) + min(
                     chunk.kv_len, len(prompt)) - chunk.start_position
             tables[chunk.request_id] = chunk.page_table
-    first = out.request_id
+    first, = [rid for rid in prefill if "#" not in rid]  # sample 0 (the engine's id)
     assert prefill[first] == len(prompt)
     others = [rid for rid in prefill if rid != first]
     assert len(others) == 3 and all(prefill[rid] == len(prompt) - 64 for rid in others), prefill

@@ -189,6 +189,8 @@ class SamplingParams:
 
 @dataclass(slots=True)  # (one object: fewer cache lines per request and step)
 class Request:
+    # The engine's id of this admission, unique for the engine's life (the caller's id and a
+    # serial): everything keyed by it ends with the request, so a caller may reuse its id
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
@@ -200,6 +202,7 @@ class Request:
     # pages it shares once sample 0 has prefilled them
     sample_index: int = 0
     shares_prompt_of: str | None = None
+    external_id: str = ""          # the caller's id, which its outputs carry ("": request_id)
     # sampling.prompt_logprobs: {token id: logprob} for prompt positions 1, 2, ... so far
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
     # sampling.structured_outputs: the request's GrammarMatcher once its grammar compiled

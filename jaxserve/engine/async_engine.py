@@ -62,8 +62,8 @@ class AsyncEngine:
         self.paused = threading.Event()  # set: the loop waits (tests use it to block the engine)
         self.holding = threading.Event()  # set while the loop is waiting on `paused`
         self.error: BaseException | None = None
-        # Engine thread only: (deadline, request id) heap; request id -> time it was queued.
-        self._deadlines: list[tuple[float, str]] = []
+        # Engine thread only: (deadline, engine id, caller id) heap; engine id -> time queued.
+        self._deadlines: list[tuple[float, str, str]] = []
         self._queued_at: dict[str, float] = {}
 
     # ---- lifecycle ------------------------------------------------------------------
@@ -109,7 +109,7 @@ class AsyncEngine:
             # An invalid schema / regex / grammar raises its ValueError here, before queueing.
             await asyncio.wrap_future(
                 self.engine.grammars.submit(request.sampling.structured_outputs))
-        rid = request.request_id
+        rid = request.external_id
         stream: asyncio.Queue = asyncio.Queue()
         with self._lock:
             self._check_alive()
@@ -176,15 +176,16 @@ class AsyncEngine:
             # pending or in the published stats' waiting count, never neither.
             with self._lock:
                 self._num_pending_adds -= 1
-                if request.request_id not in self._streams:
+                if request.external_id not in self._streams:
                     return  # already ended (shutdown's abort_all)
                 self.engine.add(request)
         except Exception as exc:  # one bad request must not stop the loop
-            self._deliver(request.request_id, exc)
+            self._deliver(request.external_id, exc)
             return
+        # keyed by the engine's id: a later request under the caller's id is another request
         self._queued_at[request.request_id] = time.monotonic()
         if deadline is not None:
-            heapq.heappush(self._deadlines, (deadline, request.request_id))
+            heapq.heappush(self._deadlines, (deadline, request.request_id, request.external_id))
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -195,8 +196,7 @@ class AsyncEngine:
             kind, payload = item
             if kind == "add":
                 self._add(*payload)
-            elif kind == "abort":
-                self._queued_at.pop(payload, None)
+            elif kind == "abort":  # (its _queued_at entry goes once its status is gone)
                 out = self.engine.abort(payload)
                 if out is not None:
                     self._deliver(payload, out)
@@ -213,9 +213,9 @@ class AsyncEngine:
         """Abort every request whose deadline has passed; one still waiting never runs."""
         now = time.monotonic()
         while self._deadlines and self._deadlines[0][0] <= now:
-            _, rid = heapq.heappop(self._deadlines)
+            _, rid, external_id = heapq.heappop(self._deadlines)
             status = self._status(rid)
-            if status is None or rid not in self._streams:
+            if status is None or external_id not in self._streams:
                 continue  # finished or aborted already
             queued_at = self._queued_at.pop(rid, None)
             if status == RequestStatus.WAITING and queued_at is not None:
@@ -225,8 +225,8 @@ class AsyncEngine:
                     f"({now - queued_at:.3f} s): dropped before it ran")
             else:
                 error = DeadlineExceededError("the request's deadline passed while it ran")
-            self.engine.abort(rid)
-            self._deliver(rid, error)
+            self.engine.abort(external_id)
+            self._deliver(external_id, error)
 
     def _observe_admitted(self) -> None:
         """Queue time of each request that left the waiting queue for the first time."""

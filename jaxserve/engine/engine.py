@@ -89,6 +89,7 @@ class Engine:
         self.grammars = None        # a GrammarCompiler, made by the first structured request
         self._awaiting_grammar: list[Request] = []  # samples whose grammar is compiling
         self._arrivals = itertools.count()
+        self._serials = itertools.count(1)  # (thread-safe: make_request runs on callers' threads)
         self._seed_rng = random.Random(self.config.seed)
         self.num_steps = 0
         self._closed = False
@@ -154,9 +155,11 @@ class Engine:
         if params.structured_outputs is not None:
             self._grammar_compiler().submit(params.structured_outputs)  # compiles off-thread
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
-        return Request(request_id or uuid.uuid4().hex, ids, params, seed,
+        external_id = request_id or uuid.uuid4().hex
+        return Request(f"{external_id}-{next(self._serials)}", ids, params, seed,
                        eos_token_ids=tuple(self.tokenizer.eos_token_ids), priority=priority,
-                       bad_words_ids=bad_words_ids(self.tokenizer, params.bad_words))
+                       bad_words_ids=bad_words_ids(self.tokenizer, params.bad_words),
+                       external_id=external_id)
 
     def add(self, request: Request) -> None:
         """Queue a made request; with sampling.n > 1 its other samples too (ids
@@ -168,9 +171,9 @@ class Engine:
         samples = [request] + [dataclasses.replace(
             request, request_id=f"{request.request_id}#{i}", seed=sample_seed(request.seed, i),
             sample_index=i, shares_prompt_of=request.request_id, output_token_ids=[],
-            prompt_logprobs=[]) for i in range(1, n)]
-        if any(s.request_id in self._outputs for s in samples):
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
+            prompt_logprobs=[], external_id=f"{request.external_id}#{i}") for i in range(1, n)]
+        if request.external_id in self._outputs:
+            raise ValueError(f"request_id {request.external_id!r} is already in use")
         seq, now = next(self._arrivals), time.monotonic()
         for sample in samples:
             sample.arrival_seq, sample.arrival_time = seq, now
@@ -186,10 +189,11 @@ class Engine:
     def add_request(self, prompt=None, params=None, **kwargs) -> str:
         request = self.make_request(prompt, params, **kwargs)
         self.add(request)
-        return request.request_id
+        return request.external_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Abort every sample of the request; its final output, or None if unknown or done."""
+        """Abort every sample of the caller's request `request_id` (the id its outputs carry);
+        its final output, or None if unknown or done."""
         samples = [s for s in self._outputs.samples_of(request_id)
                    if self.scheduler.finish(s, FinishReason.ABORT)]
         if not samples:

@@ -54,18 +54,22 @@ class OutputProcessor:
         self._groups: dict[str, _Group] = {}
 
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self._groups or request_id in self._samples
+        """Whether a caller's request (by the id its outputs carry) is still running."""
+        return request_id in self._groups
 
     def samples_of(self, request_id: str) -> list[str]:
-        """The sample ids of a caller's request still running (empty when unknown or done)."""
+        """The engine's ids of the samples of a caller's request still running (empty when
+        unknown or done)."""
         group = self._groups.get(request_id)
         return sorted(group.running) if group else []
 
     def add(self, samples: list[Request]) -> None:
-        """One caller's request: its samples, sample 0 first (whose id is the request's)."""
+        """One caller's request: its samples, sample 0 first (whose external_id its outputs
+        carry); samples are keyed by the engine's ids (Request.request_id)."""
         first = samples[0]
         sp = first.sampling
-        group = _Group(RequestOutput(first.request_id, first.prompt_token_ids, outputs=[]),
+        group = _Group(RequestOutput(first.external_id or first.request_id,
+                                     first.prompt_token_ids, outputs=[]),
                        first.arrival_time, final_only=sp.output_kind == "final_only")
         plain = (len(samples) == 1 and not group.final_only and sp.logprobs is None
                  and sp.prompt_logprobs is None)
@@ -80,7 +84,7 @@ class OutputProcessor:
                                            skip_special_tokens=sp.skip_special_tokens)
             self._samples[request.request_id] = _Sample(
                 request, completion, detok, group, detok.one_token_step if plain else None)
-        self._groups[first.request_id] = group
+        self._groups[group.output.request_id] = group
 
     def process(self, events: list[TokenEvent], on_error) -> list[RequestOutput]:
         """Apply one step's events; one snapshot per request they touched, in event order.

@@ -74,7 +74,7 @@ class LLM:
                     if out.finished:
                         results[out.request_id] = out
                         bar.update(1)
-        return [results[r.request_id] for r in requests]
+        return [results[r.external_id] for r in requests]
 
     def chat(self, messages: list[dict], sampling_params=None, **kwargs) -> RequestOutput:
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
