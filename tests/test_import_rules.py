@@ -14,7 +14,8 @@ HOST_SIDE = ["jaxserve.core.scheduler", "jaxserve.core.page_manager", "jaxserve.
              "jaxserve.runner.batch", "jaxserve.runner.buckets", "jaxserve.runner.protocol",
              "jaxserve.spec.batch", "jaxserve.spec.policy", "jaxserve.spec.ngram",
              "jaxserve.core.processor_slots", "jaxserve.core.step_rows", "jaxserve.engine.output_processor",
-             "jaxserve.core.host_prefix_tier", "jaxserve.core.page_stats", "jaxserve.core.page_invariants"]
+             "jaxserve.core.host_prefix_tier", "jaxserve.core.page_stats", "jaxserve.core.page_invariants",
+             "jaxserve.core.intake"]
 
 
 @pytest.mark.parametrize("module", HOST_SIDE)
