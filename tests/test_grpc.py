@@ -302,17 +302,20 @@ def test_model_info_describes_the_served_engine(served):
 
 
 def test_engine_finishes_other_than_stop_or_length_end_the_call_with_a_status(served):
-    """error: RESOURCE_EXHAUSTED if the page pool can never hold the request, else INTERNAL;
-    abort by the server: ABORTED. A fake engine yields each outcome for its prompt."""
+    """error: INTERNAL; abort by the server: ABORTED; refused at intake because the page pool
+    can never hold it: RESOURCE_EXHAUSTED. A fake engine yields each outcome for its prompt."""
+    from jaxserve.core.intake import RequestError
     from jaxserve.engine.outputs import CompletionOutput, RequestOutput
     from jaxserve.entrypoints.prompt_intake import PromptLimits
     from jaxserve.entrypoints.grpc.background import ServerThread
 
-    outcomes = {1: ("error", "request needs 64 KV pages"), 2: ("error", "kaput"),
+    outcomes = {1: ("refused", "the KV page pool holds 47 pages"), 2: ("error", "kaput"),
                 3: ("abort", None)}
 
     async def generate(prompt, params, *, request_id, priority, prompt_token_ids, deadline):
         reason, error = outcomes[len(prompt_token_ids) % 4]
+        if reason == "refused":
+            raise RequestError("prompt_token_ids", error, exceeds_kv_pool=True)
         yield RequestOutput("r", prompt_token_ids, [CompletionOutput(0, finish_reason=reason)],
                             finished=True, error=error)
 

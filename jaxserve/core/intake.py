@@ -4,12 +4,13 @@ A request is refused here, with a RequestError naming the field, the value and t
 its prompt is empty, longer than max_model_len allows or holds a token id outside the
 vocabulary; when a token id in logit_bias, allowed_token_ids or stop_token_ids is outside the
 vocabulary; when a sampling setting is out of range (SamplingParams.validate, which raises
-RequestError too); when its structured_outputs is not a StructuredOutputs; or when its prompt
-plus max_tokens needs more KV pages than the whole pool (page 0 excluded): such a request could
-never run. Engine.make_request runs `check_request` on every request, so the offline LLM, the
-gRPC server and the HTTP server (through AsyncEngine) refuse the same requests with the same
-words; the front ends map RequestError to INVALID_ARGUMENT (RESOURCE_EXHAUSTED where the KV
-pool, not max_model_len, is what the request exceeds) and HTTP 400 with `param` = the field.
+RequestError too); when its structured_outputs is not a StructuredOutputs (whose constructor
+checks its shape, raising a RequestError subclass); or when its prompt plus max_tokens needs
+more KV pages than the whole pool (page 0 excluded): such a request could never run.
+Engine.make_request runs `check_request` on every request, so the offline LLM, the gRPC server
+and the HTTP server (through AsyncEngine) refuse the same requests with the same words; the
+front ends map RequestError to INVALID_ARGUMENT (RESOURCE_EXHAUSTED where the KV pool, not
+max_model_len, is what the request exceeds) and HTTP 400 with `param` = the field.
 
 Size limits that must hold before any tokenizer work (characters, encoded bytes) are
 entrypoints/prompt_intake.PromptLimits'; turning wire fields into SamplingParams is each front
@@ -22,9 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
 
-from jaxserve.structured.params import StructuredOutputs
-
-if TYPE_CHECKING:  # request.py imports RequestError from here
+if TYPE_CHECKING:  # request.py and structured/params.py import RequestError from here
     from jaxserve.core.request import SamplingParams
 
 
@@ -122,6 +121,8 @@ def check_sampling(limits: RequestLimits, params: SamplingParams) -> None:
 def check_structured_outputs(params: SamplingParams) -> None:
     """None, or a StructuredOutputs (whose constructor checked its shape: exactly one
     constraint, JSON that parses); whether the grammar compiles is the compiler's to say."""
+    from jaxserve.structured.params import StructuredOutputs
+
     so = params.structured_outputs
     if so is not None and not isinstance(so, StructuredOutputs):
         raise RequestError("structured_outputs", f"structured_outputs={so!r} is invalid: must "
