@@ -363,7 +363,7 @@ def test_health_is_serving_and_reflection_lists_the_service(served):
 def test_processors_and_top_logprobs_cross_the_wire_as_offline(served, small_llm):
     """Every new SamplingParams field survives the proto both ways; the served tokens and
     alternatives equal the offline engine's for the same request."""
-    from jaxserve.server import convert
+    from jaxserve.entrypoints.grpc import convert
 
     params = SamplingParams(max_tokens=8, logprobs=3, presence_penalty=0.5,
                             frequency_penalty=-0.25, repetition_penalty=1.5,
@@ -396,7 +396,7 @@ def test_n_samples_stream_by_index_as_offline(served, small_llm):
 
 
 def test_structured_outputs_cross_the_wire_and_need_a_real_tokenizer(served):
-    from jaxserve.server import convert
+    from jaxserve.entrypoints.grpc import convert
     from jaxserve.structured.params import StructuredOutputs
 
     for so in (StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "integer"}}}),
