@@ -8,7 +8,6 @@ test_grpc_process.py.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import time
 from types import SimpleNamespace
 
@@ -319,8 +318,7 @@ def test_engine_finishes_other_than_stop_or_length_end_the_call_with_a_status(se
         yield RequestOutput("r", prompt_token_ids, [CompletionOutput(0, finish_reason=reason)],
                             finished=True, error=error)
 
-    info = dataclasses.replace(served.engine.info, max_model_len=4096)
-    engine = SimpleNamespace(tokenizer=served.engine.tokenizer, info=info)  # 47 pages of 16
+    engine = SimpleNamespace(tokenizer=served.engine.tokenizer)
     fake = SimpleNamespace(engine=engine, error=None, generate=generate,
                            limits=PromptLimits(4096, 1 << 20))
     expected = {1001: "RESOURCE_EXHAUSTED", 10: "INTERNAL", 7: "ABORTED"}
