@@ -4,9 +4,11 @@ Importing the package is cheap and does not import jax; the engine loads it when
 """
 
 from jaxserve.config import EngineConfig
+from jaxserve.core.intake import RequestError
 from jaxserve.core.request import FinishReason, SamplingParams
 
-__all__ = ["LLM", "EngineConfig", "SamplingParams", "FinishReason", "RequestOutput"]
+__all__ = ["LLM", "EngineConfig", "SamplingParams", "FinishReason", "RequestOutput",
+           "RequestError"]
 __version__ = "0.1.0"
 
 

@@ -133,10 +133,13 @@ def test_invalid_requests_raise_naming_the_field(small_llm):
             SamplingParams(**{field: value})
 
 
-def test_request_that_can_never_fit_is_finished_with_an_error():
+def test_request_that_can_never_fit_is_refused_at_intake_naming_the_pool():
+    from jaxserve import RequestError
+
     llm = make_llm(num_pages=48, max_model_len=2048)
-    out = llm.generate([[5] * 900], SamplingParams(max_tokens=100), use_tqdm=False)[0]
-    assert out.finish_reason == "error" and "pages" in out.error
+    with pytest.raises(RequestError, match="KV page pool holds 47 pages") as info:
+        llm.generate([[5] * 900], SamplingParams(max_tokens=100), use_tqdm=False)
+    assert (info.value.field, info.value.exceeds_kv_pool) == ("prompt_token_ids", True)
     assert_idle_and_no_leak(llm)
 
 

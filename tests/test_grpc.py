@@ -8,7 +8,6 @@ test_grpc_process.py.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import time
 from types import SimpleNamespace
 
@@ -302,22 +301,24 @@ def test_model_info_describes_the_served_engine(served):
 
 
 def test_engine_finishes_other_than_stop_or_length_end_the_call_with_a_status(served):
-    """error: RESOURCE_EXHAUSTED if the page pool can never hold the request, else INTERNAL;
-    abort by the server: ABORTED. A fake engine yields each outcome for its prompt."""
+    """error: INTERNAL; abort by the server: ABORTED; refused at intake because the page pool
+    can never hold it: RESOURCE_EXHAUSTED. A fake engine yields each outcome for its prompt."""
+    from jaxserve.core.intake import RequestError
     from jaxserve.engine.outputs import CompletionOutput, RequestOutput
     from jaxserve.entrypoints.prompt_intake import PromptLimits
     from jaxserve.entrypoints.grpc.background import ServerThread
 
-    outcomes = {1: ("error", "request needs 64 KV pages"), 2: ("error", "kaput"),
+    outcomes = {1: ("refused", "the KV page pool holds 47 pages"), 2: ("error", "kaput"),
                 3: ("abort", None)}
 
     async def generate(prompt, params, *, request_id, priority, prompt_token_ids, deadline):
         reason, error = outcomes[len(prompt_token_ids) % 4]
+        if reason == "refused":
+            raise RequestError("prompt_token_ids", error, exceeds_kv_pool=True)
         yield RequestOutput("r", prompt_token_ids, [CompletionOutput(0, finish_reason=reason)],
                             finished=True, error=error)
 
-    info = dataclasses.replace(served.engine.info, max_model_len=4096)
-    engine = SimpleNamespace(tokenizer=served.engine.tokenizer, info=info)  # 47 pages of 16
+    engine = SimpleNamespace(tokenizer=served.engine.tokenizer)
     fake = SimpleNamespace(engine=engine, error=None, generate=generate,
                            limits=PromptLimits(4096, 1 << 20))
     expected = {1001: "RESOURCE_EXHAUSTED", 10: "INTERNAL", 7: "ABORTED"}
@@ -360,7 +361,7 @@ def test_health_is_serving_and_reflection_lists_the_service(served):
 def test_processors_and_top_logprobs_cross_the_wire_as_offline(served, small_llm):
     """Every new SamplingParams field survives the proto both ways; the served tokens and
     alternatives equal the offline engine's for the same request."""
-    from jaxserve.server import convert
+    from jaxserve.entrypoints.grpc import convert
 
     params = SamplingParams(max_tokens=8, logprobs=3, presence_penalty=0.5,
                             frequency_penalty=-0.25, repetition_penalty=1.5,
@@ -393,7 +394,7 @@ def test_n_samples_stream_by_index_as_offline(served, small_llm):
 
 
 def test_structured_outputs_cross_the_wire_and_need_a_real_tokenizer(served):
-    from jaxserve.server import convert
+    from jaxserve.entrypoints.grpc import convert
     from jaxserve.structured.params import StructuredOutputs
 
     for so in (StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "integer"}}}),

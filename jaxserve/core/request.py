@@ -12,6 +12,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from jaxserve.core.intake import RequestError
 from jaxserve.structured.params import StructuredOutputs
 
 
@@ -107,8 +108,10 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
+        """Ranges of each setting alone (core/intake.py checks them against the model);
+        raises RequestError naming the field, the value and the limit."""
         def bad(name, value, limit):
-            raise ValueError(f"{name}={value!r} is invalid: must be {limit}")
+            raise RequestError(name, f"{name}={value!r} is invalid: must be {limit}")
 
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             bad("max_tokens", self.max_tokens, "an integer >= 1")

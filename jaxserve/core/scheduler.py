@@ -83,7 +83,9 @@ class Scheduler(SchedulerResults):
 
     # ---- lifecycle -------------------------------------------------------------------
     def add(self, request: Request) -> TokenEvent | None:
-        """Queue a request. One that can never fit is finished at once; its event is returned."""
+        """Queue a request. One that can never fit is finished at once; its event is returned
+        (a defensive invariant, else it would wait forever: the engine's requests were refused
+        already by core/intake.py, which tells clients)."""
         total = min(request.num_tokens + request.sampling.max_tokens, self.max_model_len)
         needed = self.pages.num_pages_for(total)
         capacity = self.pages.num_pages - 1

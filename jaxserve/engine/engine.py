@@ -124,34 +124,23 @@ class Engine:
     def make_request(self, prompt: str | list[int] | None = None,
                      params: SamplingParams | None = None, *, request_id: str | None = None,
                      priority: int = 0, prompt_token_ids: list[int] | None = None) -> Request:
-        """Validate and tokenize; raises ValueError naming the field, the value and the limit."""
+        """Tokenize, then check the request at intake (core/intake.py: every check on a
+        request); raises intake.RequestError naming the field, the value and the limit."""
+        from jaxserve.core import intake
+
         params = params or SamplingParams()
         if isinstance(prompt, (list, tuple)):
             prompt, prompt_token_ids = None, list(prompt)
         if (prompt is None) == (prompt_token_ids is None):
-            raise ValueError("exactly one of prompt (text) and prompt_token_ids must be given")
+            raise intake.RequestError("prompt", "exactly one of prompt (text) and "
+                                      "prompt_token_ids must be given")
+        field = "prompt_token_ids"
         if prompt is not None:
             if not isinstance(prompt, str) or not prompt:
-                raise ValueError("prompt must be a non-empty string")
-            prompt_token_ids = self.tokenizer.encode(prompt)
+                raise intake.RequestError("prompt", "prompt must be a non-empty string")
+            prompt_token_ids, field = self.tokenizer.encode(prompt), "prompt"
         ids = [int(t) for t in prompt_token_ids]
-        if not ids:
-            raise ValueError("prompt_token_ids must not be empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids contains {bad[0]}, outside the vocabulary "
-                             f"[0, {vocab})")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt length {len(ids)} + max_tokens {params.max_tokens} = "
-                             f"{len(ids) + params.max_tokens} exceeds max_model_len "
-                             f"{self.max_model_len}")
-        for name, tokens in (("logit_bias", [t for t, _ in params.logit_bias]),
-                             ("allowed_token_ids", params.allowed_token_ids or ())):
-            bad = [t for t in tokens if t >= vocab]
-            if bad:
-                raise ValueError(f"{name} contains token id {bad[0]}, outside the vocabulary "
-                                 f"[0, {vocab})")
+        intake.check_request(self.info, ids, params, prompt_field=field)
         if params.structured_outputs is not None:
             self._grammar_compiler().submit(params.structured_outputs)  # compiles off-thread
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class EngineInfo:
+    """Also a core.intake.RequestLimits: max_model_len, vocab_size, page_size, num_pages."""
+
     model_name: str
     architecture: str
     max_model_len: int
@@ -30,14 +32,6 @@ class EngineInfo:
     weight_bytes: int = 0           # the weights on device, all shards together
     # (tensor group, format, bytes on device) per group: embed, lm_head, attention, mlp, other
     weight_formats: tuple[tuple[str, str, int], ...] = ()
-
-    def num_pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
-
-    def never_fits(self, num_tokens: int) -> bool:
-        """The scheduler's admission rule: a request whose prompt + max_tokens needs more pages
-        than the whole pool (page 0 excluded) can never run."""
-        return self.num_pages_for(min(num_tokens, self.max_model_len)) > self.num_pages - 1
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,9 @@ that tokenizes and renders chat templates off the event loop.
 PromptLimits refuses a prompt that cannot fit before any tokenizer work: more characters than
 max_model_len tokens could ever spell (the tokenizer's longest token, in characters, times
 max_model_len), more token ids than max_model_len, or chat messages whose contents together are
-over the character limit. Each refusal is a ValueError naming the field and the limit (the front
-ends map it to INVALID_ARGUMENT / 400). `max_request_bytes` bounds a whole encoded request
+over the character limit. Each refusal is a core.intake.RequestError naming the field and the
+limit (the front ends map it to INVALID_ARGUMENT / 400); every check on the tokenized request
+is core/intake.py's. `max_request_bytes` bounds a whole encoded request
 (no valid prompt is longer, with room for sampling settings and grammars), so a front end can
 refuse a huge message before decoding it: decoding 3 MiB of token ids takes ~30 ms.
 
@@ -23,6 +24,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from jaxserve.core.intake import RequestError
 from jaxserve.engine.engine import QueueFullError
 
 # A tokenizer without a vocabulary to measure (a test's byte tokenizer): assume tokens are at
@@ -65,22 +67,22 @@ class PromptLimits:
 
     def check_text(self, text: str, field: str = "prompt") -> None:
         if len(text) > self.max_prompt_chars:
-            raise ValueError(f"{field} has {len(text)} characters, over the limit of "
-                             f"{self.max_prompt_chars} (max_prompt_chars: max_model_len "
-                             f"{self.max_prompt_tokens} tokens of at most "
-                             f"{self.max_prompt_chars // self.max_prompt_tokens} characters)")
+            raise RequestError(field, f"{field} has {len(text)} characters, over the limit "
+                               f"of {self.max_prompt_chars} (max_prompt_chars: max_model_len "
+                               f"{self.max_prompt_tokens} tokens of at most "
+                               f"{self.max_prompt_chars // self.max_prompt_tokens} characters)")
 
     def check_num_tokens(self, num_tokens: int, field: str = "prompt_token_ids") -> None:
         if num_tokens > self.max_prompt_tokens:
-            raise ValueError(f"{field} has {num_tokens} tokens, over the limit of "
-                             f"{self.max_prompt_tokens} (max_model_len)")
+            raise RequestError(field, f"{field} has {num_tokens} tokens, over the limit of "
+                               f"{self.max_prompt_tokens} (max_model_len)")
 
     def check_messages(self, contents, field: str = "messages") -> None:
         """contents: each message's text (its parts' texts joined)."""
         total = sum(len(c) for c in contents)
         if total > self.max_prompt_chars:
-            raise ValueError(f"{field} hold {total} characters in all, over the limit of "
-                             f"{self.max_prompt_chars} (max_prompt_chars)")
+            raise RequestError(field, f"{field} hold {total} characters in all, over the "
+                               f"limit of {self.max_prompt_chars} (max_prompt_chars)")
 
 
 class TextPool:

@@ -14,11 +14,17 @@ import dataclasses
 import json as jsonlib
 from typing import Any
 
+from jaxserve.core.intake import RequestError
+
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-class StructuredOutputsError(ValueError):
-    """A malformed structured-output request (INVALID_ARGUMENT / HTTP 400)."""
+class StructuredOutputsError(RequestError):
+    """A malformed structured-output request (INVALID_ARGUMENT / HTTP 400): a RequestError
+    whose field is structured_outputs (or response_format)."""
+
+    def __init__(self, message: str, field: str = "structured_outputs"):
+        super().__init__(field, message)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +98,7 @@ class StructuredOutputs:
         if response_format is None:
             return None
         if not isinstance(response_format, dict):
-            raise StructuredOutputsError("response_format must be an object")
+            raise StructuredOutputsError("response_format must be an object", "response_format")
         kind = response_format.get("type")
         if kind == "text":
             return None
@@ -102,14 +108,14 @@ class StructuredOutputs:
             spec = response_format.get("json_schema")
             if not isinstance(spec, dict):
                 raise StructuredOutputsError("response_format.json_schema must be an object "
-                                             "with a 'schema'")
+                                             "with a 'schema'", "response_format.json_schema")
             schema = spec.get("schema", spec.get("json_schema"))
             if schema is None:
                 # OpenAI allows omitting the schema: any JSON object
                 return cls(json_object=True)
             return cls(json=schema)
         raise StructuredOutputsError(f"response_format.type must be one of text, json_object, "
-                                     f"json_schema (got {kind!r})")
+                                     f"json_schema (got {kind!r})", "response_format.type")
 
 
 def _schema(value: Any) -> dict | bool:

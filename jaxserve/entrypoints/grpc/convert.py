@@ -76,7 +76,7 @@ def chat_prompt(tokenizer, chat: pb.Chat) -> tuple[str, list[int]]:
 
 def prompt_from_proto(request: pb.GenerateRequest,
                       tokenizer) -> tuple[str | None, list[int] | None]:
-    """(text, None) or (None, token ids); emptiness and vocabulary are checked by the engine."""
+    """(text, None) or (None, token ids); emptiness and vocabulary are checked at intake."""
     which = request.WhichOneof("prompt")
     if which is None:
         raise ValueError("prompt is unset: exactly one of text, token_ids or chat must be set")

@@ -16,6 +16,7 @@ import logging
 import grpc
 from google.protobuf.message import DecodeError
 
+from jaxserve.core.intake import RequestError
 from jaxserve.engine.async_engine import DeadlineExceededError, EngineDeadError, EngineFailedError
 from jaxserve.engine.engine import QueueFullError
 from jaxserve.entrypoints.grpc.pb import jaxserve_pb2 as pb
@@ -74,7 +75,12 @@ def add_servicer(servicer, server: grpc.aio.Server) -> None:
 
 
 def status_for_exception(exc: Exception, validating: bool) -> StatusError:
-    """validating: the request has produced no output yet, so a ValueError is bad input."""
+    """validating: the request has produced no output yet, so a ValueError is bad input. A
+    RequestError (refused at intake) is bad input always: INVALID_ARGUMENT, or
+    RESOURCE_EXHAUSTED when the KV page pool is what it exceeds."""
+    if isinstance(exc, RequestError):
+        return (grpc.StatusCode.RESOURCE_EXHAUSTED if exc.exceeds_kv_pool
+                else grpc.StatusCode.INVALID_ARGUMENT), str(exc)
     if isinstance(exc, EngineDeadError):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, EngineFailedError):

@@ -17,8 +17,9 @@ aborted in the engine; then the process exits 0, its exit closing the listener (
 grpc stop that would CANCEL racing calls: process.exit_now). If the engine fails: every
 in-flight call INTERNAL, health NOT_SERVING, new calls UNAVAILABLE, exit 1.
 
-Status codes (grpc_errors.py): an undecodable request or a ValueError before the first token
-(validation) -> INVALID_ARGUMENT; a full queue, or a request the KV page pool can never hold ->
+Status codes (grpc/errors.py): an undecodable request, a RequestError (core/intake.py: every
+check on a request) or another ValueError before the first token -> INVALID_ARGUMENT; a full
+queue, or a request the KV page pool can never hold (RequestError.exceeds_kv_pool) ->
 RESOURCE_EXHAUSTED; starting, draining or a dead engine -> UNAVAILABLE; a failed engine, or any
 other failure of one request -> INTERNAL (the server goes on unless the engine failed). This
 module does no sampling, scheduling or device work.
@@ -54,12 +55,6 @@ DEAD_LINGER_S = 1.0
 
 def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _never_fits(engine, out, params) -> bool:
-    """The scheduler's admission rule: prompt + max_tokens pages beyond the whole pool."""
-    return not out.token_ids and engine.info.never_fits(
-        len(out.prompt_token_ids) + params.max_tokens)
 
 
 async def _write(context, response) -> bool:
@@ -122,7 +117,6 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             self.num_in_flight -= 1
 
     async def _generate(self, async_engine: AsyncEngine, request, context) -> None:
-        engine = async_engine.engine
         try:
             params = convert.sampling_from_proto(request.sampling)
             text, token_ids = await self._prompt(async_engine, request)
@@ -139,7 +133,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
                 async for out in stream:
                     started = True
                     if out.finished and out.finish_reason not in convert.FINISH_REASONS:
-                        error = self._finish_error(engine, out, params)
+                        error = self._finish_error(out)
                         break
                     for response in convert.responses_from_output(
                             out, params.logprobs is not None, reported):
@@ -155,13 +149,12 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             await context.abort(*error)
 
     @staticmethod
-    def _finish_error(engine, out, params) -> StatusError:
+    def _finish_error(out) -> StatusError:
+        """A request refused at intake never gets here (make_request raised RequestError), so
+        an error finish is the engine's failure."""
         if out.finish_reason == "abort":
             return grpc.StatusCode.ABORTED, f"request {out.request_id} was aborted by the server"
-        message = out.error or "request failed in the engine"
-        if _never_fits(engine, out, params):
-            return grpc.StatusCode.RESOURCE_EXHAUSTED, message
-        return grpc.StatusCode.INTERNAL, message
+        return grpc.StatusCode.INTERNAL, out.error or "request failed in the engine"
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         async_engine = await self._engine(context)

@@ -1,5 +1,6 @@
 """OpenAI's error shape, the HTTP front end's refusals, and engine exceptions mapped to them.
 
+A RequestError (core/intake.py: every check on a request) is a 400 whose param is its field.
 Engine failures: a stopped engine is 503, one that failed under the request 500, a passed
 `timeout` 408. An OpenAIError carries the HTTP status, a message naming the field and its limit, the field
 itself and OpenAI's error type; `body()` is {"error": {message, type, param, code}}. UNSUPPORTED
@@ -12,6 +13,7 @@ from __future__ import annotations
 import re
 from typing import Callable
 
+from jaxserve.core.intake import RequestError
 from jaxserve.engine.async_engine import DeadlineExceededError, EngineDeadError, EngineFailedError
 from jaxserve.engine.engine import QueueFullError
 
@@ -53,6 +55,9 @@ def error_for_exception(exc: BaseException, prompt_field: str = "prompt",
         return exc
     if constraint_field is not None and _is_constraint_error(exc):
         return bad_request(f"{constraint_field}: {exc}", constraint_field)
+    if isinstance(exc, RequestError):  # refused at intake: param is the field it names
+        field = prompt_field if exc.field in ("prompt", "prompt_token_ids") else exc.field
+        return bad_request(str(exc), field)
     if isinstance(exc, QueueFullError):
         return OpenAIError(429, str(exc), None, "rate_limit_error",
                            {"Retry-After": str(RETRY_AFTER_S)})

@@ -6,9 +6,12 @@ AsyncEngine.generate (whose iterator is always closed, so a request whose client
 aborted); it never touches the scheduler, the page manager or the runner, and knows nothing of
 routing, auth or health (http_server.py). Prompt sizes are checked against AsyncEngine's
 PromptLimits before any tokenizer work; tokenizing, chat templating and detokenizing run on its
-bounded text pool, never on the event loop. A request's `timeout` becomes its deadline. Every refusal is an OpenAIError with the HTTP status, a message naming
-the field and its limit, and the field itself (openai_errors.py, with the parameters refused until
-the engine learns them); walking engine streams, SSE, usage and logprobs are openai_stream.py's.
+bounded text pool, never on the event loop. A request's `timeout` becomes its deadline. Every
+check on a request's content is core/intake.py's: its length against max_model_len and the KV
+pool here (the default max_tokens depends on it), the rest as AsyncEngine.generate makes the
+request. Every refusal is an OpenAIError with the HTTP status, a message naming the field and
+its limit, and the field itself (openai/errors.py, with the parameters refused until the engine
+learns them); walking engine streams, SSE, usage and logprobs are openai_stream.py's.
 Output constraints (response_format, vLLM's structured_outputs and guided_*: at most one) become
 SamplingParams.structured_outputs; AsyncEngine.generate compiles the grammar before queueing, so
 an invalid one is a 400 naming its field before any work is done.
@@ -22,6 +25,8 @@ import time
 import uuid
 
 from jaxserve import __version__
+from jaxserve.core import intake
+from jaxserve.core.intake import RequestError
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.entrypoints.prompt_intake import encode
 from jaxserve.core.request import SamplingParams
@@ -46,22 +51,12 @@ class OpenAIServing:
         self.model_name = served_model_name or self.info.model_name
         self.chat_tokenizer = with_chat_template(self.tokenizer, chat_template)
         self.fingerprint = f"jaxserve-{__version__}-{self.info.dtype}"
-        # A request can hold at most this many tokens: the context, or the whole KV pool.
-        self.max_tokens_total = min(self.info.max_model_len,
-                                    (self.info.num_pages - 1) * self.info.page_size)
 
     # ---- checks ------------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             raise OpenAIError(404, f"model {name!r} does not exist: this server serves "
                                    f"{self.model_name!r}", "model", "model_not_found")
-
-    def _check_ids(self, ids: list[int], field: str) -> None:
-        vocab = self.info.vocab_size
-        bad = next((t for t in ids if t >= vocab), None)
-        if bad is not None:
-            raise bad_request(f"{field} contains token id {bad}, outside the vocabulary "
-                              f"[0, {vocab})", field)
 
     @staticmethod
     def constraint(request) -> tuple[StructuredOutputs | None, str | None]:
@@ -89,21 +84,14 @@ class OpenAIServing:
                 structured_outputs: StructuredOutputs | None = None) -> SamplingParams:
         max_field = ("max_completion_tokens" if getattr(request, "max_completion_tokens", None)
                      is not None else "max_tokens")
-        limit, context = self.max_tokens_total, self.info.max_model_len
-        if prompt_len >= limit:
-            raise bad_request(f"{field} has {prompt_len} tokens, but a request may hold at "
-                              f"most {limit} (max_model_len {context}, KV pool "
-                              f"{(self.info.num_pages - 1) * self.info.page_size} tokens), "
-                              f"output included", field)
-        if max_tokens is None:
-            max_tokens = limit - prompt_len
-            if default_max_tokens is not None:
-                max_tokens = min(max_tokens, default_max_tokens)
-        elif prompt_len + max_tokens > limit:
-            raise bad_request(f"{max_field}={max_tokens} is too large: the prompt has "
-                              f"{prompt_len} tokens and a request may hold at most {limit} "
-                              f"(max_model_len {context}), so {max_field} must be at most "
-                              f"{limit - prompt_len}", max_field)
+        try:  # intake's other checks run as AsyncEngine.generate makes the request
+            room = intake.output_room(self.info, prompt_len, field)
+            if max_tokens is None:
+                max_tokens = min(room, default_max_tokens or room)
+            intake.check_length(self.info, prompt_len, max_tokens, prompt_field=field,
+                                max_tokens_field=max_field)
+        except RequestError as exc:
+            raise error_for_exception(exc) from None
         top_k = request.top_k if request.top_k not in (None, -1) else 0
         optional = dict(temperature=request.temperature, top_p=request.top_p,
                         min_p=request.min_p, seed=request.seed)
@@ -144,7 +132,7 @@ class OpenAIServing:
             return [encode(self.tokenizer, p) for p in prompt], list(prompt)
         for ids in prompt:
             limits.check_num_tokens(len(ids), "prompt")
-            self._check_ids(ids, "prompt")
+            intake.check_prompt(self.info, ids, "prompt")
         return [list(ids) for ids in prompt], [None] * len(prompt)
 
     def chat_prompt(self, request) -> list[int]:
@@ -364,6 +352,9 @@ class OpenAIServing:
 
     async def detokenize(self, request: api.DetokenizeRequest) -> api.DetokenizeResponse:
         self.check_model(request.model)
-        self._check_ids(request.tokens, "tokens")
+        try:
+            intake.check_token_ids(self.info, request.tokens, "tokens")
+        except RequestError as exc:
+            raise error_for_exception(exc) from None
         return api.DetokenizeResponse(
             prompt=await self._in_thread(self.tokenizer.decode, request.tokens))
