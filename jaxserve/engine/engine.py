@@ -26,6 +26,7 @@ import uuid
 from contextlib import contextmanager
 
 from jaxserve.config import EngineConfig
+from jaxserve.core import intake
 from jaxserve.engine.builder import EngineParts, build_engine
 from jaxserve.engine.info import engine_stats
 from jaxserve.engine.metrics import EngineMetrics
@@ -126,8 +127,6 @@ class Engine:
                      priority: int = 0, prompt_token_ids: list[int] | None = None) -> Request:
         """Tokenize, then check the request at intake (core/intake.py: every check on a
         request); raises intake.RequestError naming the field, the value and the limit."""
-        from jaxserve.core import intake
-
         params = params or SamplingParams()
         if isinstance(prompt, (list, tuple)):
             prompt, prompt_token_ids = None, list(prompt)
