@@ -105,7 +105,7 @@ def test_output_processor_one_token_path_hands_out_what_the_general_path_does(to
     ids = [i for text in TEXTS for i in tokenizer.backend.encode(
         text, add_special_tokens=False).ids]
     params = SamplingParams(max_tokens=len(ids), temperature=0.0)
-    processor = OutputProcessor(tokenizer, lambda *_: True)
+    processor = OutputProcessor(tokenizer)
     for name in ("fast", "general"):
         processor.add([Request(name, [5, 6], params, 0)])
     processor._samples["general"].plain = None

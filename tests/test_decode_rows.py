@@ -19,6 +19,7 @@ import zlib
 import numpy as np
 import pytest
 
+from jaxserve.core.plan import StepResult
 from jaxserve.core.page_manager import PageManager
 from jaxserve.core.request import DecodeTokens, FinishReason, Request, SamplingParams
 from jaxserve.runner.batch import build_step_inputs
@@ -123,7 +124,7 @@ def test_decode_rows_lay_out_the_same_inputs_and_tokens_as_chunks(mode, lag):
         assert results[0][0].preempted == results[1][0].preempted
         keys = []
         for j, (side, (plan, _, tokens, logprobs)) in enumerate(zip(sides, results)):
-            done = (plan, tokens, logprobs)
+            done = (plan, StepResult(tokens, logprobs))
             if lag:  # take the step before in (async: plan N+1 is made before N's update)
                 done, in_flight[j] = in_flight[j], done if plan.num_seqs else None
             events = side.sched.update(*done) if done is not None else []
@@ -147,6 +148,6 @@ def test_a_decode_after_its_table_changed_is_a_chunk_again():
     while side.sched.has_unfinished():
         plan, _, tokens, logprobs = side.step()
         kinds.append("d" if plan.num_decode_rows else "c")
-        side.sched.update(plan, tokens, logprobs)
+        side.sched.update(plan, StepResult(tokens, logprobs))
     # prefill at 0-2 (chunk), decodes at positions 3.. ; positions 4, 8, 12 start a page
     assert kinds == list("cdcdddcdddcd"), kinds

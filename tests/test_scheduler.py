@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from jaxserve.core.plan import StepResult
 from jaxserve.core.page_manager import PageManager
 from jaxserve.core.request import Request, SamplingParams
 from jaxserve.core.scheduler import Scheduler
@@ -32,7 +33,7 @@ def add(sched: Scheduler, n: int, prompt_len: int | list[int], max_tokens: int |
 
 def run_step(sched: Scheduler):
     plan = sched.schedule()
-    return plan, sched.update(plan, [7] * len(plan.chunks), [0.0] * len(plan.chunks))
+    return plan, sched.update(plan, StepResult([7] * len(plan.chunks), [0.0] * len(plan.chunks)))
 
 
 def test_static_batch_takes_all_members_even_when_their_prompts_exceed_the_budget():

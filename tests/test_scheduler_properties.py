@@ -38,6 +38,7 @@ from hypothesis import currently_in_test_context
 from hypothesis import event as note_event
 from hypothesis import strategies as st
 
+from jaxserve.core.plan import StepResult
 from jaxserve.core.page_manager import NULL_PAGE, PageManager
 from jaxserve.core.request import (DecodeTokens, FinishReason, Request, RequestStatus,
                                    SamplingParams)
@@ -278,7 +279,7 @@ def run_workload(cfg: Config, specs: list[Spec], *, check_budgets=False,
         for chunk in rows:
             run.first_step.setdefault(chunk.request_id, step)
         tokens = [fake_token(c.request_id, c.output_index, stops[c.request_id]) for c in rows]
-        done = (plan, tokens, [0.0] * len(tokens))
+        done = (plan, StepResult(tokens, [0.0] * len(tokens)))
         if cfg.lag:
             done, in_flight = in_flight, (done if plan.num_seqs else None)
         events = sched.update(*done) if done is not None else []

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jaxserve.core.plan import StepResult
 from jaxserve.core.page_manager import NULL_PAGE, PageManager
 from jaxserve.core.request import Request, SamplingParams
 from jaxserve.core.scheduler import Scheduler, reusable_window
@@ -55,7 +56,7 @@ def run(sched, *, max_steps=5000, on_step=None):
             check_plan(plan, window, pm.page_size)
         if on_step is not None:
             on_step(plan)
-        sched.update(plan, [7] * len(plan.chunks), [0.0] * len(plan.chunks))
+        sched.update(plan, StepResult([7] * len(plan.chunks), [0.0] * len(plan.chunks)))
         pm.check_invariants()
         steps += 1
         assert steps < max_steps, "requests never finished"

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jaxserve.core.plan import StepResult
 from jaxserve.core.page_manager import PageManager
 from jaxserve.core.request import FinishReason, Request, SamplingParams
 from jaxserve.core.scheduler import Scheduler
@@ -89,7 +90,7 @@ def run_prefill(sched, prompt, first_token, **params):
     sched.add(Request("r", list(prompt), SamplingParams(temperature=0, **params), seed=0))
     plan = sched.schedule()
     assert not plan.drafts, "a prefill chunk never carries drafts"
-    sched.update(plan, np.array([first_token]), np.array([0.0], np.float32))
+    sched.update(plan, StepResult(np.array([first_token]), np.array([0.0], np.float32)))
     return sched.requests["r"]
 
 
@@ -100,7 +101,7 @@ def verify(sched, emitted):
     draft = plan.drafts[chunk.request_id]
     row = np.full((1, draft.num_tokens + 1), -1, np.int32)
     row[0, :len(emitted)] = emitted
-    events = sched.update(plan, row, np.zeros(row.shape, np.float32))
+    events = sched.update(plan, StepResult(row, np.zeros(row.shape, np.float32)))
     return chunk, draft, events[0]
 
 
@@ -146,7 +147,7 @@ def test_drafts_leave_every_other_running_request_its_decode_row():
         sched.add(Request(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=30, temperature=0),
                           seed=0))
     plan = sched.schedule()
-    sched.update(plan, np.arange(4), np.zeros(4, np.float32))
+    sched.update(plan, StepResult(np.arange(4), np.zeros(4, np.float32)))
     plan = sched.schedule()
     assert len(plan.chunks) == 4, "a decode row was crowded out by drafts"
     assert plan.num_tokens + plan.num_draft_tokens <= 12

@@ -5,7 +5,8 @@ copy outside any checkout, with PYTHONPATH set to the checkout it measures: `ben
 --baseline COMMIT` runs it inside an old commit's worktree too, so it uses only the API every
 baseline commit has: LLM / EngineConfig settings, LoadedModel, random_params,
 Engine.add_request / step / has_unfinished, runner.step.run (and runner.wait where present;
-Scheduler(decode_rows=True) and StepPlan.num_seqs where present, as the engine has them).
+Scheduler(decode_rows=True) and StepPlan.num_seqs where present, as the engine has them),
+each module found where that commit keeps it (_attr).
 It prints one JSON line; it never compares.
 
 The model is a tiny random Llama (4 layers, hidden 64, vocabulary 256, the default model's
@@ -33,6 +34,7 @@ step:
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import json
 import statistics
@@ -54,7 +56,7 @@ def max_tokens(n: int, steps: int) -> int:
 
 
 def build_llm(n: int, steps: int, tokenizer):
-    from jaxserve.entrypoints.llm import LLM
+    LLM = _attr("LLM", "jaxserve.entrypoints.llm", "jaxserve.llm")
     from jaxserve.model.config import ModelConfig
     from jaxserve.model.llama import random_params
     from jaxserve.model.weights import LoadedModel
@@ -98,6 +100,24 @@ def _device_ms(step, inputs, repeats: int = 20) -> float:
     return 1000 * statistics.median(times[2:])
 
 
+def _attr(name: str, *modules: str):
+    """`name` from the first of `modules` that has it: the package's layout (and so a
+    module's path) differs across the commits the probe measures."""
+    for module in modules:
+        try:
+            return getattr(importlib.import_module(module), name)
+        except (ModuleNotFoundError, AttributeError):
+            continue
+    raise ImportError(f"{name} is in none of {modules}")
+
+
+def _frozen_heap(fallback):
+    try:
+        return _attr("frozen_heap", "jaxserve.engine.engine", "jaxserve.engine")
+    except ImportError:
+        return fallback
+
+
 FLUSH_BYTES = 64 << 20  # twice this VM's L3 (32 MiB): nothing of the host's state survives
 
 
@@ -123,12 +143,16 @@ def host_only(n: int, steps: int, tokenizer, cold: bool = False) -> dict:
 
     import numpy as np
 
-    from jaxserve.engine.output_processor import OutputProcessor
-    from jaxserve.core.page_manager import PageManager
-    from jaxserve.core.request import Request, SamplingParams
     from jaxserve.runner.batch import build_step_inputs
     from jaxserve.runner.buckets import BucketTable
-    from jaxserve.core.scheduler import Scheduler
+
+    OutputProcessor = _attr("OutputProcessor", "jaxserve.engine.output_processor",
+                            "jaxserve.output_processor")
+    PageManager = _attr("PageManager", "jaxserve.core.page_manager", "jaxserve.page_manager")
+    Request = _attr("Request", "jaxserve.core.request", "jaxserve.request")
+    SamplingParams = _attr("SamplingParams", "jaxserve.core.request", "jaxserve.request")
+    Scheduler = _attr("Scheduler", "jaxserve.core.scheduler", "jaxserve.scheduler")
+    StepResult = _attr("StepResult", "jaxserve.core.plan", "jaxserve.runner.protocol")
 
     max_len = PROMPT_LEN + max_tokens(n, steps) + 14
     pages = PageManager(num_pages=n * (-(-max_len // 16)) + 2, page_size=16)
@@ -137,7 +161,9 @@ def host_only(n: int, steps: int, tokenizer, cold: bool = False) -> dict:
                  if "decode_rows" in inspect.signature(Scheduler).parameters else {})
     sched = Scheduler(pages, max_num_seqs=n, max_num_batched_tokens=prefill,
                       max_model_len=max_len, **as_engine)
-    outputs = OutputProcessor(tokenizer, sched.finish)
+    finishes = len(inspect.signature(OutputProcessor).parameters) > 1  # (a callback, before)
+    outputs = OutputProcessor(tokenizer, sched.finish) if finishes else OutputProcessor(tokenizer)
+    takes_result = "result" in inspect.signature(sched.update).parameters
     params = SamplingParams(max_tokens=max_tokens(n, steps), temperature=0.0, ignore_eos=True)
     for i in range(n):
         request = Request(f"r{i}", [3 + (7 * i + j) % 250 for j in range(PROMPT_LEN)], params, 0)
@@ -156,7 +182,7 @@ def host_only(n: int, steps: int, tokenizer, cold: bool = False) -> dict:
         from jaxserve.runner.host_sampling import HostSamplingRows
         layout["samplers"] = HostSamplingRows(n + 1 + n)
     if "layouts" in inspect.signature(build_step_inputs).parameters:  # one buffer per step
-        from jaxserve.model.step_layout import layouts_for
+        layouts_for = _attr("layouts_for", "jaxserve.model.step_layout", "jaxserve.step_layout")
         layout["layouts"] = layouts_for(table.shapes(), table.max_pages_per_request, 1)
     totals = dict.fromkeys(("schedule", "build", "update", "emit"), 0.0)
     flush = np.ones(FLUSH_BYTES if cold else 0, np.uint8)  # (ones: real pages, not the zero page)
@@ -171,7 +197,9 @@ def host_only(n: int, steps: int, tokenizer, cold: bool = False) -> dict:
         t2 = time.perf_counter()
         num_seqs = getattr(plan, "num_seqs", len(plan.chunks))
         tokens = np.full(num_seqs, 100, np.int32)
-        events = sched.update(plan, tokens, np.zeros(num_seqs, np.float32))
+        logprobs = np.zeros(num_seqs, np.float32)
+        events = sched.update(plan, *((StepResult(tokens, logprobs),) if takes_result
+                                      else (tokens, logprobs)))
         t3 = time.perf_counter()
         outputs.process(events, lambda *_: None)
         t4 = time.perf_counter()
@@ -182,11 +210,8 @@ def host_only(n: int, steps: int, tokenizer, cold: bool = False) -> dict:
     while not all(r.output_token_ids for r in sched.requests.values()):
         one(False)  # the prefill steps
     gc.collect()
-    try:  # the heap freeze (and young-collection threshold) the engine's serving loops use
-        from jaxserve.engine.engine import frozen_heap
-    except ImportError:
-        frozen_heap = _gc_frozen
-    with frozen_heap():
+    # the heap freeze (and young-collection threshold) the engine's serving loops use
+    with _frozen_heap(_gc_frozen)():
         for _ in range(steps):
             one(True)
     return {name: 1000 * t / steps for name, t in totals.items()}
@@ -197,8 +222,7 @@ def measure(n: int, steps: int) -> dict:
 
     import jaxserve
     from jaxserve.model.loader import load_model
-    from jaxserve.core.request import SamplingParams
-
+    SamplingParams = _attr("SamplingParams", "jaxserve.core.request", "jaxserve.request")
     tokenizer = load_model("default", progress=False).tokenizer
     llm = build_llm(n, steps, tokenizer)
     engine = llm.engine
@@ -220,11 +244,7 @@ def measure(n: int, steps: int) -> dict:
     else:
         timings.reset()
     num_tokens, first_timed = 0, len(captured)
-    try:  # where the engine has it, the heap freeze its own serving loops use
-        from jaxserve.engine.engine import frozen_heap
-    except ImportError:
-        frozen_heap = contextlib.nullcontext
-    with frozen_heap():
+    with _frozen_heap(contextlib.nullcontext)():  # where the engine has it, as its loops
         start = time.perf_counter()
         for _ in range(steps):
             num_tokens += sum(len(o.new_token_ids) for o in engine.step())

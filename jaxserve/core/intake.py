@@ -21,23 +21,11 @@ not change a request: it only reads and refuses.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
-if TYPE_CHECKING:  # request.py and structured/params.py import RequestError from here
-    from jaxserve.core.request import SamplingParams
-
-
-class RequestError(ValueError):
-    """A request refused at intake. `field` is the request field at fault (the engine's name:
-    "prompt", "prompt_token_ids", "max_tokens", "logit_bias", ...); the message names the field,
-    the value and the limit. exceeds_kv_pool: the request is well formed but the KV page pool
-    can never hold it (gRPC RESOURCE_EXHAUSTED, as the proto documents)."""
-
-    def __init__(self, field: str, message: str, *, exceeds_kv_pool: bool = False):
-        super().__init__(message)
-        self.field = field
-        self.message = message
-        self.exceeds_kv_pool = exceeds_kv_pool
+from jaxserve.core.errors import RequestError  # noqa: F401 (the intake's error: re-export)
+from jaxserve.core.request import SamplingParams
+from jaxserve.structured.params import StructuredOutputs
 
 
 @dataclass(frozen=True)
@@ -121,8 +109,6 @@ def check_sampling(limits: RequestLimits, params: SamplingParams) -> None:
 def check_structured_outputs(params: SamplingParams) -> None:
     """None, or a StructuredOutputs (whose constructor checked its shape: exactly one
     constraint, JSON that parses); whether the grammar compiles is the compiler's to say."""
-    from jaxserve.structured.params import StructuredOutputs
-
     so = params.structured_outputs
     if so is not None and not isinstance(so, StructuredOutputs):
         raise RequestError("structured_outputs", f"structured_outputs={so!r} is invalid: must "

@@ -201,3 +201,22 @@ class StepPlan:
     def is_empty(self) -> bool:
         return not (self.chunks or self.decode or self.swap_out or self.swap_in
                     or self.prefix_stores or self.prefix_loads)
+
+
+@dataclass
+class StepResult:
+    """What one step gives back, in the plan's row order (its DecodeRows, then its chunks):
+    plain numpy arrays, the only thing that crosses from the runner to the scheduler."""
+
+    # [num_chunks] i32, or [num_chunks, k+1] for speculative steps (-1 after the accepted run);
+    # entries of chunks that do not sample are meaningless.
+    token_ids: np.ndarray
+    logprobs: np.ndarray   # f32, the shape of token_ids
+    # Plain steps: [num_chunks, MAX_TOP_LOGPROBS] most likely token ids and their logprobs
+    # (zeros when no row asked); None from speculative steps (which never carry such rows).
+    top_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
+    # Steps with prompt-logprob rows: [T, 1 + K] per token row (the next prompt token, then
+    # the alternatives), None otherwise.
+    prompt_ids: np.ndarray | None = None
+    prompt_logprobs: np.ndarray | None = None

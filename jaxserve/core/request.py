@@ -12,7 +12,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from jaxserve.core.intake import RequestError
+from jaxserve.core.errors import RequestError
 from jaxserve.structured.params import StructuredOutputs
 
 

@@ -13,24 +13,27 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxserve.core.plan import StepPlan
+from jaxserve.core.plan import StepPlan, StepResult
 from jaxserve.core.request import DecodeTokens, FinishReason, Request, RequestStatus, TokenEvent
 from jaxserve.core.step_rows import prompt_logprob_entries, top_logprob_pairs
 
 
 class SchedulerResults:
-    def update(self, plan: StepPlan, token_ids, logprobs, top_ids=None, top_logprobs=None,
-               prompt=None) -> list[TokenEvent]:
-        """Apply one step's sampled tokens (index i belongs to the plan's i-th request: its
-        decode rows first, then plan.chunks).
+    def update(self, plan: StepPlan, result: StepResult) -> list[TokenEvent]:
+        """Apply one step's results (index i belongs to the plan's i-th request: its decode
+        rows first, then plan.chunks).
 
-        token_ids[i] is one token, or (speculative steps) a row of tokens: the accepted drafts,
-        then the target's own next token, then -1 padding. logprobs[i] has the same shape.
-        top_ids[i] / top_logprobs[i] (plain steps): the most likely alternatives, best first.
-        prompt: (ids, logprobs) [T, 1 + K] per token row (the next prompt token's, then the
-        alternatives), when a chunk reports prompt logprobs."""
+        result.token_ids[i] is one token, or (speculative steps) a row of tokens: the accepted
+        drafts, then the target's own next token, then -1 padding; logprobs[i] has the same
+        shape. top_ids[i] / top_logprobs[i] (plain steps): the most likely alternatives, best
+        first. prompt_ids / prompt_logprobs: [T, 1 + K] per token row (the next prompt
+        token's, then the alternatives), when a chunk reports prompt logprobs."""
         events, verified = [], []
-        token_rows, logprob_rows = np.asarray(token_ids).tolist(), np.asarray(logprobs).tolist()
+        token_rows = np.asarray(result.token_ids).tolist()
+        logprob_rows = np.asarray(result.logprobs).tolist()
+        top_ids, top_logprobs = result.top_ids, result.top_logprobs
+        prompt = (None if result.prompt_ids is None
+                  else (result.prompt_ids, result.prompt_logprobs))
         requests, held, page_size = self.requests, self._held, self.pages.page_size
         next_row = num_decode = plan.num_decode_rows  # next_row: the chunk's rows end there
         if num_decode:

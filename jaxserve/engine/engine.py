@@ -1,10 +1,12 @@
-"""Engine: the serving loop. step() = schedule -> dispatch -> (previous step's) update -> emit.
+"""Engine: the serving loop. step() = schedule -> dispatch -> update (a step's results) -> emit.
 
-With async scheduling (the default, where the lag can hold: Scheduler.may_plan_ahead and a
-runner with dispatch / collect) step N+1 is planned and dispatched before step N's tokens are
-read, so the host's update and output processing of step N overlap the device's step N+1;
-otherwise a step is schedule -> execute -> update -> emit, and a step in flight is taken in
-first.
+One text for both paths. With async scheduling (the default, where the lag can hold:
+Scheduler.may_plan_ahead and a runner that can_overlap) step N+1 is planned and dispatched
+before step N's results are collected, so the host's update and output processing of step N
+overlap the device's step N+1; otherwise the step dispatched is collected at once (a step in
+flight is taken in first). Finishing a request is the scheduler's: the output processor only
+reports the samples a stop string or a failure ended (take_finished), and the engine hands them
+to the scheduler.
 
 It validates and tokenizes requests, fans an n > 1 request out into its samples, starts the
 compile of a structured request's grammar (off-thread) and gives each sample its matcher once
@@ -34,7 +36,7 @@ from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.core.processor_slots import bad_words_ids
 from jaxserve.core.request import FinishReason, Request, SamplingParams, TokenEvent, sample_seed
-from jaxserve.engine.step_timings import StepTimings
+from jaxserve.runner.step_timings import StepTimings
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +87,7 @@ class Engine:
         self.scheduler = parts.scheduler
         self.runner = parts.runner
         self.info = parts.info
-        self._outputs = OutputProcessor(self.tokenizer, self.scheduler.finish)
+        self._outputs = OutputProcessor(self.tokenizer)
         self._pending_events: list[TokenEvent] = []
         self.grammars = None        # a GrammarCompiler, made by the first structured request
         self._awaiting_grammar: list[Request] = []  # samples whose grammar is compiling
@@ -95,9 +97,8 @@ class Engine:
         self.num_steps = 0
         self._closed = False
         self.timings = StepTimings()
-        if hasattr(self.runner, "timings"):
-            self.runner.timings = self.timings
-        self._async = self.config.async_scheduling and hasattr(self.runner, "dispatch")
+        self.runner.timings = self.timings
+        self._async = self.config.async_scheduling and self.runner.can_overlap
         self._in_flight = None  # (plan, the runner's pending step) dispatched, not yet read
         self.num_overlapped_steps = 0  # steps dispatched before their predecessor was read
         self._publish_stats()
@@ -186,8 +187,7 @@ class Engine:
                    if self.scheduler.finish(s, FinishReason.ABORT)]
         if not samples:
             return None
-        outs = self._outputs.process([TokenEvent(s, (), (), FinishReason.ABORT) for s in samples],
-                                     self._log_failure)
+        outs = self._emit([TokenEvent(s, (), (), FinishReason.ABORT) for s in samples])
         self.metrics.observe_outputs(outs)
         self._publish_stats()
         return outs[0] if outs else None
@@ -234,18 +234,19 @@ class Engine:
         ahead = self._async and self.scheduler.may_plan_ahead()
         events: list[TokenEvent] = []
         if self._in_flight is not None and not ahead:  # the lag can't hold: read it first
-            events = self._take_in(*self._in_flight)
+            events = self._update(*self._in_flight)
             self._in_flight = None
         with self.timings.phase("schedule"):
             plan = self.scheduler.schedule()
-        if ahead:
-            pending = self.runner.dispatch(plan)
-            if self._in_flight is not None:  # the device runs `plan` meanwhile
-                events = self._take_in(*self._in_flight)
-                self.num_overlapped_steps += bool(plan.num_seqs)
-            self._in_flight = (plan, pending) if plan.num_seqs else None
+        pending = self.runner.dispatch(plan)
+        if self._in_flight is not None:  # the device runs `plan` meanwhile
+            events = self._update(*self._in_flight)
+            self.num_overlapped_steps += bool(plan.num_seqs)
+        self._in_flight = None
+        if ahead and plan.num_seqs:
+            self._in_flight = (plan, pending)
         else:
-            events += self._take_in(plan, self.runner.execute(plan))
+            events += self._update(plan, pending)
         self.num_steps += 1
         with self.timings.phase("emit"):
             outputs = self._process(events)
@@ -254,22 +255,25 @@ class Engine:
         self.metrics.observe_step(time.perf_counter() - start)
         return outputs
 
-    def _take_in(self, plan, result) -> list[TokenEvent]:
-        """A step's results (a runner's StepResult, or its pending step to collect) into the
-        scheduler: the step's token events."""
-        if not hasattr(result, "token_ids"):
-            result = self.runner.collect(result)
-        prompt = None if result.prompt_ids is None else (result.prompt_ids,
-                                                          result.prompt_logprobs)
+    def _update(self, plan, pending) -> list[TokenEvent]:
+        """A dispatched step's results into the scheduler: the step's token events."""
+        result = self.runner.collect(pending)
         with self.timings.phase("update"):
-            return self.scheduler.update(plan, result.token_ids, result.logprobs,
-                                         result.top_ids, result.top_logprobs, prompt)
+            return self.scheduler.update(plan, result)
 
     def _process(self, events: list[TokenEvent]) -> list[RequestOutput]:
         if self._pending_events:
             events = self._pending_events + events
             self._pending_events = []
-        return self._outputs.process(events, self._log_failure)
+        return self._emit(events)
+
+    def _emit(self, events: list[TokenEvent]) -> list[RequestOutput]:
+        """Events -> outputs; the samples the output processor ended (a stop string, a
+        failure) are finished in the scheduler."""
+        outputs = self._outputs.process(events, self._log_failure)
+        for sample_id, reason in self._outputs.take_finished():
+            self.scheduler.finish(sample_id, reason)
+        return outputs
 
     @staticmethod
     def _log_failure(sample_id: str, exc: Exception) -> None:

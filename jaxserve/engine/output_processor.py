@@ -5,7 +5,8 @@ sample a _Sample (the scheduler's Request, its CompletionOutput, its incremental
 with the stop strings). Events of one step are applied first; then every group they touched
 yields one snapshot, so an n > 1 request streams one RequestOutput per step holding the deltas
 of each of its samples (output_kind "final_only": only the group's last, holding them all). A
-stop string found here finishes the sample in the scheduler (through `finish`). The usual decode
+sample that a stop string (or a failure) ends here is reported by take_finished(): outputs flow
+one way, and the engine tells the scheduler. The usual decode
 event (one token of a plain n = 1 sample, not its first or last; a DecodeTokens holds a step's
 such tokens in lists) takes a short path: the byte table's lookup and one append. Plain Python: no jax, no device state, no scheduling.
 """
@@ -45,17 +46,21 @@ class _Sample:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, finish: Callable[[str, FinishReason], bool]):
-        """finish(sample_id, reason): ends a sample in the scheduler (a stop string, a
-        failure); False when it had already ended."""
+    def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.finish = finish
+        self._finished: list[tuple[str, FinishReason]] = []  # ended here, for the scheduler
         self._samples: dict[str, _Sample] = {}
         self._groups: dict[str, _Group] = {}
 
     def __contains__(self, request_id: str) -> bool:
         """Whether a caller's request (by the id its outputs carry) is still running."""
         return request_id in self._groups
+
+    def take_finished(self) -> list[tuple[str, FinishReason]]:
+        """(sample id, reason) of each sample that processing ended (a stop string, a
+        failure) since the last call, for the scheduler to finish."""
+        finished, self._finished = self._finished, []
+        return finished
 
     def samples_of(self, request_id: str) -> list[str]:
         """The engine's ids of the samples of a caller's request still running (empty when
@@ -145,7 +150,7 @@ class OutputProcessor:
         if group is None:
             return None
         for sample_id in list(group.running):
-            self.finish(sample_id, FinishReason.ERROR)
+            self._finished.append((sample_id, FinishReason.ERROR))
             sample = self._samples.pop(sample_id)
             c = sample.completion
             c.finish_reason = FinishReason.ERROR.value
@@ -163,7 +168,7 @@ class OutputProcessor:
             # tokens after it in a multi-token (speculative) event are dropped, and it is a
             # stop even where the scheduler's limit (max_tokens) ended the request too.
             if reason is None:
-                self.finish(request.request_id, FinishReason.STOP)
+                self._finished.append((request.request_id, FinishReason.STOP))
             if reason in (None, FinishReason.LENGTH) or num_used < len(new_tokens):
                 reason = FinishReason.STOP
         out = group.output

@@ -136,6 +136,11 @@ class PendingStep:
 
 
 class ModelRunner:
+    """The plain step's runner: dispatch lays the plan out and hands it to the launcher thread
+    and returns at once (can_overlap); collect reads the step's packed results."""
+
+    can_overlap = True
+
     def __init__(self, model_config: ModelConfig, params: dict[str, np.ndarray], *,
                  num_pages: int, page_size: int, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, dtype: str = "auto",

@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 from jaxserve.core.plan import StepPlan
+from jaxserve.runner.protocol import RunsInDispatch
 
 log = logging.getLogger(__name__)
 _STOP, _PLAN, _PING = 0, 1, 2
@@ -86,7 +87,7 @@ def _touches_runner(plan: StepPlan) -> bool:
                 or plan.prefix_stores or plan.prefix_loads)
 
 
-class _Wrapping:
+class _Wrapping(RunsInDispatch):
     """The Runner members a leader or follower passes straight to the runner it wraps."""
 
     runner: object

@@ -1,9 +1,13 @@
-"""Runner: what the engine needs from whatever runs its steps, and StepResult, what comes back.
+"""Runner: what the engine needs from whatever runs its steps. Declarations only: no jax here.
 
 Implemented by runner.model_runner.ModelRunner, spec.runner.SpeculativeRunner and the
 multi-host LeaderRunner / FollowerRunner (runner/multihost.py). The engine calls warmup() once,
-execute(plan) every step and close() at the end; wait() blocks until dispatched work is done
-(multi-host start-up orders its collectives with it). Declarations only: no jax here.
+then every step dispatch(plan) and, for that step's results, collect(pending): the same two
+calls whether or not the runner overlaps. A runner whose dispatch returns before the device is
+done (can_overlap) lets the engine plan and dispatch the next step before collecting this one;
+the others run the step inside dispatch (RunsInDispatch) and collect hands its result over.
+wait() blocks until dispatched work is done (multi-host start-up orders its collectives with
+it); close() at the end. What comes back is core.plan.StepResult: plain numpy arrays.
 """
 
 from __future__ import annotations
@@ -11,36 +15,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
-
-from jaxserve.core.plan import StepPlan
+from jaxserve.core.plan import StepPlan, StepResult  # noqa: F401 (StepResult: re-export)
+from jaxserve.runner.step_timings import StepTimings
 from jaxserve.runner.buckets import BucketTable
-
-
-@dataclass
-class StepResult:
-    # [num_chunks] i32, or [num_chunks, k+1] for speculative steps (-1 after the accepted run);
-    # entries of chunks that do not sample are meaningless.
-    token_ids: np.ndarray
-    logprobs: np.ndarray   # f32, the shape of token_ids
-    # Plain steps: [num_chunks, MAX_TOP_LOGPROBS] most likely token ids and their logprobs
-    # (zeros when no row asked); None from speculative steps (which never carry such rows).
-    top_ids: np.ndarray | None = None
-    top_logprobs: np.ndarray | None = None
-    # Steps with prompt-logprob rows: [T, 1 + K] per token row (the next prompt token, then
-    # the alternatives), None otherwise.
-    prompt_ids: np.ndarray | None = None
-    prompt_logprobs: np.ndarray | None = None
 
 
 class Runner(Protocol):
     buckets: BucketTable
+    timings: StepTimings | None  # the engine's, to time the runner's phases (None: untimed)
+    can_overlap: bool  # dispatch returns before the step is done on the device
 
     def warmup(self, progress: bool = True) -> None:
         """Compile and run every executable once; serving never compiles after this."""
 
+    def dispatch(self, plan: StepPlan) -> object:
+        """Apply the plan's swaps and start its step; a handle for collect()."""
+
+    def collect(self, pending: object) -> StepResult:
+        """The dispatched step's sampled tokens on the host (blocks until they are)."""
+
     def execute(self, plan: StepPlan) -> StepResult:
-        """Apply the plan's swaps, run its step, return its sampled tokens."""
+        """dispatch, then collect: one step start to end."""
 
     @property
     def num_host_swapped(self) -> int:
@@ -51,3 +46,24 @@ class Runner(Protocol):
 
     def close(self) -> None:
         """Release what outlives the engine (multi-host: stop the followers). Idempotent."""
+
+
+@dataclass(frozen=True, slots=True)
+class DoneStep:
+    """The handle of a step that ran inside dispatch: its result."""
+
+    result: StepResult
+
+
+class RunsInDispatch:
+    """The Runner members of a runner that runs each step to its end inside dispatch (it reads
+    every result before the next plan: speculation, multi-host); the runner defines execute."""
+
+    can_overlap = False
+    timings: StepTimings | None = None
+
+    def dispatch(self, plan: StepPlan) -> DoneStep:
+        return DoneStep(self.execute(plan))
+
+    def collect(self, pending: DoneStep) -> StepResult:
+        return pending.result

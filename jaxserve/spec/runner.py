@@ -22,7 +22,7 @@ from jaxserve.core.plan import StepPlan
 from jaxserve.runner.batch import build_step_inputs
 from jaxserve.runner.compiled_step import CompiledStep
 from jaxserve.runner.model_runner import ModelRunner, unpack
-from jaxserve.runner.protocol import StepResult
+from jaxserve.runner.protocol import RunsInDispatch, StepResult
 from jaxserve.runner.tensor_parallel import Placement
 from jaxserve.spec import step
 from jaxserve.spec.batch import build_spec_inputs, empty_spec_inputs
@@ -34,7 +34,11 @@ log = logging.getLogger(__name__)
 _TIMING_RUNS = 5
 
 
-class SpeculativeRunner:
+class SpeculativeRunner(RunsInDispatch):
+    """Runs plain steps on its base ModelRunner and speculative ones (plan.drafts) on its
+    verify step; every step inside dispatch: the scheduler reads each result before the next
+    plan."""
+
     def __init__(self, base: ModelRunner, policy: SpeculationPolicy, *, draft=None):
         """draft: (config, params, shares the target's weights) for the draft method."""
         self.base = base

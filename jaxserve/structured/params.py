@@ -14,7 +14,7 @@ import dataclasses
 import json as jsonlib
 from typing import Any
 
-from jaxserve.core.intake import RequestError
+from jaxserve.core.errors import RequestError
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
