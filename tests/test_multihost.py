@@ -191,7 +191,8 @@ def test_every_runner_implements_the_declared_protocol():
     from jaxserve.spec.runner import SpeculativeRunner
 
     members = {n for n in dir(Runner) if not n.startswith("_")} | set(Runner.__annotations__)
-    assert {"warmup", "execute", "wait", "close", "num_host_swapped", "buckets"} <= members
+    assert {"warmup", "dispatch", "collect", "execute", "wait", "close", "num_host_swapped",
+            "buckets", "timings", "can_overlap"} <= members
     for cls in (ModelRunner, SpeculativeRunner, LeaderRunner, FollowerRunner):
         assert not hasattr(cls, "__getattr__"), f"{cls.__name__} must not forward implicitly"
         # buckets is an instance attribute of the model and speculative runners

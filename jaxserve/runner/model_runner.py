@@ -140,6 +140,7 @@ class ModelRunner:
     and returns at once (can_overlap); collect reads the step's packed results."""
 
     can_overlap = True
+    timings = None  # a StepTimings (the engine's), or None
 
     def __init__(self, model_config: ModelConfig, params: dict[str, np.ndarray], *,
                  num_pages: int, page_size: int, max_model_len: int, max_num_seqs: int,
@@ -174,7 +175,6 @@ class ModelRunner:
         self.host_samplers = HostSamplingRows(max_num_seqs + 1 + max_s)  # by the same slots
         self.device_tables = DevicePageTables(max_num_seqs + 1 + max_s, p,
                                               self.placement.replicated)
-        self.timings = None  # a StepTimings (the engine's), or None
         self._launcher = StepLauncher()
         self.attention = self.placement.attention(self.attention_impl, page_size)
         step = functools.partial(plain_step, self.graphdef, self.attention)
