@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from jaxserve.core.plan import StepResult
 from jaxserve.core.page_manager import NULL_PAGE, PageManager
 from jaxserve.core.request import Request, SamplingParams
-from jaxserve.core.scheduler import Scheduler, reusable_window
+from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.sliding_window import KVWindow, reusable_window
 from jaxserve.core.swap_space import HostSwapSpace
 
 
@@ -48,7 +49,7 @@ def check_plan(plan, window: int, page_size: int) -> None:
 
 def run(sched, *, max_steps=5000, on_step=None):
     """Drive the scheduler to the end with token 7 every step; check accounting every step."""
-    pm, window = sched.pages, sched.kv_window
+    pm, window = sched.pages, sched.window.window
     steps = 0
     while sched.has_unfinished():
         plan = sched.schedule()
@@ -200,7 +201,8 @@ def mistral_window_run(loaded, prompts, *, reuse: bool, **engine_settings):
              token_buckets=(16,), seq_buckets=(6,),  # one bucket: one compile per engine
              max_model_len=128, progress=False, **engine_settings) as llm:
         scheduler = llm.engine.scheduler
-        scheduler.kv_window = reusable_window(loaded.config.layer_windows) if reuse else None
+        scheduler.window = KVWindow(scheduler.pages, reusable_window(loaded.config.layer_windows)
+                                    if reuse else None)
         schedule, nulls = scheduler.schedule, []
 
         def recording_schedule():

@@ -33,16 +33,9 @@ from jaxserve.core.plan import DecodeRows, DraftRows, SamplingRow, StepPlan, Swa
 from jaxserve.core.processor_slots import ProcessorSlots
 from jaxserve.core.request import FinishReason, Request, RequestStatus, TokenEvent
 from jaxserve.core.scheduler_results import SchedulerResults
+from jaxserve.core.sliding_window import KVWindow
 from jaxserve.core.step_rows import build_chunk
 from jaxserve.core.swap_space import HostSwapSpace
-
-
-def reusable_window(*models_layer_windows) -> int | None:
-    """The window past which a request's KV pages are dead for every model sharing the page
-    tables (a target and its draft): the largest window when every layer of every model has
-    one, else None (some layer reads the whole prefix, so no page ever dies)."""
-    windows = [w for layer_windows in models_layer_windows for w in layer_windows]
-    return None if not windows or None in windows else max(windows)
 
 
 class Scheduler(SchedulerResults):
@@ -60,7 +53,7 @@ class Scheduler(SchedulerResults):
         self.batching = make_batching_policy(batching)
         self.swap_space = swap_space
         self.speculation = speculation  # jaxserve.spec.policy.SpeculationPolicy or None
-        self.kv_window = kv_window  # keys older than this are never read again (None: all are)
+        self.window = KVWindow(page_manager, kv_window)  # pages a sliding window left behind
         # steady decoders as plan.DecodeRows (not with speculation nor static batching: their
         # runner and padding read chunks)
         self.decode_rows = (decode_rows and speculation is None
@@ -275,7 +268,7 @@ class Scheduler(SchedulerResults):
             if request.num_pending_tokens:
                 break  # swapped out while its last step ran: resumes once its token is in
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            num_released = self._num_dead_pages(request.num_computed_tokens)  # as at swap-out
+            num_released = self.window.num_dead_pages(request.num_computed_tokens)  # as at swap-out
             if self.pages.allocate(request.request_id, (), request.num_computed_tokens + num_new,
                                    num_released_pages=num_released) is None:
                 break
@@ -365,7 +358,8 @@ class Scheduler(SchedulerResults):
         self.processor_slots.release(victim.request_id)  # refilled from histories on resume
         plan.preempted.append(victim.request_id)
         num_pages = self.pages.num_pages_for(victim.num_computed_tokens)
-        num_released = self._release_window(victim)  # only pages still in the window move
+        # only pages still in the window move
+        num_released = self.window.release(victim.request_id, victim.num_computed_tokens)
         page_ids = tuple(self.pages.page_table(victim.request_id)[num_released:num_pages])
         if (self.preemption_mode == "swap" and self.swap_space is not None and page_ids
                 and self.swap_space.reserve(victim.request_id, len(page_ids))):
@@ -379,18 +373,3 @@ class Scheduler(SchedulerResults):
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.WAITING
         bisect.insort(self.waiting, victim, key=Request.sort_key)
-
-    def _num_dead_pages(self, num_computed_tokens: int) -> int:
-        """Leading pages no later query reads: all their keys are before the first one the next
-        query (at num_computed_tokens) sees, num_computed_tokens - kv_window + 1."""
-        if self.kv_window is None:
-            return 0
-        return max(num_computed_tokens - self.kv_window + 1, 0) // self.pages.page_size
-
-    def _release_window(self, request: Request, kv_len: int | None = None) -> int:
-        """Give back the request's dead pages (after commit) for a query at kv_len (default:
-        num_computed_tokens); the NULL_PAGE entries it has now."""
-        if self.kv_window is None:
-            return 0
-        kv_len = request.num_computed_tokens if kv_len is None else kv_len
-        return self.pages.release_window(request.request_id, kv_len - self.kv_window + 1)

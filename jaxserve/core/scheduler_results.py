@@ -78,7 +78,7 @@ class SchedulerResults:
                 kv_len += len(new_tokens) - 1
                 self.pages.truncate(request.request_id, request.num_computed_tokens)
             if running and (kv_len // page_size > start // page_size
-                            or self.kv_window is not None):
+                            or self.window.releases_every_step):
                 self._commit(request, start, kv_len)
             if held:
                 self._release_held(request.request_id)  # its prompt KV is final: share it
@@ -100,7 +100,7 @@ class SchedulerResults:
         that finish nothing go out as one DecodeTokens event, first; the others each as a
         TokenEvent."""
         requests, held, page_size = self.requests, self._held, self.pages.page_size
-        window = self.kv_window is not None
+        window = self.window.releases_every_step
         positions = decode.meta[:, decode.POSITION].tolist()
         batch = DecodeTokens([], [], [])
         events.append(batch)
@@ -135,7 +135,7 @@ class SchedulerResults:
         ps = self.pages.page_size
         if kv_len // ps > start // ps:
             self.pages.commit(request.request_id, _Prefix(request, kv_len))
-        self._release_window(request, kv_len)  # (not past what is committed: async lag)
+        self.window.release(request.request_id, kv_len)  # (not past what is committed: async lag)
 
     def _take_tokens(self, request: Request, tokens: list):
         """Append a step's tokens to the request, up to the first that ends it (the rest of

@@ -19,7 +19,8 @@ from jaxserve.engine.info import EngineInfo
 from jaxserve.core.host_prefix_tier import HostPrefixTier
 from jaxserve.entrypoints.logging_setup import phase
 from jaxserve.core.page_manager import PageManager
-from jaxserve.core.scheduler import Scheduler, reusable_window
+from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.sliding_window import reusable_window
 from jaxserve.core.swap_space import HostSwapSpace
 
 log = logging.getLogger(__name__)
