@@ -31,6 +31,7 @@ from jaxserve.core.batching_policy import make_batching_policy
 from jaxserve.core.page_manager import PageManager
 from jaxserve.core.plan import DecodeRows, DraftRows, SamplingRow, StepPlan, SwapIn, SwapOut
 from jaxserve.core.processor_slots import ProcessorSlots
+from jaxserve.core.prompt_sharing import PromptSharing
 from jaxserve.core.request import FinishReason, Request, RequestStatus, TokenEvent
 from jaxserve.core.scheduler_results import SchedulerResults
 from jaxserve.core.sliding_window import KVWindow
@@ -63,7 +64,10 @@ class Scheduler(SchedulerResults):
         self.running: list[Request] = []   # sorted by Request.sort_key
         self.swapped: list[Request] = []   # FIFO
         # n > 1: sample 0's id -> the other samples, held until its prompt KV is computed
-        self._held: dict[str, list[Request]] = {}
+        self.sharing = PromptSharing(page_manager, self.requests)
+        self._leave_queue = {RequestStatus.WAITING: self._leave_waiting,  # by request status
+                             RequestStatus.RUNNING: self._leave_running,
+                             RequestStatus.SWAPPED: self._leave_swapped}
         self._dropped_swaps: list[str] = []
         self.processor_slots = ProcessorSlots(max_num_seqs + 1)
         self._num_plain_only = 0  # requests only plain steps compute: none speculates meanwhile
@@ -106,9 +110,7 @@ class Scheduler(SchedulerResults):
             self._finish(request, FinishReason.ERROR)
             return TokenEvent(request.request_id, (), (), FinishReason.ERROR, request.error)
         request.status = RequestStatus.WAITING
-        source = self.requests.get(request.shares_prompt_of or "")
-        if source is not None and not source.output_token_ids:
-            self._held.setdefault(source.request_id, []).append(request)
+        if self.sharing.hold(request):
             return None
         bisect.insort(self.waiting, request, key=Request.sort_key)
         return None
@@ -123,18 +125,8 @@ class Scheduler(SchedulerResults):
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self._release_held(request.request_id)  # its samples prefill on their own now
-        held = self._held.get(request.shares_prompt_of or "")
-        if held and request in held:
-            held.remove(request)
-        elif request.status == RequestStatus.WAITING and request in self.waiting:
-            self.waiting.remove(request)
-        elif request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
-            self._release_batch_slot(request)
-        elif request.status == RequestStatus.SWAPPED:
-            self.swapped.remove(request)
-            self.swap_space.release(request.request_id)
-            self._dropped_swaps.append(request.request_id)
+        if not self.sharing.drop(request):  # (a held sample is in no queue)
+            self._leave_queue[request.status](request)
         self.pages.free(request.request_id)
         self.processor_slots.release(request.request_id)
         request.status = RequestStatus.FINISHED
@@ -142,6 +134,19 @@ class Scheduler(SchedulerResults):
         if self.requests.pop(request.request_id, None) is not None:
             self._num_plain_only -= request.sampling.needs_plain_steps(self._host_drafts)
             self._num_host_bound -= request.needs_host_tokens
+
+    def _leave_waiting(self, request: Request) -> None:
+        if request in self.waiting:  # (not when add() refused it)
+            self.waiting.remove(request)
+
+    def _leave_running(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release_batch_slot(request)
+
+    def _leave_swapped(self, request: Request) -> None:
+        self.swapped.remove(request)
+        self.swap_space.release(request.request_id)
+        self._dropped_swaps.append(request.request_id)
 
     def may_plan_ahead(self) -> bool:
         """Whether the next step can be planned before this one's tokens reach the host: no
@@ -151,15 +156,15 @@ class Scheduler(SchedulerResults):
                 and not self.batching.admits_whole_batch)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped or self._held)
+        return bool(self.waiting or self.running or self.swapped or self.sharing.held)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + sum(len(h) for h in self._held.values())
+        return len(self.waiting) + self.sharing.num_held
 
     def _release_held(self, request_id: str) -> None:
         """The samples waiting for this one's prompt KV join the waiting queue."""
-        for request in self._held.pop(request_id, ()):
+        for request in self.sharing.release(request_id):
             bisect.insort(self.waiting, request, key=Request.sort_key)
 
     # ---- scheduling ----------------------------------------------------------------
@@ -314,15 +319,11 @@ class Scheduler(SchedulerResults):
         computes this step. Returns the tokens whose KV it has, or None, nothing changed, when
         pages run out (or its prompt doesn't fit the budget and chunked prefill is off)."""
         tokens, rid = request.all_token_ids, request.request_id
-        source = self.requests.get(request.shares_prompt_of or "")
-        num_prompt = len(request.prompt_token_ids)
         if request.sampling.prompt_logprobs is not None and request.sample_index == 0:
             tokens = ()  # every prompt position's logits are needed: no cached prefix
-        if (source is not None and self.pages.has_request(source.request_id)
-                and source.num_computed_tokens >= num_prompt):
-            num_shared = (num_prompt - 1) // self.pages.page_size * self.pages.page_size
-        else:
-            source, num_shared = None, len(self.pages.lookup_prefix(tokens)) * self.pages.page_size
+        source = self.sharing.source_of(request)
+        num_shared = (len(self.pages.lookup_prefix(tokens)) * self.pages.page_size
+                      if source is None else self.sharing.num_shared_tokens(request))
         num_new = request.num_tokens - num_shared
         if num_new > budget and not self.enable_chunked_prefill:
             return None

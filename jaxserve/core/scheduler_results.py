@@ -34,7 +34,7 @@ class SchedulerResults:
         top_ids, top_logprobs = result.top_ids, result.top_logprobs
         prompt = (None if result.prompt_ids is None
                   else (result.prompt_ids, result.prompt_logprobs))
-        requests, held, page_size = self.requests, self._held, self.pages.page_size
+        requests, held, page_size = self.requests, self.sharing.held, self.pages.page_size
         next_row = num_decode = plan.num_decode_rows  # next_row: the chunk's rows end there
         if num_decode:
             self._update_decode_rows(plan.decode, token_rows, logprob_rows, events)
@@ -99,7 +99,7 @@ class SchedulerResults:
         grammar, no top logprobs, no speculation), as update()'s one-token case. The tokens
         that finish nothing go out as one DecodeTokens event, first; the others each as a
         TokenEvent."""
-        requests, held, page_size = self.requests, self._held, self.pages.page_size
+        requests, held, page_size = self.requests, self.sharing.held, self.pages.page_size
         window = self.window.releases_every_step
         positions = decode.meta[:, decode.POSITION].tolist()
         batch = DecodeTokens([], [], [])
