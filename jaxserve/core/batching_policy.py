@@ -18,6 +18,7 @@ from jaxserve.core.request import Request
 
 class BatchingPolicy(Protocol):
     admits_whole_batch: bool  # admit all members at once, even with no token budget left
+    reads_every_result: bool  # the next step is planned only once this one's results are in
 
     def begin_step(self, live_ids: Collection[str]) -> None: ...
 
@@ -30,6 +31,7 @@ class BatchingPolicy(Protocol):
 
 class ContinuousBatching:
     admits_whole_batch = False
+    reads_every_result = False
 
     def begin_step(self, live_ids: Collection[str]) -> None:
         pass
@@ -46,6 +48,7 @@ class ContinuousBatching:
 
 class StaticBatching:
     admits_whole_batch = True
+    reads_every_result = True  # (its padding counts the members that finished)
 
     def __init__(self):
         self._batch: set[str] = set()   # request ids of the current batch

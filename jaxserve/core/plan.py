@@ -193,6 +193,11 @@ class StepPlan:
     def num_draft_tokens(self) -> int:
         return sum(d.num_tokens for d in self.drafts.values())
 
+    def add_drafts(self, request_id: str, num_tokens: int, token_ids) -> None:
+        """A decoding request's draft rows to verify (none when num_tokens is 0)."""
+        if num_tokens:
+            self.drafts[request_id] = DraftRows(num_tokens, tuple(token_ids))
+
     def num_drafts_of(self, request_id: str) -> int:
         draft = self.drafts.get(request_id)
         return 0 if draft is None else draft.num_tokens

@@ -26,16 +26,16 @@ from __future__ import annotations
 
 import bisect
 
-import numpy as np
 from jaxserve.core.batching_policy import make_batching_policy
 from jaxserve.core.page_manager import PageManager
-from jaxserve.core.plan import DecodeRows, DraftRows, SamplingRow, StepPlan, SwapIn, SwapOut
+from jaxserve.core.plan import SamplingRow, StepPlan, SwapIn, SwapOut
 from jaxserve.core.processor_slots import ProcessorSlots
 from jaxserve.core.prompt_sharing import PromptSharing
 from jaxserve.core.request import FinishReason, Request, RequestStatus, TokenEvent
+from jaxserve.core.row_layout import RowLayout
 from jaxserve.core.scheduler_results import SchedulerResults
 from jaxserve.core.sliding_window import KVWindow
-from jaxserve.core.step_rows import build_chunk
+from jaxserve.core.speculation import NoSpeculation, Speculation
 from jaxserve.core.swap_space import HostSwapSpace
 
 
@@ -53,12 +53,12 @@ class Scheduler(SchedulerResults):
         self.enable_chunked_prefill = enable_chunked_prefill
         self.batching = make_batching_policy(batching)
         self.swap_space = swap_space
-        self.speculation = speculation  # jaxserve.spec.policy.SpeculationPolicy or None
+        # drafts to verify (spec/policy.py's SpeculationPolicy), or none
+        self.speculation: Speculation = speculation or NoSpeculation()
         self.window = KVWindow(page_manager, kv_window)  # pages a sliding window left behind
-        # steady decoders as plan.DecodeRows (not with speculation nor static batching: their
-        # runner and padding read chunks)
-        self.decode_rows = (decode_rows and speculation is None
-                            and not self.batching.admits_whole_batch)
+        # steady decoders as plan.DecodeRows: only for a runner that keeps each batch slot's
+        # settings and page table (ModelRunner's plain steps)
+        self.decode_rows = decode_rows
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []   # sorted by Request.sort_key
         self.running: list[Request] = []   # sorted by Request.sort_key
@@ -70,10 +70,11 @@ class Scheduler(SchedulerResults):
                              RequestStatus.SWAPPED: self._leave_swapped}
         self._dropped_swaps: list[str] = []
         self.processor_slots = ProcessorSlots(max_num_seqs + 1)
+        self.layout = RowLayout(page_manager, self.processor_slots)
         self._num_plain_only = 0  # requests only plain steps compute: none speculates meanwhile
         self._num_host_bound = 0  # requests whose inputs need their last token on the host
         self._free_batch_slots = list(range(max_num_seqs, 0, -1))  # 0: none
-        self._host_drafts = speculation is not None and speculation.method == "ngram"
+        self._host_drafts = self.speculation.method == "ngram"
         self.num_preemptions = 0
         self.num_swaps = 0
         self._stop_sets: dict[frozenset, frozenset] = {}
@@ -152,8 +153,8 @@ class Scheduler(SchedulerResults):
         """Whether the next step can be planned before this one's tokens reach the host: no
         request needs its last token on the host to build its inputs, and no speculation or
         static batching (both read every result before planning)."""
-        return (self._num_host_bound == 0 and self.speculation is None
-                and not self.batching.admits_whole_batch)
+        return (self._num_host_bound == 0 and not self.speculation.reads_every_result
+                and not self.batching.reads_every_result)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped or self.sharing.held)
@@ -173,45 +174,25 @@ class Scheduler(SchedulerResults):
         plan = StepPlan(dropped_swaps=self._dropped_swaps)
         self._dropped_swaps = []
         self.batching.begin_step(self.requests)
-        scheduled: list[tuple[Request, int]] = []
-        steady = [[], [], [], []] if self.decode_rows else None  # DecodeRows' fields
-        budget, preempted = self._schedule_running(plan, scheduled, self.max_num_batched_tokens,
-                                                   steady)
+        scheduled: list[tuple[Request, int]] = []  # (request, tokens it computes this step)
+        budget, preempted = self._schedule_running(plan, scheduled, self.max_num_batched_tokens)
         if not preempted:
             budget = self._schedule_swapped(plan, scheduled, budget)
         if not preempted and not self.swapped and self.batching.may_admit(len(self.running)):
             budget = self._schedule_waiting(scheduled, budget)
         plan.static_padding = self.batching.padding(budget, self.requests)
-        scheduled.sort(key=lambda item: item[1] != 1)  # decode rows first
-        chunks, table_of, drafts = plan.chunks, self.pages.page_table_tuple, plan.drafts
-        for request, num_new in scheduled:
-            draft = drafts.get(request.request_id) if drafts else None
-            chunk = build_chunk(request, num_new, table_of(request.request_id),
-                                self.processor_slots, draft.token_ids if draft else ())
-            chunks.append(chunk)
-            request.num_computed_tokens += num_new  # being computed; update() confirms
-            if chunk.sampling is not None:
-                request.num_pending_tokens += 1
-                if request.steady_rows:  # its slot gets its settings and this table
-                    request.decode_table = chunk.page_table
-        if steady and steady[0]:
-            plan.decode = DecodeRows(*steady[:3], np.array(steady[3], np.int64).reshape(-1, 5))
-        if self.pages.host_tier is not None:
-            plan.prefix_stores, plan.prefix_loads = self.pages.take_prefix_ops()
+        self.layout.lay_out(plan, scheduled)
+        plan.prefix_stores, plan.prefix_loads = self.pages.take_prefix_ops()
         return plan
 
-    def _schedule_running(self, plan: StepPlan, scheduled, budget: int,
-                          steady) -> tuple[int, bool]:
-        """Each running request's next token or prefill chunk (plus draft rows when speculating),
-        preempting others for pages; a steady decoder's into `steady` (DecodeRows' fields),
-        counted as being computed at once. Returns (budget left, whether anything was
-        preempted)."""
+    def _schedule_running(self, plan: StepPlan, scheduled, budget: int) -> tuple[int, bool]:
+        """Each running request's next token or prefill chunk (plus the draft rows the
+        speculation proposes), preempting others for pages. Returns (budget left, whether
+        anything was preempted)."""
         preempted = False
-        speculate = (self.speculation is not None and self._num_plain_only == 0
-                     and self.speculation.should_speculate(sum(
-                         r.num_scheduled_tokens - r.num_computed_tokens == 1
-                         for r in self.running)))
-        chunked = self.enable_chunked_prefill
+        propose = self.speculation.drafter(self.running, self.max_model_len,
+                                           self._num_plain_only)
+        chunked, num_running = self.enable_chunked_prefill, len(self.running)
         for index, request in enumerate(list(self.running)):
             if budget == 0:
                 break
@@ -227,45 +208,21 @@ class Scheduler(SchedulerResults):
             num_new = 0 if remaining > budget and not chunked else min(remaining, budget)
             if num_new == 0:
                 continue
-            num_draft, draft_ids = 0, ()
-            if speculate and remaining == 1:
-                # Drafts never take the row another running request needs for its decode.
-                room = budget - 1 - (len(self.running) - index - 1)
-                num_draft, draft_ids = self.speculation.propose(
-                    request.all_token_ids, self._max_drafts(request, room))
+            # (drafts never take the row another running request needs for its decode)
+            num_draft, draft_ids = propose(request, remaining,
+                                           budget - 1 - (num_running - index - 1))
             while not self.pages.append_slots(request.request_id,
                                               request.num_computed_tokens + num_new + num_draft):
-                victim = self._pick_victim({r.request_id for r, _ in scheduled}
-                                           | set(steady[0] if steady else ()))
+                victim = self._pick_victim({r.request_id for r, _ in scheduled})
                 self._preempt(victim, plan)
                 preempted = True
                 if victim is request:
                     break
             else:
                 budget -= num_new + num_draft
-                if (steady is not None and remaining == 1 and request.decode_table
-                        is self.pages.page_table_tuple(request.request_id)):
-                    # a steady decode: its slot holds its settings and this table already
-                    start = request.num_computed_tokens  # known tokens: start + 1 - pending
-                    outputs = request.output_token_ids
-                    steady[0].append(request.request_id)
-                    steady[1].append(request.decode_table)
-                    steady[2].append(request.sampling_row)
-                    steady[3] += (start, 0 if pending else outputs[-1] if outputs
-                                  else request.prompt_token_ids[-1], request.batch_slot,
-                                  pending, num_outputs + pending)
-                    request.num_computed_tokens = start + 1
-                    request.num_pending_tokens = pending + 1
-                    continue
                 scheduled.append((request, num_new))
-                if num_draft:
-                    plan.drafts[request.request_id] = DraftRows(num_draft, tuple(draft_ids))
+                plan.add_drafts(request.request_id, num_draft, draft_ids)
         return budget, preempted
-
-    def _max_drafts(self, request: Request, room: int) -> int:
-        """Drafts that fit the budget, max_tokens (the bonus token counts) and max_model_len."""
-        left = request.sampling.max_tokens - len(request.output_token_ids) - 1
-        return max(0, min(room, left, self.max_model_len - request.num_tokens))
 
     def _schedule_swapped(self, plan: StepPlan, scheduled, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxserve.core.plan import StepPlan, StepResult
+from jaxserve.core.speculation import update_drafts
 from jaxserve.core.request import DecodeTokens, FinishReason, Request, RequestStatus, TokenEvent
 from jaxserve.core.step_rows import prompt_logprob_entries, top_logprob_pairs
 
@@ -23,22 +24,26 @@ class SchedulerResults:
         """Apply one step's results (index i belongs to the plan's i-th request: its decode
         rows first, then plan.chunks).
 
-        result.token_ids[i] is one token, or (speculative steps) a row of tokens: the accepted
-        drafts, then the target's own next token, then -1 padding; logprobs[i] has the same
-        shape. top_ids[i] / top_logprobs[i] (plain steps): the most likely alternatives, best
-        first. prompt_ids / prompt_logprobs: [T, 1 + K] per token row (the next prompt
-        token's, then the alternatives), when a chunk reports prompt logprobs."""
-        events, verified = [], []
-        token_rows = np.asarray(result.token_ids).tolist()
-        logprob_rows = np.asarray(result.logprobs).tolist()
-        top_ids, top_logprobs = result.top_ids, result.top_logprobs
-        prompt = (None if result.prompt_ids is None
-                  else (result.prompt_ids, result.prompt_logprobs))
-        requests, held, page_size = self.requests, self.sharing.held, self.pages.page_size
-        next_row = num_decode = plan.num_decode_rows  # next_row: the chunk's rows end there
+        result.token_ids[i] is one token, or (steps that verify drafts) a row of tokens: the
+        accepted drafts, then the target's own next token, then -1 padding; logprobs[i] has
+        the same shape. top_ids[i] / top_logprobs[i] (plain steps): the most likely
+        alternatives, best first. prompt_ids / prompt_logprobs: [T, 1 + K] per token row (the
+        next prompt token's, then the alternatives), when a chunk reports prompt logprobs."""
+        events, chunk_events = [], []
+        token_ids, logprobs = np.asarray(result.token_ids), np.asarray(result.logprobs)
+        num_decode, num_chunks = plan.num_decode_rows, len(plan.chunks)
         if num_decode:
-            self._update_decode_rows(plan.decode, token_rows, logprob_rows, events)
-        for i, chunk in enumerate(plan.chunks, num_decode):
+            self._update_decode_rows(plan.decode, token_ids[:num_decode].tolist(),
+                                     logprobs[:num_decode].tolist(), events)
+        # every chunk's row as a list: one token, or a verified run (-1 after it)
+        rows = slice(num_decode, num_decode + num_chunks)
+        token_rows = token_ids[rows].reshape(num_chunks, *token_ids.shape[1:] or (1,)).tolist()
+        logprob_rows = logprobs[rows].reshape(num_chunks, *logprobs.shape[1:] or (1,)).tolist()
+        top_ids, top_logprobs = result.top_ids, result.top_logprobs
+        prompt = (result.prompt_ids, result.prompt_logprobs)
+        requests, held, page_size = self.requests, self.sharing.held, self.pages.page_size
+        next_row = num_decode  # the chunk's token rows end there
+        for i, chunk in enumerate(plan.chunks):
             num_rows = len(chunk.token_ids)
             next_row += num_rows
             request = requests.get(chunk.request_id)
@@ -54,44 +59,32 @@ class SchedulerResults:
                 continue
             request.num_pending_tokens -= 1
             row, row_logprobs = token_rows[i], logprob_rows[i]
-            if isinstance(row, list):  # a speculative row: accepted drafts, bonus, -1 padding
-                num_emitted = sum(t >= 0 for t in row)
-                new_tokens, new_logprobs = row[:num_emitted], row_logprobs[:num_emitted]
-                reason = self._take_tokens(request, new_tokens)
-                if reason is not None and len(new_tokens) < num_emitted:
-                    new_logprobs = new_logprobs[:len(new_tokens)]
-            else:  # one token (as _take_tokens, inline: this runs per request and step)
-                num_emitted, new_tokens, new_logprobs = 1, (row,), (row_logprobs,)
-                outputs = request.output_token_ids
-                outputs.append(row)
-                reason = (FinishReason.STOP if row in request.stop_ids else FinishReason.LENGTH
-                          if len(outputs) >= request.max_output_tokens else None)
-            if request.grammar is not None and not request.grammar.accept(list(new_tokens)):
-                request.error = f"the grammar refused sampled tokens {list(new_tokens)}"
+            new_tokens = row[:sum(t >= 0 for t in row)]
+            reason = self._take_tokens(request, new_tokens)  # (cut after a stop token)
+            new_logprobs = row_logprobs[:len(new_tokens)]
+            if request.grammar is not None and not request.grammar.accept(new_tokens):
+                request.error = f"the grammar refused sampled tokens {new_tokens}"
                 reason = FinishReason.ERROR  # never expected: the step masked them
-            start, kv_len = chunk.start_position, chunk.start_position + num_rows
-            num_draft = plan.num_drafts_of(chunk.request_id) if plan.drafts else 0
-            if num_draft:  # speculative steps run synchronously: the request is running
-                verified.append((num_draft, num_emitted - 1))
-                # Accepted drafts' KV is final; the rejected ones' slots are given back.
-                request.num_computed_tokens += len(new_tokens) - 1
-                kv_len += len(new_tokens) - 1
-                self.pages.truncate(request.request_id, request.num_computed_tokens)
+            # accepted drafts' KV is final (update_drafts gives the rejected ones' slots back)
+            num_accepted = len(new_tokens) - 1
+            request.num_computed_tokens += num_accepted
+            start, kv_len = chunk.start_position, chunk.kv_len + num_accepted
             if running and (kv_len // page_size > start // page_size
                             or self.window.releases_every_step):
                 self._commit(request, start, kv_len)
             if held:
                 self._release_held(request.request_id)  # its prompt KV is final: share it
-            if reason is not None:
-                self._finish(request, reason)
             top = ()
             if top_ids is not None and new_tokens and chunk.sampling.top_logprobs:  # plain only
-                top = top_logprob_pairs(chunk, top_ids[i], top_logprobs[i])
-            events.append(TokenEvent(
+                top = top_logprob_pairs(chunk, top_ids[i + num_decode], top_logprobs[i + num_decode])
+            chunk_events.append(TokenEvent(
                 request.request_id, tuple(new_tokens), tuple(new_logprobs), reason,
                 request.error if reason is FinishReason.ERROR else None, top))
-        if self.speculation is not None:
-            self.speculation.record_step(verified)
+        update_drafts(plan, chunk_events, requests, self.pages, self.speculation)
+        for event in chunk_events:
+            if event.finish_reason is not None:
+                self._finish(requests[event.request_id], event.finish_reason)
+        events += chunk_events
         return events
 
     def _update_decode_rows(self, decode, token_rows, logprob_rows, events) -> None:

@@ -159,7 +159,9 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
         preemption_mode=config.preemption_mode, enable_chunked_prefill=config.enable_chunked_prefill,
         batching=config.batching, swap_space=swap, speculation=speculation.policy,
         kv_window=reusable_window(mc.layer_windows, *draft_windows),
-        decode_rows=True)  # ModelRunner lays plan.DecodeRows out (none when speculating)
+        # steady decoders as plan.DecodeRows: ModelRunner's plain steps lay them out (the
+        # speculative runner and static batching's padding read chunks)
+        decode_rows=speculation.policy is None and config.batching == "continuous")
     runner = speculation.wrap(ModelRunner(
         mc, loaded.params, num_pages=num_pages, page_size=config.page_size,
         max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,

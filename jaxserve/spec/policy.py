@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from jaxserve.core.speculation import max_drafts, no_drafts
 from jaxserve.spec.ngram import NgramProposer
 
 _EMA_WEIGHT = 0.1          # weight of one step's mean in the accepted-drafts average
@@ -45,6 +46,10 @@ class SpecStats:
 
 
 class SpeculationPolicy:
+    """core/speculation.py's Speculation: the scheduler asks it for each step's drafter."""
+
+    reads_every_result = True  # a step's accepted drafts decide what the next one computes
+
     def __init__(self, method: str, num_speculative_tokens: int, *,
                  ngram: NgramProposer | None = None, disable_by_batch_size: int | None = None):
         if method not in ("ngram", "draft"):
@@ -80,6 +85,20 @@ class SpeculationPolicy:
         return max((b for b in self.cost_ratio if self.pays(b)), default=0)
 
     # ---- the scheduler's questions ---------------------------------------------------------
+    def drafter(self, running: Sequence, max_model_len: int, num_plain_only: int):
+        """This step's drafter for the scheduler (core/speculation.py): no_drafts while a
+        request only plain steps compute is running, or when speculating doesn't pay for the
+        requests decoding now."""
+        if num_plain_only or not self.should_speculate(sum(
+                r.num_scheduled_tokens - r.num_computed_tokens == 1 for r in running)):
+            return no_drafts
+
+        def propose(request, remaining: int, room: int) -> tuple[int, tuple[int, ...]]:
+            if remaining != 1:  # a prefill chunk: nothing to draft after
+                return 0, ()
+            return self.propose(request.all_token_ids, max_drafts(request, room, max_model_len))
+        return propose
+
     def should_speculate(self, num_decoding: int) -> bool:
         if num_decoding == 0:
             return False
@@ -109,6 +128,7 @@ class SpeculationPolicy:
     # ---- results -------------------------------------------------------------------------
     def record_step(self, verified: Sequence[tuple[int, int]]) -> None:
         """(drafts, accepted drafts) for each request that verified drafts this step."""
+        verified = [(n, a) for n, a in verified if n]
         if not verified:
             return
         s = self.stats
