@@ -138,13 +138,13 @@ def test_a_chunks_page_table_is_the_page_managers_own_tuple_until_the_pages_chan
 
 
 def test_commit_slices_the_tokens_across_the_prompt_output_boundary():
-    from jaxserve.core.scheduler_results import _Prefix
+    from jaxserve.core.token_prefix import TokenPrefix
 
     r = Request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=8), seed=0)
     r.output_token_ids = [6, 7, 8]
-    view = _Prefix(r, 7)
+    view = TokenPrefix(r, 7)
     every = r.all_token_ids[:7]
-    assert len(view) == 7 and len(_Prefix(r, 20)) == 8  # (at most every token, as [:20])
+    assert len(view) == 7 and len(TokenPrefix(r, 20)) == 8  # (at most every token, as [:20])
     for start in range(8):
         for stop in range(start, 9):
             assert view[start:stop] == every[start:stop], (start, stop)

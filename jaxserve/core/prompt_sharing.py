@@ -52,6 +52,16 @@ class PromptSharing:
             return None
         return source
 
+    def fork(self, source: Request, request: Request, num_shared: int,
+             num_new: int) -> int | None:
+        """request takes source's first num_shared tokens' pages, and fresh pages for num_new
+        more; the tokens whose KV it has, or None, holding nothing, when pages run out."""
+        got = self.pages.fork(source.request_id, request.request_id, num_shared)
+        if not self.pages.append_slots(request.request_id, got + num_new):
+            self.pages.free(request.request_id)
+            return None
+        return got
+
     def num_shared_tokens(self, request: Request) -> int:
         """Tokens of whole prompt pages a fork shares (the last, partial page is recomputed)."""
         page_size = self.pages.page_size

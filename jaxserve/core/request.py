@@ -244,6 +244,33 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def prefix_cache_tokens(self) -> list[int]:
+        """The token ids a prefix-cache lookup may match: none when every prompt position's
+        logits are needed (prompt logprobs, reported by sample 0)."""
+        wants_prompt_logits = (self.sampling.prompt_logprobs is not None
+                               and self.sample_index == 0)
+        return [] if wants_prompt_logits else self.prompt_token_ids + self.output_token_ids
+
+    def take_token(self, token: int) -> FinishReason | None:
+        """Append one sampled token; the reason it ends the request (a stop token id, or its
+        output budget max_output_tokens), or None."""
+        outputs = self.output_token_ids
+        outputs.append(token)
+        if token in self.stop_ids:
+            return FinishReason.STOP
+        return FinishReason.LENGTH if len(outputs) >= self.max_output_tokens else None
+
+    def take_tokens(self, tokens: list[int]) -> FinishReason | None:
+        """Append a step's tokens up to the first that ends the request (the rest of `tokens`
+        is cut off in place: a stop inside a verified run); its finish reason, or None."""
+        for j, token in enumerate(tokens):
+            reason = self.take_token(token)
+            if reason is not None:
+                del tokens[j + 1:]
+                return reason
+        return None
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
@@ -267,6 +294,24 @@ class Request:
     def sort_key(self) -> tuple[int, int, int]:
         """Scheduling order: priority first, then arrival (a request's samples in order)."""
         return (self.priority, self.arrival_seq, self.sample_index)
+
+
+class StopSets:
+    """One shared frozenset per distinct set of stop token ids: update() reads a request's per
+    step, and requests alike then share its cache lines. A bounded memo, as clients choose
+    stop_token_ids."""
+
+    def __init__(self, max_size: int = 256):
+        self.max_size = max_size
+        self._sets: dict[frozenset, frozenset] = {}
+
+    def of(self, request: Request) -> frozenset:
+        sp = request.sampling
+        stop_ids = frozenset(sp.stop_token_ids) | frozenset(
+            () if sp.ignore_eos else request.eos_token_ids)
+        if len(self._sets) >= self.max_size:
+            self._sets.clear()
+        return self._sets.setdefault(stop_ids, stop_ids)
 
 
 @dataclass(slots=True)  # one per request and step: cheap to make, never changed

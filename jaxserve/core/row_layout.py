@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxserve.core.page_manager import PageManager
-from jaxserve.core.plan import DecodeRows, StepPlan
+from jaxserve.core.plan import DecodeRows, SamplingRow, StepPlan
 from jaxserve.core.processor_slots import ProcessorSlots
 from jaxserve.core.request import Request
 from jaxserve.core.step_rows import build_chunk
@@ -24,6 +24,19 @@ class RowLayout:
     def __init__(self, pages: PageManager, processor_slots: ProcessorSlots):
         self.pages = pages
         self.processor_slots = processor_slots
+
+    def prepare(self, request: Request, decode_rows: bool) -> None:
+        """When a request is queued: the SamplingRow of its plain steps, whether that row is
+        all its steps need (no logits processor, no prompt logprobs), and whether its decodes
+        may be DecodeRows (decode_rows: the runner keeps each batch slot's settings and page
+        table; plain rows, no top logprobs, no grammar)."""
+        sp = request.sampling
+        request.sampling_row = SamplingRow(sp.temperature, sp.top_k, sp.top_p, sp.min_p,
+                                           request.seed, sp.top_logprobs)
+        request.plain_rows = not sp.uses_processors and (sp.prompt_logprobs is None
+                                                         or request.sample_index != 0)
+        request.steady_rows = (decode_rows and request.plain_rows and not sp.top_logprobs
+                               and sp.structured_outputs is None)
 
     def lay_out(self, plan: StepPlan, scheduled: list[tuple[Request, int]]) -> None:
         """plan.decode and plan.chunks from (request, tokens it computes this step)."""

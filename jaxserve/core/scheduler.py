@@ -28,10 +28,10 @@ import bisect
 
 from jaxserve.core.batching_policy import make_batching_policy
 from jaxserve.core.page_manager import PageManager
-from jaxserve.core.plan import SamplingRow, StepPlan, SwapIn, SwapOut
+from jaxserve.core.plan import StepPlan, SwapIn, SwapOut
 from jaxserve.core.processor_slots import ProcessorSlots
 from jaxserve.core.prompt_sharing import PromptSharing
-from jaxserve.core.request import FinishReason, Request, RequestStatus, TokenEvent
+from jaxserve.core.request import FinishReason, Request, RequestStatus, StopSets, TokenEvent
 from jaxserve.core.row_layout import RowLayout
 from jaxserve.core.scheduler_results import SchedulerResults
 from jaxserve.core.sliding_window import KVWindow
@@ -67,7 +67,8 @@ class Scheduler(SchedulerResults):
         self.sharing = PromptSharing(page_manager, self.requests)
         self._leave_queue = {RequestStatus.WAITING: self._leave_waiting,  # by request status
                              RequestStatus.RUNNING: self._leave_running,
-                             RequestStatus.SWAPPED: self._leave_swapped}
+                             RequestStatus.SWAPPED: self._leave_swapped,
+                             RequestStatus.FINISHED: lambda request: None}
         self._dropped_swaps: list[str] = []
         self.processor_slots = ProcessorSlots(max_num_seqs + 1)
         self.layout = RowLayout(page_manager, self.processor_slots)
@@ -77,7 +78,7 @@ class Scheduler(SchedulerResults):
         self._host_drafts = self.speculation.method == "ngram"
         self.num_preemptions = 0
         self.num_swaps = 0
-        self._stop_sets: dict[frozenset, frozenset] = {}
+        self._stop_sets = StopSets()
 
     # ---- lifecycle -------------------------------------------------------------------
     def add(self, request: Request) -> TokenEvent | None:
@@ -88,26 +89,16 @@ class Scheduler(SchedulerResults):
         needed = self.pages.num_pages_for(total)
         capacity = self.pages.num_pages - 1
         self.requests[request.request_id] = request
-        sp = request.sampling
-        stop_ids = frozenset(sp.stop_token_ids) | frozenset(
-            () if sp.ignore_eos else request.eos_token_ids)
-        # one shared set per distinct value (update() reads it per request and step: requests
-        # alike share its cache lines); a bounded memo, as clients choose stop_token_ids
-        if len(self._stop_sets) >= 256:
-            self._stop_sets.clear()
-        request.stop_ids = self._stop_sets.setdefault(stop_ids, stop_ids)
-        request.max_output_tokens = min(sp.max_tokens, self.max_model_len - request.num_tokens)
-        request.sampling_row = SamplingRow(sp.temperature, sp.top_k, sp.top_p, sp.min_p,
-                                           request.seed, sp.top_logprobs)
-        request.plain_rows = not sp.uses_processors and (sp.prompt_logprobs is None
-                                                         or request.sample_index != 0)
-        request.steady_rows = (self.decode_rows and request.plain_rows and not sp.top_logprobs
-                               and sp.structured_outputs is None)
+        request.stop_ids = self._stop_sets.of(request)
+        request.max_output_tokens = min(request.sampling.max_tokens,
+                                        self.max_model_len - request.num_tokens)
+        self.layout.prepare(request, self.decode_rows)
         self._num_plain_only += request.sampling.needs_plain_steps(self._host_drafts)
         self._num_host_bound += request.needs_host_tokens
         if needed > capacity:
             request.error = (f"request needs {needed} KV pages ({total} tokens) but the page "
                              f"pool holds {capacity}; lower max_tokens or the prompt length")
+            request.status = RequestStatus.FINISHED  # (in no queue yet)
             self._finish(request, FinishReason.ERROR)
             return TokenEvent(request.request_id, (), (), FinishReason.ERROR, request.error)
         request.status = RequestStatus.WAITING
@@ -132,13 +123,12 @@ class Scheduler(SchedulerResults):
         self.processor_slots.release(request.request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        if self.requests.pop(request.request_id, None) is not None:
-            self._num_plain_only -= request.sampling.needs_plain_steps(self._host_drafts)
-            self._num_host_bound -= request.needs_host_tokens
+        del self.requests[request.request_id]
+        self._num_plain_only -= request.sampling.needs_plain_steps(self._host_drafts)
+        self._num_host_bound -= request.needs_host_tokens
 
     def _leave_waiting(self, request: Request) -> None:
-        if request in self.waiting:  # (not when add() refused it)
-            self.waiting.remove(request)
+        self.waiting.remove(request)
 
     def _leave_running(self, request: Request) -> None:
         self.running.remove(request)
@@ -258,8 +248,9 @@ class Scheduler(SchedulerResults):
             if got is None:
                 break
             self.waiting.pop(index)
-            if request.num_preemptions == 0:
-                request.num_cached_tokens = got
+            # (its prefix cache hit counts at its first admission only)
+            request.num_cached_tokens = got if not request.num_preemptions else (
+                request.num_cached_tokens)
             request.num_computed_tokens = got
             num_new = min(len(tokens) - got, budget)
             self._start_running(request)
@@ -275,9 +266,7 @@ class Scheduler(SchedulerResults):
         (n > 1) while that one holds them, else its cached prefix; then fresh pages for what it
         computes this step. Returns the tokens whose KV it has, or None, nothing changed, when
         pages run out (or its prompt doesn't fit the budget and chunked prefill is off)."""
-        tokens, rid = request.all_token_ids, request.request_id
-        if request.sampling.prompt_logprobs is not None and request.sample_index == 0:
-            tokens = ()  # every prompt position's logits are needed: no cached prefix
+        tokens = request.prefix_cache_tokens
         source = self.sharing.source_of(request)
         num_shared = (len(self.pages.lookup_prefix(tokens)) * self.pages.page_size
                       if source is None else self.sharing.num_shared_tokens(request))
@@ -286,12 +275,8 @@ class Scheduler(SchedulerResults):
             return None
         num_new = min(num_new, budget)
         if source is None:
-            return self.pages.allocate(rid, tokens, num_shared + num_new)
-        got = self.pages.fork(source.request_id, rid, num_shared)
-        if not self.pages.append_slots(rid, got + num_new):
-            self.pages.free(rid)
-            return None
-        return got
+            return self.pages.allocate(request.request_id, tokens, num_shared + num_new)
+        return self.sharing.fork(source, request, num_shared, num_new)
 
     def _start_running(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING

@@ -15,6 +15,7 @@ import numpy as np
 
 from jaxserve.core.plan import StepPlan, StepResult
 from jaxserve.core.speculation import update_drafts
+from jaxserve.core.token_prefix import TokenPrefix
 from jaxserve.core.request import DecodeTokens, FinishReason, Request, RequestStatus, TokenEvent
 from jaxserve.core.step_rows import prompt_logprob_entries, top_logprob_pairs
 
@@ -41,7 +42,7 @@ class SchedulerResults:
         logprob_rows = logprobs[rows].reshape(num_chunks, *logprobs.shape[1:] or (1,)).tolist()
         top_ids, top_logprobs = result.top_ids, result.top_logprobs
         prompt = (result.prompt_ids, result.prompt_logprobs)
-        requests, held, page_size = self.requests, self.sharing.held, self.pages.page_size
+        requests, page_size = self.requests, self.pages.page_size
         next_row = num_decode  # the chunk's token rows end there
         for i, chunk in enumerate(plan.chunks):
             num_rows = len(chunk.token_ids)
@@ -50,9 +51,7 @@ class SchedulerResults:
             if request is None:
                 continue  # finished (aborted, stopped) while the step ran: drop its tokens
             running = request.status == RequestStatus.RUNNING
-            if chunk.prompt_logprob_next:
-                request.prompt_logprobs.extend(
-                    prompt_logprob_entries(chunk, next_row - num_rows, prompt))
+            request.prompt_logprobs += prompt_logprob_entries(chunk, next_row - num_rows, prompt)
             if chunk.sampling is None:
                 if running:
                     self._commit(request, chunk.start_position, chunk.kv_len)
@@ -60,7 +59,7 @@ class SchedulerResults:
             request.num_pending_tokens -= 1
             row, row_logprobs = token_rows[i], logprob_rows[i]
             new_tokens = row[:sum(t >= 0 for t in row)]
-            reason = self._take_tokens(request, new_tokens)  # (cut after a stop token)
+            reason = request.take_tokens(new_tokens)  # (cut after a stop token)
             new_logprobs = row_logprobs[:len(new_tokens)]
             if request.grammar is not None and not request.grammar.accept(new_tokens):
                 request.error = f"the grammar refused sampled tokens {new_tokens}"
@@ -72,11 +71,8 @@ class SchedulerResults:
             if running and (kv_len // page_size > start // page_size
                             or self.window.releases_every_step):
                 self._commit(request, start, kv_len)
-            if held:
-                self._release_held(request.request_id)  # its prompt KV is final: share it
-            top = ()
-            if top_ids is not None and new_tokens and chunk.sampling.top_logprobs:  # plain only
-                top = top_logprob_pairs(chunk, top_ids[i + num_decode], top_logprobs[i + num_decode])
+            self._release_held(request.request_id)  # its prompt KV is final: share it
+            top = top_logprob_pairs(chunk, top_ids, top_logprobs, i + num_decode, new_tokens)
             chunk_events.append(TokenEvent(
                 request.request_id, tuple(new_tokens), tuple(new_logprobs), reason,
                 request.error if reason is FinishReason.ERROR else None, top))
@@ -89,10 +85,10 @@ class SchedulerResults:
 
     def _update_decode_rows(self, decode, token_rows, logprob_rows, events) -> None:
         """update() of plan.DecodeRows (rows 0..D-1): one token each, of a plain request (no
-        grammar, no top logprobs, no speculation), as update()'s one-token case. The tokens
-        that finish nothing go out as one DecodeTokens event, first; the others each as a
+        grammar, no top logprobs, no drafts), as update()'s one-token case. The tokens that
+        finish nothing go out as one DecodeTokens event, first; the others each as a
         TokenEvent."""
-        requests, held, page_size = self.requests, self.sharing.held, self.pages.page_size
+        requests, page_size = self.requests, self.pages.page_size
         window = self.window.releases_every_step
         positions = decode.meta[:, decode.POSITION].tolist()
         batch = DecodeTokens([], [], [])
@@ -104,15 +100,11 @@ class SchedulerResults:
             if request is None:
                 continue  # finished while the step ran: its token is dropped
             request.num_pending_tokens -= 1
-            outputs = request.output_token_ids
-            outputs.append(token)
-            reason = (FinishReason.STOP if token in request.stop_ids else FinishReason.LENGTH
-                      if len(outputs) >= request.max_output_tokens else None)
+            reason = request.take_token(token)
             if (window or (start + 1) % page_size == 0) and (
                     request.status == RequestStatus.RUNNING):
                 self._commit(request, start, start + 1)
-            if held:
-                self._release_held(request_id)
+            self._release_held(request_id)
             if reason is None:
                 ids.append(request_id)
                 tokens.append(token)
@@ -125,48 +117,5 @@ class SchedulerResults:
         """KV of positions start..kv_len-1 is written (its step's results are in): cache the
         pages that filled (none when the step completed no page: the next one that does
         registers every full page since), and give back those wholly out of the window."""
-        ps = self.pages.page_size
-        if kv_len // ps > start // ps:
-            self.pages.commit(request.request_id, _Prefix(request, kv_len))
+        self.pages.commit(request.request_id, TokenPrefix(request, kv_len))
         self.window.release(request.request_id, kv_len)  # (not past what is committed: async lag)
-
-    def _take_tokens(self, request: Request, tokens: list):
-        """Append a step's tokens to the request, up to the first that ends it (the rest of
-        `tokens` is cut off in place); its finish reason, or None."""
-        outputs = request.output_token_ids
-        for j, token in enumerate(tokens):
-            outputs.append(token)
-            if token in request.stop_ids:
-                reason = FinishReason.STOP
-            elif len(outputs) >= request.max_output_tokens:
-                reason = FinishReason.LENGTH
-            else:
-                continue
-            del tokens[j + 1:]  # a stop inside an accepted run: drop the tokens after it
-            return reason
-        return None
-
-
-class _Prefix:
-    """A request's first `length` tokens (prompt, then outputs) for PageManager.commit, which
-    slices a page at a time: no copy of the whole history per committed page."""
-
-    __slots__ = ("prompt", "outputs", "length")
-
-    def __init__(self, request: Request, length: int):
-        self.prompt, self.outputs = request.prompt_token_ids, request.output_token_ids
-        self.length = min(length, len(self.prompt) + len(self.outputs))  # as a list's [:length]
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, index: slice) -> list[int]:
-        start, stop, step = index.indices(self.length)
-        if step != 1:
-            raise ValueError("a token prefix slices with step 1 only")
-        n = len(self.prompt)
-        if stop <= n:
-            return self.prompt[start:stop]
-        if start >= n:
-            return self.outputs[start - n:stop - n]
-        return self.prompt[start:] + self.outputs[:stop - n]

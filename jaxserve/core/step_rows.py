@@ -73,7 +73,9 @@ def prompt_logprob_entries(chunk: ScheduledChunk, first_row: int,
                            prompt) -> list[dict[int, float]]:
     """{token id: logprob} per prompt position the chunk reported: the prompt token's own, then
     its k alternatives. first_row: the chunk's first row in the step; prompt: (ids, logprobs)
-    [T, 1 + K] of every row."""
+    [T, 1 + K] of every row (None when no chunk asked)."""
+    if not chunk.prompt_logprob_next:
+        return []
     start = first_row + chunk.prompt_logprob_first_row
     stop, k = start + len(chunk.prompt_logprob_next), chunk.prompt_logprobs
     entries = []
@@ -85,8 +87,13 @@ def prompt_logprob_entries(chunk: ScheduledChunk, first_row: int,
     return entries
 
 
-def top_logprob_pairs(chunk: ScheduledChunk, top_ids, top_logprobs) -> tuple:
+def top_logprob_pairs(chunk: ScheduledChunk, top_ids, top_logprobs, row: int,
+                      new_tokens) -> tuple:
     """The sampled token's k = sampling.top_logprobs alternatives as ((id, logprob), ...),
-    best first, for the event. top_ids / top_logprobs: the chunk's result row."""
+    best first, for the event; () when it asked for none, sampled nothing, or the step
+    reports none (steps that verify drafts). top_ids / top_logprobs: the step's [S, K]
+    results, the chunk's at `row`."""
     k = chunk.sampling.top_logprobs
-    return (tuple(zip(top_ids[:k].tolist(), top_logprobs[:k].tolist())),)
+    if top_ids is None or not new_tokens or not k:
+        return ()
+    return (tuple(zip(top_ids[row][:k].tolist(), top_logprobs[row][:k].tolist())),)
