@@ -151,8 +151,8 @@ def main(args, config) -> int:
         unique_tokens_per_s_on_over_off=float(np.median([
             on["unique"]["output_throughput"] / off["unique"]["output_throughput"]
             for off, on in pairs])),
-        answers_identical=same, num_pages=configs["on"].num_pages,
-        host_prefix_cache_size=configs["on"].host_prefix_cache_size)
+        answers_identical=same, num_pages=configs["on"].cache.num_pages,
+        host_prefix_cache_size=configs["on"].cache.host_prefix_cache_size)
     print(f"returning turns, mean TTFT off/on: {summary['mean_ttft_off_over_on']:.2f}x, p99 "
           f"{summary['p99_ttft_off_over_on']:.2f}x; never-returning output tok/s on/off: "
           f"{summary['unique_tokens_per_s_on_over_off']:.3f}; greedy answers identical: {same}")
