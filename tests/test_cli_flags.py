@@ -79,18 +79,18 @@ def test_a_bad_size_is_an_error_naming_it(bad):
 
 def test_swap_space_plain_number_is_gib_as_in_vllm_and_kv_memory_bytes():
     config = engine_config_from_args(_serve("--swap-space", "4", "--kv-cache-memory", "1000"))
-    assert config.swap_space == 4 << 30, "vLLM's --swap-space 4 means 4 GiB"
-    assert config.kv_cache_memory == 1000
+    assert config.cache.swap_space == 4 << 30, "vLLM's --swap-space 4 means 4 GiB"
+    assert config.cache.kv_cache_memory == 1000
     config = engine_config_from_args(_serve("--swap-space", "512MiB",
                                             "--kv-cache-memory-bytes", "2GiB"))
-    assert (config.swap_space, config.kv_cache_memory) == (512 << 20, 2 << 30)
+    assert (config.cache.swap_space, config.cache.kv_cache_memory) == (512 << 20, 2 << 30)
     with pytest.raises(SystemExit):
         _serve("--swap-space", "lots")
 
 
 def test_python_api_takes_bytes_or_a_size_string():
-    assert EngineConfig.from_kwargs(swap_space="1GiB").swap_space == 1 << 30
-    assert EngineConfig.from_kwargs(swap_space=4096).swap_space == 4096
+    assert EngineConfig.from_kwargs(swap_space="1GiB").cache.swap_space == 1 << 30
+    assert EngineConfig.from_kwargs(swap_space=4096).cache.swap_space == 4096
 
 
 def test_vllm_names_are_accepted():
@@ -98,11 +98,12 @@ def test_vllm_names_are_accepted():
                   "--max-num-seqs", "8", "--served-model-name", "mine",
                   "--enable-prefix-caching")
     config = engine_config_from_args(args)
-    assert (config.page_size, config.num_pages, config.tensor_parallel_size) == (32, 64, 2)
-    assert config.max_num_seqs == 8 and config.enable_prefix_caching is True
+    assert (config.cache.page_size, config.cache.num_pages) == (32, 64)
+    assert config.parallel.tensor_parallel_size == 2
+    assert config.scheduler.max_num_seqs == 8 and config.cache.enable_prefix_caching is True
     assert args.served_model_name == "mine"
     fraction = engine_config_from_args(_serve("--gpu-memory-utilization", "0.9"))
-    assert fraction.gpu_memory_utilization == 0.9
+    assert fraction.cache.gpu_memory_utilization == 0.9
 
 
 def test_gpu_memory_utilization_is_a_fraction_exclusive_with_explicit_sizes():
@@ -136,13 +137,15 @@ def test_serve_takes_the_model_as_a_positional_like_vllm():
     assert main(["serve", "a.gguf", "--model", "b.gguf"]) == 2, "two different models"
 
 
-@pytest.mark.parametrize("name", ["enable_prefix_caching", "enable_chunked_prefill"])
-def test_boolean_flags_have_a_no_form(name):
+@pytest.mark.parametrize("group, name", [("cache", "enable_prefix_caching"),
+                                         ("scheduler", "enable_chunked_prefill")])
+def test_boolean_flags_have_a_no_form(group, name):
     flag = "--" + name.replace("_", "-")
     assert getattr(_serve(flag), name) is True
     assert getattr(_serve("--no-" + flag[2:]), name) is False
     assert getattr(_serve(), name) is None, "unset keeps EngineConfig's default"
-    assert getattr(engine_config_from_args(_serve("--no-" + flag[2:])), name) is False
+    config = engine_config_from_args(_serve("--no-" + flag[2:]))
+    assert getattr(getattr(config, group), name) is False
 
 
 @pytest.mark.parametrize("argv, want", [

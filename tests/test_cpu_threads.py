@@ -25,7 +25,7 @@ def test_xla_compute_threads_get_the_increment_and_this_thread_keeps_its_priorit
     threads = _xla_threads()
     assert threads, "XLA's CPU client names its compute threads differently now"
     own = os.getpriority(os.PRIO_PROCESS, 0)
-    increment = EngineConfig().xla_cpu_nice  # what every engine in this process applies
+    increment = EngineConfig().runner.xla_cpu_nice  # what every engine in this process applies
     assert lower_xla_cpu_threads(increment) == len(threads)
     assert {os.getpriority(os.PRIO_PROCESS, t) for t in threads} == {own + increment}
     assert os.getpriority(os.PRIO_PROCESS, 0) == own
@@ -42,4 +42,4 @@ def test_nothing_is_touched_without_xla_threads_or_an_increment(tmp_path):
 
 def test_the_setting_is_checked():
     with pytest.raises(ValueError, match=r"xla_cpu_nice=20 .*\[0, 19\]"):
-        EngineConfig(xla_cpu_nice=20).validate()
+        EngineConfig.from_kwargs(xla_cpu_nice=20)

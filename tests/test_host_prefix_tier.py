@@ -197,18 +197,18 @@ def test_an_entry_whose_store_is_pending_is_not_matched():
 def test_bad_settings_name_the_field(bad):
     from jaxserve.config import EngineConfig
     with pytest.raises(ValueError, match="host_prefix_cache_size"):
-        EngineConfig(model="x", **bad).validate()
+        EngineConfig.from_kwargs(model="x", **bad)
 
 
 def test_builder_refuses_a_tier_too_small_or_too_big():
-    from jaxserve.config import EngineConfig
+    from jaxserve.config import CacheConfig
     from jaxserve.engine.builder import host_prefix_tier
     with pytest.raises(ValueError, match="holds no page"):
-        host_prefix_tier(EngineConfig(model="x", host_prefix_cache_size=100), 4096, 1)
+        host_prefix_tier(CacheConfig(host_prefix_cache_size=100), 4096, 1)
     with pytest.raises(ValueError, match="exceed this host's memory"):
-        host_prefix_tier(EngineConfig(model="x", host_prefix_cache_size=1 << 60), 4096, 1)
+        host_prefix_tier(CacheConfig(host_prefix_cache_size=1 << 60), 4096, 1)
     with pytest.raises(ValueError, match="several JAX processes"):
-        host_prefix_tier(EngineConfig(model="x", host_prefix_cache_size=1 << 20), 4096, 2)
-    assert host_prefix_tier(EngineConfig(model="x"), 4096, 1) is None
-    assert host_prefix_tier(EngineConfig(model="x", host_prefix_cache_size=10000), 4096,
+        host_prefix_tier(CacheConfig(host_prefix_cache_size=1 << 20), 4096, 2)
+    assert host_prefix_tier(CacheConfig(), 4096, 1) is None
+    assert host_prefix_tier(CacheConfig(host_prefix_cache_size=10000), 4096,
                             1).num_slots == 2

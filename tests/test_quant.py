@@ -144,4 +144,4 @@ def test_an_unknown_quantization_is_an_error_naming_it():
         quant.quantize_params(params, "fp8")
     from jaxserve.config import EngineConfig
     with pytest.raises(ValueError, match="quantization='int3'"):
-        EngineConfig(quantization="int3").validate()
+        EngineConfig.from_kwargs(quantization="int3")

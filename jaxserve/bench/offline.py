@@ -11,7 +11,6 @@ compiling); it measures generation only.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 
@@ -96,13 +95,13 @@ def run_offline_bench(args, config) -> int:
     from jaxserve.engine.engine import Engine
     from jaxserve.model.loader import load_model
 
-    loaded = load_model(config.model, progress=not args.quiet)
+    loaded = load_model(config.model.model, progress=not args.quiet)
     if args.workload == "repeat":  # natural answers: they end at EOS
         from jaxserve.bench.spec_workload import repeat_workload
         requests = repeat_workload(loaded.tokenizer, args.num_requests, args.output_len)
     else:
         requests = build_workload(args.workload, args.num_requests, loaded.config.vocab_size,
-                                  config.seed, args.input_len, args.output_len)
+                                  config.model.seed, args.input_len, args.output_len)
     ignore_eos = args.workload != "repeat"
     if args.compare_speculative:
         from jaxserve.bench.spec_metrics import compare_speculative
@@ -113,9 +112,9 @@ def run_offline_bench(args, config) -> int:
             with open(args.json_path, "w") as f:
                 json.dump(results, f, indent=2)
         return 0
-    modes = ["static", "continuous"] if args.compare_batching else [config.batching]
+    modes = ["static", "continuous"] if args.compare_batching else [config.scheduler.batching]
     results = {"workload": args.workload, "num_requests": args.num_requests,
-               "config": dataclasses.asdict(config), "runs": {}}
+               "config": config.as_kwargs(), "runs": {}}
     for mode in modes:
         with Engine(config.replace(batching=mode), loaded=loaded,
                     progress=not args.quiet) as engine:

@@ -108,16 +108,17 @@ def unique_side(engine, args, vocab_size: int, seed: int) -> dict:
 def side_configs(config, loaded, args) -> dict:
     """The two engine configs: the same small device pool, the tier off and on."""
     mc = loaded.config
-    ps = config.page_size
+    ps = config.cache.page_size
     per_conversation = -(-(args.history + args.turns * (args.user_tokens + args.answer_tokens))
                          // ps)
     num_pages = max(int(args.device_conversations * per_conversation) + 1, per_conversation + 2)
     import jax
 
     from jaxserve.runner.model_runner import resolve_dtype
-    itemsize = jax.numpy.dtype(resolve_dtype(config.dtype, jax.default_backend())).itemsize
+    itemsize = jax.numpy.dtype(resolve_dtype(config.model.dtype, jax.default_backend())).itemsize
     page_bytes = ps * mc.kv_bytes_per_token(itemsize)
-    size = config.host_prefix_cache_size or (args.conversations + 1) * per_conversation * page_bytes
+    size = (config.cache.host_prefix_cache_size
+            or (args.conversations + 1) * per_conversation * page_bytes)
     small = config.replace(num_pages=num_pages, kv_cache_memory=None, gpu_memory_utilization=None)
     return {"off": small.replace(host_prefix_cache_size=0),
             "on": small.replace(host_prefix_cache_size=size)}
@@ -127,14 +128,15 @@ def main(args, config) -> int:
     from jaxserve.engine.engine import Engine
     from jaxserve.model.loader import load_model
 
-    loaded = load_model(config.model, progress=not args.quiet)
+    loaded = load_model(config.model.model, progress=not args.quiet)
     configs = side_configs(config, loaded, args)
     runs: dict[str, list[dict]] = {"off": [], "on": []}
     for round_index in range(args.rounds):
         for side in (("off", "on") if round_index % 2 == 0 else ("on", "off")):
             with Engine(configs[side], loaded=loaded, progress=not args.quiet) as engine:
-                conv = conversation_side(engine, args, loaded.config.vocab_size, config.seed)
-                conv["unique"] = unique_side(engine, args, loaded.config.vocab_size, config.seed)
+                vocab_size, seed = loaded.config.vocab_size, config.model.seed
+                conv = conversation_side(engine, args, vocab_size, seed)
+                conv["unique"] = unique_side(engine, args, vocab_size, seed)
             runs[side].append(conv)
             _print_side(side, conv)
     same = all(off["answers"] == on["answers"] for off, on in zip(runs["off"], runs["on"]))
@@ -149,15 +151,15 @@ def main(args, config) -> int:
         unique_tokens_per_s_on_over_off=float(np.median([
             on["unique"]["output_throughput"] / off["unique"]["output_throughput"]
             for off, on in pairs])),
-        answers_identical=same, num_pages=configs["on"].num_pages,
-        host_prefix_cache_size=configs["on"].host_prefix_cache_size)
+        answers_identical=same, num_pages=configs["on"].cache.num_pages,
+        host_prefix_cache_size=configs["on"].cache.host_prefix_cache_size)
     print(f"returning turns, mean TTFT off/on: {summary['mean_ttft_off_over_on']:.2f}x, p99 "
           f"{summary['p99_ttft_off_over_on']:.2f}x; never-returning output tok/s on/off: "
           f"{summary['unique_tokens_per_s_on_over_off']:.3f}; greedy answers identical: {same}")
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(dict(args={k: v for k, v in vars(args).items() if k != "func"},
-                           model=config.model, summary=summary, runs=runs), f, indent=2,
+                           model=config.model.model, summary=summary, runs=runs), f, indent=2,
                       default=str)
     return 0
 

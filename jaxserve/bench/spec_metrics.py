@@ -53,7 +53,7 @@ def compare_speculative(config, loaded, requests, run_workload, print_run, *, ro
     """{'off': best run, 'on': best run, 'speculative_over_plain': tokens/s ratio}."""
     from jaxserve.engine.engine import Engine
 
-    if config.speculative_method is None:
+    if config.speculative.speculative_method is None:
         raise ValueError("--compare-speculative needs --speculative-method (and "
                          "--num-speculative-tokens)")
     plain = config.replace(speculative_method=None, num_speculative_tokens=0,

@@ -113,7 +113,7 @@ class AsyncEngine:
         stream: asyncio.Queue = asyncio.Queue()
         with self._lock:
             self._check_alive()
-            limit = self.engine.config.max_queued_requests
+            limit = self.engine.config.scheduler.max_queued_requests
             queued = self.engine.stats.num_waiting + self._num_pending_adds
             if limit is not None and queued >= limit:
                 raise QueueFullError(f"waiting queue is full (max_queued_requests={limit})")

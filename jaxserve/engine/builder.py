@@ -14,7 +14,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import CacheConfig, EngineConfig
 from jaxserve.engine.info import EngineInfo
 from jaxserve.core.host_prefix_tier import HostPrefixTier
 from jaxserve.entrypoints.logging_setup import phase
@@ -64,33 +64,34 @@ def size_page_pool(config: EngineConfig, kv_bytes_per_token: int, max_model_len:
                    device_budget: int | None = None) -> int:
     """Pages for the KV pool: given directly, or from a byte budget (page 0 included).
     device_budget: bytes from gpu_memory_utilization (device_kv_budget), when set."""
-    if config.num_pages is not None:
-        return config.num_pages
-    budget = config.kv_cache_memory if device_budget is None else device_budget
+    cache = config.cache
+    if cache.num_pages is not None:
+        return cache.num_pages
+    budget = cache.kv_cache_memory if device_budget is None else device_budget
     if budget is None:  # enough for every sequence at full length, within a default budget
-        budget = min(DEFAULT_KV_CACHE_MEMORY,
-                     config.max_num_seqs * (max_model_len + config.page_size) * kv_bytes_per_token)
-    num_pages = budget // (config.page_size * kv_bytes_per_token)
+        budget = min(DEFAULT_KV_CACHE_MEMORY, config.scheduler.max_num_seqs
+                     * (max_model_len + cache.page_size) * kv_bytes_per_token)
+    num_pages = budget // (cache.page_size * kv_bytes_per_token)
     if num_pages < 2:
         raise ValueError(f"kv_cache_memory={budget} bytes holds {num_pages} pages of "
-                         f"{config.page_size} tokens; at least 2 are needed")
+                         f"{cache.page_size} tokens; at least 2 are needed")
     return int(num_pages)
 
 
-def host_prefix_tier(config: EngineConfig, bytes_per_page: int,
+def host_prefix_tier(cache: CacheConfig, bytes_per_page: int,
                      num_processes: int) -> HostPrefixTier | None:
     """The prefix cache's host tier from host_prefix_cache_size (None when 0). Its bytes and
     swap_space's follow one rule (whole pages of bytes_per_page), and together they must fit
     the host's memory."""
-    size = config.host_prefix_cache_size
+    size = cache.host_prefix_cache_size
     if size == 0:
         return None
     if num_processes > 1:
         raise ValueError(f"host_prefix_cache_size={size} is not supported with several JAX "
                          f"processes ({num_processes}): each holds only its shard of the KV")
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if size + config.swap_space > total:
-        raise ValueError(f"host_prefix_cache_size={size} plus swap_space={config.swap_space} "
+    if size + cache.swap_space > total:
+        raise ValueError(f"host_prefix_cache_size={size} plus swap_space={cache.swap_space} "
                          f"bytes exceed this host's memory ({total} bytes)")
     tier = HostPrefixTier(size, bytes_per_page)
     if tier.num_slots == 0:
@@ -102,7 +103,8 @@ def host_prefix_tier(config: EngineConfig, bytes_per_page: int,
 
 
 def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> EngineParts:
-    """loaded: a LoadedModel (None: load config.model). Compiles every step before returning."""
+    """loaded: a LoadedModel (None: load config.model.model). Compiles every step before
+    returning."""
     import jax
 
     from jaxserve.model.sharding import make_mesh
@@ -115,68 +117,69 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
     from jaxserve.model.quant import report
 
     config = config.validate()
+    model, cache, sched, run = config.model, config.cache, config.scheduler, config.runner
     start = time.perf_counter()
-    mesh = make_mesh(config.tensor_parallel_size)  # None: one device, unsharded
+    mesh = make_mesh(config.parallel.tensor_parallel_size)  # None: one device, unsharded
     if loaded is None:  # a checkpoint is restored straight into the mesh's shardings
-        with phase(log, f"loading model {config.model!r} on {jax.default_backend()}"):
-            loaded = tensor_parallel.load_model(config.model, mesh, progress=progress,
-                                                quantization=config.quantization)
-    loaded = quantize(loaded, config.quantization)  # a float LoadedModel given by the caller
+        with phase(log, f"loading model {model.model!r} on {jax.default_backend()}"):
+            loaded = tensor_parallel.load_model(model.model, mesh, progress=progress,
+                                                quantization=model.quantization)
+    loaded = quantize(loaded, model.quantization)  # a float LoadedModel given by the caller
     loaded_s = time.perf_counter() - start
     mc = loaded.config
-    max_model_len = config.max_model_len or min(mc.max_position_embeddings, 2048)
-    if mc.max_exact_len is not None and config.max_model_len is None:
+    max_model_len = model.max_model_len or min(mc.max_position_embeddings, 2048)
+    if mc.max_exact_len is not None and model.max_model_len is None:
         max_model_len = min(max_model_len, mc.max_exact_len)  # where RoPE is exact
     mc.check_runnable(max_model_len)  # a longer max_model_len than that is refused
-    dtype = resolve_dtype(config.dtype, jax.default_backend())
+    dtype = resolve_dtype(model.dtype, jax.default_backend())
     speculation = Speculation.build(config, loaded, progress=progress)
     itemsize = jax.numpy.dtype(dtype).itemsize
     kv_per_token = mc.kv_bytes_per_token(itemsize) + speculation.draft_kv_bytes_per_token(itemsize)
     device_budget = None
-    if config.gpu_memory_utilization is not None:
+    if cache.gpu_memory_utilization is not None:
         devices = mesh.devices.flat if mesh is not None else jax.local_devices()[:1]
-        device_budget = device_kv_budget(config.gpu_memory_utilization, devices)
+        device_budget = device_kv_budget(cache.gpu_memory_utilization, devices)
         if device_budget is None:
             log.warning("gpu_memory_utilization=%s is ignored on the %s backend (no device "
                         "memory figures): set kv_cache_memory for the KV pool's size",
-                        config.gpu_memory_utilization, jax.default_backend())
+                        cache.gpu_memory_utilization, jax.default_backend())
     num_pages = size_page_pool(config, kv_per_token, max_model_len, device_budget)
     log.info("KV cache: %d pages x %d tokens = %d tokens, %.1f MiB", num_pages - 1,
-             config.page_size, (num_pages - 1) * config.page_size,
-             num_pages * config.page_size * kv_per_token / 2**20)
-    tier = host_prefix_tier(config, config.page_size * kv_per_token, jax.process_count())
-    pages = PageManager(num_pages, config.page_size, config.enable_prefix_caching,
+             cache.page_size, (num_pages - 1) * cache.page_size,
+             num_pages * cache.page_size * kv_per_token / 2**20)
+    tier = host_prefix_tier(cache, cache.page_size * kv_per_token, jax.process_count())
+    pages = PageManager(num_pages, cache.page_size, cache.enable_prefix_caching,
                         host_tier=tier)
-    max_pages = -(-max_model_len // config.page_size)
-    swap = HostSwapSpace(config.swap_space, config.page_size * kv_per_token,
+    max_pages = -(-max_model_len // cache.page_size)
+    swap = HostSwapSpace(cache.swap_space, cache.page_size * kv_per_token,
                          page_buckets=powers_of_two(1, max_pages))
     # Pages no layer of the target (nor of a draft sharing its page tables) can see again
     # go back to the pool as requests advance: only when every layer has a sliding window.
     draft_windows = () if speculation.draft is None else (speculation.draft[0].layer_windows,)
     scheduler = Scheduler(
-        pages, max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
-        preemption_mode=config.preemption_mode, enable_chunked_prefill=config.enable_chunked_prefill,
-        batching=config.batching, swap_space=swap, speculation=speculation.policy,
+        pages, max_num_seqs=sched.max_num_seqs,
+        max_num_batched_tokens=sched.max_num_batched_tokens, max_model_len=max_model_len,
+        preemption_mode=sched.preemption_mode, enable_chunked_prefill=sched.enable_chunked_prefill,
+        batching=sched.batching, swap_space=swap, speculation=speculation.policy,
         kv_window=reusable_window(mc.layer_windows, *draft_windows),
         # steady decoders as plan.DecodeRows: ModelRunner's plain steps lay them out (the
         # speculative runner and static batching's padding read chunks)
         decode_rows=speculation.policy is None and config.batching == "continuous")
     runner = speculation.wrap(ModelRunner(
-        mc, loaded.params, num_pages=num_pages, page_size=config.page_size,
-        max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens, dtype=config.dtype,
-        attention_impl=config.attention_impl, layer_loop=config.layer_loop,
-        token_buckets=config.token_buckets or token_buckets_for(
-            jax.default_backend(), config.max_num_batched_tokens),
-        seq_buckets=config.seq_buckets,
-        compile_cache_dir=config.compile_cache_dir, mesh=mesh,
+        mc, loaded.params, num_pages=num_pages, page_size=cache.page_size,
+        max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
+        max_num_batched_tokens=sched.max_num_batched_tokens, dtype=model.dtype,
+        attention_impl=run.attention_impl, layer_loop=run.layer_loop,
+        token_buckets=run.token_buckets or token_buckets_for(
+            jax.default_backend(), sched.max_num_batched_tokens),
+        seq_buckets=run.seq_buckets,
+        compile_cache_dir=run.compile_cache_dir, mesh=mesh,
         host_prefix_slots=0 if tier is None else tier.num_slots))
     with phase(log, "warm-up: trace, compile (or read the compile cache) and run every step "
                     "bucket"):
         runner.warmup(progress=progress)
     if jax.default_backend() == "cpu":  # the host loop keeps a core beside XLA's threads
-        lower_xla_cpu_threads(config.xla_cpu_nice)
+        lower_xla_cpu_threads(run.xla_cpu_nice)
     # Several JAX processes: process 0 broadcasts each plan, the others follow it.
     runner = multihost.for_this_process(runner)
     dtype_name = jax.numpy.dtype(dtype).name
@@ -185,13 +188,14 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
         f"{group} {fmt} {size / 2**20:.1f} MiB" for group, fmt, size in weight_formats))
     info = EngineInfo(
         model_name=mc.name, architecture=mc.architecture, max_model_len=max_model_len,
-        vocab_size=mc.vocab_size, dtype=dtype_name, page_size=config.page_size,
-        num_pages=num_pages, max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        max_queued_requests=config.max_queued_requests,
+        vocab_size=mc.vocab_size, dtype=dtype_name, page_size=cache.page_size,
+        num_pages=num_pages, max_num_seqs=sched.max_num_seqs,
+        max_num_batched_tokens=sched.max_num_batched_tokens,
+        max_queued_requests=sched.max_queued_requests,
         eos_token_ids=tuple(int(t) for t in loaded.tokenizer.eos_token_ids),
-        tensor_parallel_size=config.tensor_parallel_size,
-        speculative_method=config.speculative_method, quantization=config.quantization,
+        tensor_parallel_size=config.parallel.tensor_parallel_size,
+        speculative_method=config.speculative.speculative_method,
+        quantization=model.quantization,
         weight_bytes=weight_bytes, weight_formats=weight_formats)
     total = time.perf_counter() - start
     log.info("engine ready in %.1f s: model %.1f s, page pool + warm-up %.1f s", total,

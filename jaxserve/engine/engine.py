@@ -93,12 +93,12 @@ class Engine:
         self._awaiting_grammar: list[Request] = []  # samples whose grammar is compiling
         self._arrivals = itertools.count()
         self._serials = itertools.count(1)  # (thread-safe: make_request runs on callers' threads)
-        self._seed_rng = random.Random(self.config.seed)
+        self._seed_rng = random.Random(self.config.model.seed)
         self.num_steps = 0
         self._closed = False
         self.timings = StepTimings()
         self.runner.timings = self.timings
-        self._async = self.config.async_scheduling and self.runner.can_overlap
+        self._async = self.config.scheduler.async_scheduling and self.runner.can_overlap
         self._in_flight = None  # (plan, the runner's pending step) dispatched, not yet read
         self.num_overlapped_steps = 0  # steps dispatched before their predecessor was read
         self._publish_stats()
@@ -154,7 +154,7 @@ class Engine:
         """Queue a made request; with sampling.n > 1 its other samples too (ids
         "<request_id>#<i>", seeds sample_seed(seed, i)), which share its prompt's KV pages."""
         n = request.sampling.n
-        limit = self.config.max_queued_requests
+        limit = self.config.scheduler.max_queued_requests
         if limit is not None and self.scheduler.num_waiting + n > limit:
             raise QueueFullError(f"waiting queue is full (max_queued_requests={limit})")
         samples = [request] + [dataclasses.replace(

@@ -1,8 +1,9 @@
 """The `jaxserve` command: serve | generate | chat | convert | bench.
 
-Every EngineConfig field is a flag with the same name (`max_num_seqs` -> `--max-num-seqs`),
-declared once with its help in config.py and turned into flags by cli_flags.py; vLLM's names are
-accepted too (`--block-size`, `--swap-space 4` in GiB, `--gpu-memory-utilization`, ...).
+Every engine setting is a flag with the same name (`max_num_seqs` -> `--max-num-seqs`),
+declared once with its help in its group (config/groups.py) and turned into flags by
+cli_flags.py; vLLM's names are accepted too (`--block-size`, `--swap-space 4` in GiB,
+`--gpu-memory-utilization`, ...).
 `--log-level` and `--log-format` go before or after the subcommand. This module only parses
 arguments and dispatches; the work lives in the modules it calls.
 """

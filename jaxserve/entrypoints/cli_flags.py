@@ -1,5 +1,5 @@
-"""The CLI's engine and sampling flags, made from one place: EngineConfig's field metadata and
-SamplingParams' defaults.
+"""The CLI's engine and sampling flags, made from one place: the field metadata of EngineConfig's
+groups and SamplingParams' defaults.
 
 Each flag's help says what it does, its unit, its choices and its default; sizes take units
 (`4GiB`, `512MiB`; a plain number is in vLLM's unit for the same flag); booleans are
@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import typing
 
-from jaxserve.config import EngineConfig, parse_size
+from jaxserve.config import GROUPS, EngineConfig, parse_size
 
 _SKIP = {"model"}  # a positional MODEL on serve; --model elsewhere (add_model_flag)
 
@@ -84,8 +83,8 @@ def _show_default(default, meta: dict) -> str:
 
 
 def engine_fields() -> list[tuple[dataclasses.Field, str]]:
-    hints = typing.get_type_hints(EngineConfig)
-    return [(f, str(hints[f.name])) for f in dataclasses.fields(EngineConfig)]
+    """(field, its type as text) of every engine setting, group by group."""
+    return [(s.field, str(s.type)) for s in EngineConfig.settings()]
 
 
 def flag_name(name: str) -> str:
@@ -93,20 +92,23 @@ def flag_name(name: str) -> str:
 
 
 def add_model_flag(parser: argparse.ArgumentParser) -> None:
-    field = {f.name: f for f in dataclasses.fields(EngineConfig)}["model"]
+    field = {s.field.name: s.field for s in EngineConfig.settings()}["model"]
     parser.add_argument("--model", default=None, dest="model",
                         help=_describe(field.metadata, field.default, None))
 
 
 def add_engine_flags(parser: argparse.ArgumentParser, with_model: bool = True) -> None:
-    """Every EngineConfig field as a flag of the same name (defaults None: unset fields keep
-    EngineConfig's own defaults)."""
+    """Every engine setting as a flag of the same name, in one help section per group
+    (defaults None: unset flags keep the groups' own defaults)."""
     from jaxserve.entrypoints import distributed
 
-    group = parser.add_argument_group("engine (EngineConfig; the same names in LLM(...))")
+    sections = {name: parser.add_argument_group(
+        f"engine: {name} (EngineConfig.{name}, {cls.__name__}; the same names in LLM(...))")
+        for name, cls in GROUPS.items()}
     if with_model:
-        add_model_flag(group)
-    for f, hint in engine_fields():
+        add_model_flag(sections["model"])
+    for s in EngineConfig.settings():
+        f, hint, group = s.field, str(s.type), sections[s.group]
         if f.name in _SKIP:
             continue
         meta = f.metadata
@@ -131,7 +133,7 @@ def add_engine_flags(parser: argparse.ArgumentParser, with_model: bool = True) -
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    settings = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
+    settings = {f.name: getattr(args, f.name) for f, _ in engine_fields()
                 if getattr(args, f.name, None) is not None}
     return EngineConfig.from_kwargs(**settings)
 
@@ -189,11 +191,12 @@ def sampling_overrides(args: argparse.Namespace) -> dict:
 
 
 def mapping_table() -> str:
-    """docs/cli.md's table: every engine flag, its unit and default, and vLLM's name for it."""
-    rows = ["| jaxserve flag (LLM keyword) | unit / choices | default | vLLM |",
-            "|---|---|---|---|"]
-    for f, _ in engine_fields():
-        meta = f.metadata
+    """docs/cli.md's table: every engine flag, its group (EngineConfig's attribute), its unit
+    and default, and vLLM's name for it."""
+    rows = ["| group | jaxserve flag (LLM keyword) | unit / choices | default | vLLM |",
+            "|---|---|---|---|---|"]
+    for s in EngineConfig.settings():
+        f, meta = s.field, s.field.metadata
         names = ", ".join(f"`{n}`" for n in (flag_name(f.name), *meta.get("cli_alias", ())))
         unit = meta.get("unit") or ""
         if meta.get("cli_plain_unit"):
@@ -203,6 +206,6 @@ def mapping_table() -> str:
             unit = " / ".join(map(str, meta["choices"]))
         vllm = meta.get("vllm") or "-"
         vllm = "same" if vllm == "=" else f"`{vllm}`"
-        rows.append(f"| {names} (`{f.name}`) | {unit} | {_show_default(f.default, meta)} | "
-                    f"{vllm} |")
+        rows.append(f"| {s.group} | {names} (`{f.name}`) | {unit} | "
+                    f"{_show_default(f.default, meta)} | {vllm} |")
     return "\n".join(rows)

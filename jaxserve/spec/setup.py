@@ -23,16 +23,17 @@ class Speculation:
     @classmethod
     def build(cls, config: EngineConfig, loaded, *, progress: bool = True) -> "Speculation":
         """loaded: the target's LoadedModel (the draft `layers:N` is cut from it)."""
-        if config.speculative_method is None:
+        spec = config.speculative
+        if spec.speculative_method is None:
             return cls(config)
         policy = SpeculationPolicy(
-            config.speculative_method, config.num_speculative_tokens,
-            ngram=NgramProposer(config.speculative_ngram_min, config.speculative_ngram_max),
-            disable_by_batch_size=config.speculative_disable_by_batch_size)
+            spec.speculative_method, spec.num_speculative_tokens,
+            ngram=NgramProposer(spec.speculative_ngram_min, spec.speculative_ngram_max),
+            disable_by_batch_size=spec.speculative_disable_by_batch_size)
         draft = None
-        if config.speculative_method == "draft":
+        if spec.speculative_method == "draft":
             from jaxserve.spec.draft import load_draft
-            draft = load_draft(config.speculative_draft, loaded, progress=progress)
+            draft = load_draft(spec.speculative_draft, loaded, progress=progress)
         return cls(config, policy, draft)
 
     def draft_kv_bytes_per_token(self, dtype_bytes: int) -> int:

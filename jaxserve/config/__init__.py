@@ -1,0 +1,18 @@
+"""The engine's settings: EngineConfig (engine.py) holds one frozen group per concern
+(groups.py: model, cache, scheduler, parallel, speculative, runner), each field documented with
+`setting()` (settings.py), which the CLI's help and docs/cli.md's table are made from.
+
+Plain data and validation only: no jax import, no defaults that depend on the device.
+"""
+
+from jaxserve.config.engine import GROUPS, EngineConfig, Setting
+from jaxserve.config.groups import (CacheConfig, ModelSettings, ParallelConfig, RunnerConfig,
+                                    SchedulerConfig, SpeculativeConfig)
+from jaxserve.config.settings import (BATCHING_MODES, DTYPES, LAYER_LOOPS, PREEMPTION_MODES,
+                                      QUANTIZATIONS, SIZE_UNITS, SPECULATIVE_METHODS, parse_size,
+                                      setting)
+
+__all__ = ["EngineConfig", "GROUPS", "Setting", "ModelSettings", "CacheConfig",
+           "SchedulerConfig", "ParallelConfig", "SpeculativeConfig", "RunnerConfig",
+           "parse_size", "setting", "BATCHING_MODES", "DTYPES", "LAYER_LOOPS",
+           "PREEMPTION_MODES", "QUANTIZATIONS", "SIZE_UNITS", "SPECULATIVE_METHODS"]

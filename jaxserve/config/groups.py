@@ -1,0 +1,216 @@
+"""The engine's settings by group, as vLLM groups them: model, cache, scheduler, parallel,
+speculative, runner. Each group is frozen plain data plus validate() for the checks that concern
+it alone.
+
+A field's name is its CLI flag's and LLM(...) keyword's (`page_size` -> `--page-size`); names
+are unique across groups, so a flat keyword names one field. ModelSettings is what to load and
+how; the architecture read from the checkpoint is jaxserve/model/config.py's ModelConfig.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jaxserve.config.settings import (BATCHING_MODES, DTYPES, LAYER_LOOPS, PREEMPTION_MODES,
+                                      QUANTIZATIONS, SPECULATIVE_METHODS, need, setting)
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """Which model, in which float type and quantization, for how long a request."""
+    model: str = setting(
+        "default", "'default' (the embedded SmolLM2-135M-Instruct), a .gguf file, a Hugging "
+        "Face directory, a jaxserve (Orbax) checkpoint directory, or a Hugging Face hub id "
+        "org/name[@revision] already in the local hub cache (never downloaded)", vllm="=")
+    dtype: str = setting(
+        "auto", "weight and activation float type; auto: float32 on CPU, bfloat16 on TPU/GPU",
+        choices=DTYPES, vllm="=")
+    max_model_len: int | None = setting(
+        None, "longest prompt plus output of a request; unset: min(model's, 2048)",
+        unit="tokens", vllm="=")
+    quantization: str = setting(
+        "none", "weight-only quantization at load, kept on device and dequantized inside the "
+        "step: int8 (per output channel; a GGUF's Q8_0 / Q4 / Q5 blocks exactly), int4 "
+        "(groups of 32, scale + zero; a GGUF's Q4 blocks exactly), none (float weights)",
+        choices=QUANTIZATIONS, vllm="=")
+    seed: int = setting(0, "engine seed: the sampling keys of requests without a seed",
+                        vllm="=")
+
+    def validate(self) -> None:
+        need(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
+        need(self.quantization in QUANTIZATIONS, "quantization", self.quantization,
+             f"one of {QUANTIZATIONS}")
+        need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
+             self.max_model_len, ">= 1")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The KV page pool on the device, its prefix cache, and the host memory behind it."""
+    page_size: int = setting(16, "tokens per KV page (a power of two)", unit="tokens",
+                             vllm="--block-size", cli_alias=("--block-size",))
+    num_pages: int | None = setting(
+        None, "KV pages in the pool, page 0 reserved; unset: sized from kv_cache_memory",
+        unit="pages", vllm="--num-gpu-blocks-override",
+        cli_alias=("--num-gpu-blocks-override",))
+    kv_cache_memory: int | None = setting(
+        None, "device memory for the KV pool; unset: enough for max_num_seqs full-length "
+        "requests, at most 1 GiB (or from gpu_memory_utilization on an accelerator)",
+        unit="bytes", cli_plain_unit="B", vllm="--kv-cache-memory-bytes",
+        cli_alias=("--kv-cache-memory-bytes",))
+    gpu_memory_utilization: float | None = setting(
+        None, "accelerators: the fraction of device memory jaxserve may fill (weights, KV, "
+        "activations); the KV pool gets the fraction less what the loaded weights use. "
+        "Ignored on the CPU (with a warning)", unit="fraction in (0, 1]", vllm="=")
+    swap_space: int = setting(
+        256 * 2**20, "host memory for swapped-out KV pages (preemption_mode=swap)",
+        unit="bytes", cli_plain_unit="GiB", vllm="=")
+    host_prefix_cache_size: int = setting(
+        0, "host memory for a second tier of the prefix cache: pages evicted from the device "
+        "pool are kept there and copied back on a hit instead of recomputed (0: off). Counted "
+        "like swap_space: whole pages of K and V of every layer (a draft model's included)",
+        unit="bytes", cli_plain_unit="B")
+    enable_prefix_caching: bool = setting(
+        True, "share KV pages of equal prompt prefixes between requests", vllm="=")
+
+    def validate(self) -> None:
+        need(self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0, "page_size",
+             self.page_size, "a power of two")
+        need(self.num_pages is None or self.num_pages >= 2, "num_pages", self.num_pages,
+             ">= 2 (page 0 is reserved)")
+        need(self.num_pages is None or self.kv_cache_memory is None, "kv_cache_memory",
+             self.kv_cache_memory, "unset when num_pages is given")
+        need(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory",
+             self.kv_cache_memory, "> 0 bytes")
+        need(self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
+             "gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]")
+        need(self.gpu_memory_utilization is None or (self.num_pages is None
+                                                     and self.kv_cache_memory is None),
+             "gpu_memory_utilization", self.gpu_memory_utilization,
+             "unset when num_pages or kv_cache_memory is given")
+        need(self.swap_space >= 0, "swap_space", self.swap_space, ">= 0 bytes")
+        need(self.host_prefix_cache_size >= 0, "host_prefix_cache_size",
+             self.host_prefix_cache_size, ">= 0 bytes")
+        need(self.host_prefix_cache_size == 0 or self.enable_prefix_caching,
+             "host_prefix_cache_size", self.host_prefix_cache_size,
+             "0 when enable_prefix_caching is off (it is the prefix cache's second tier)")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What one step may hold, how requests share it, and how many may wait."""
+    max_num_seqs: int = setting(16, "most requests in one step", unit="requests", vllm="=")
+    max_num_batched_tokens: int = setting(
+        256, "most tokens in one step (decode rows plus prefill chunks); the largest token "
+        "bucket", unit="tokens", vllm="=")
+    preemption_mode: str = setting(
+        "recompute", "what a preempted request loses: recompute (its pages, re-prefilled "
+        "later) or swap (pages copied to host memory)", choices=PREEMPTION_MODES, vllm="=")
+    enable_chunked_prefill: bool = setting(
+        True, "split long prompts into chunks that fit the step's token budget", vllm="=")
+    batching: str = setting(
+        "continuous", "continuous (requests join and leave every step) or static (a fixed "
+        "batch until all its members finish: the baseline)", choices=BATCHING_MODES)
+    async_scheduling: bool = setting(
+        True, "plan and dispatch the next step before this one's tokens reach the host, so "
+        "the device never waits for the host's bookkeeping (falls back to one step at a time "
+        "while speculation, static batching, a grammar or a multi-token bad word needs every "
+        "result first)", vllm="--async-scheduling")
+    max_queued_requests: int | None = setting(
+        None, "waiting requests beyond which new ones are refused (gRPC RESOURCE_EXHAUSTED, "
+        "HTTP 429); unset: no bound", unit="requests")
+
+    def validate(self) -> None:
+        need(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
+        need(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
+             self.max_num_batched_tokens, f">= max_num_seqs ({self.max_num_seqs})")
+        need(self.preemption_mode in PREEMPTION_MODES, "preemption_mode", self.preemption_mode,
+             f"one of {PREEMPTION_MODES}")
+        need(self.batching in BATCHING_MODES, "batching", self.batching,
+             f"one of {BATCHING_MODES}")
+        need(self.max_queued_requests is None or self.max_queued_requests >= 1,
+             "max_queued_requests", self.max_queued_requests, ">= 1")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How many devices share the model (multi-host: entrypoints/distributed.py's flags)."""
+    tensor_parallel_size: int = setting(
+        1, "devices the weights and KV heads are sharded over", unit="devices", vllm="=",
+        cli_alias=("-tp",))
+
+    def validate(self) -> None:
+        need(self.tensor_parallel_size >= 1, "tensor_parallel_size", self.tensor_parallel_size,
+             ">= 1")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's --speculative-config, one flag per key here)."""
+    speculative_method: str | None = setting(
+        None, "speculative decoding: ngram (prompt lookup) or draft (a smaller model); unset: "
+        "off", choices=SPECULATIVE_METHODS, vllm="--speculative-config method")
+    num_speculative_tokens: int = setting(
+        0, "k: drafts verified per request and step", unit="tokens",
+        vllm="--speculative-config num_speculative_tokens")
+    speculative_draft: str | None = setting(
+        None, "draft: 'layers:N' (the target's first N layers) or a model spec",
+        vllm="--speculative-config model")
+    speculative_ngram_min: int = setting(1, "ngram: shortest suffix looked up", unit="tokens",
+                                         vllm="--speculative-config prompt_lookup_min")
+    speculative_ngram_max: int = setting(4, "ngram: longest suffix looked up", unit="tokens",
+                                         vllm="--speculative-config prompt_lookup_max")
+    speculative_disable_by_batch_size: int | None = setting(
+        None, "no speculation when this many requests run; unset: measured at warm-up",
+        unit="requests", vllm="--speculative-config disable_by_batch_size")
+
+    def validate(self) -> None:
+        need(self.speculative_method in (None,) + SPECULATIVE_METHODS, "speculative_method",
+             self.speculative_method, f"one of {SPECULATIVE_METHODS} or unset")
+        need(self.num_speculative_tokens >= (1 if self.speculative_method else 0),
+             "num_speculative_tokens", self.num_speculative_tokens,
+             ">= 1 with a speculative_method" if self.speculative_method else ">= 0")
+        need(1 <= self.speculative_ngram_min <= self.speculative_ngram_max,
+             "speculative_ngram_min", self.speculative_ngram_min,
+             f"in [1, speculative_ngram_max={self.speculative_ngram_max}]")
+        need(self.speculative_draft is None or self.speculative_method == "draft",
+             "speculative_draft", self.speculative_draft, "unset unless speculative_method=draft")
+        need(self.speculative_disable_by_batch_size is None
+             or self.speculative_disable_by_batch_size >= 0,
+             "speculative_disable_by_batch_size", self.speculative_disable_by_batch_size, ">= 0")
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """How the device step is built and run: attention path, layer loop, compiled shapes, the
+    compilation cache and the CPU backend's threads."""
+    attention_impl: str = setting(
+        "auto", "paged attention: auto (pallas on TPU/GPU, reference on CPU), reference "
+        "(XLA), pallas, pallas-interpret (kernel tests)",
+        choices=("auto", "reference", "pallas", "pallas-interpret"))
+    layer_loop: str = setting(
+        "auto", "how the step runs the layers: auto (unroll on CPU, scan elsewhere), scan "
+        "(flat compile time), unroll", choices=LAYER_LOOPS)
+    token_buckets: tuple[int, ...] | None = setting(
+        None, "compiled step sizes T; unset: 1, 4, then powers of two from 16 up to "
+        "max_num_batched_tokens (CPU: every other power of two, see runner/buckets.py)",
+        unit="tokens")
+    seq_buckets: tuple[int, ...] | None = setting(
+        None, "compiled request counts S; unset: one per token bucket, min(T, max_num_seqs)",
+        unit="requests")
+    compile_cache_dir: str | None = setting(
+        None, "JAX persistent compilation cache; unset: ~/.cache/jaxserve/xla; '' disables it",
+        unit="directory")
+    xla_cpu_nice: int = setting(
+        10, "CPU backend only: how much lower XLA's compute threads run than the engine's own "
+        "thread, so the host loop keeps a core while the next step computes (0: as they are)",
+        unit="nice levels")
+
+    def validate(self) -> None:
+        need(self.layer_loop in LAYER_LOOPS, "layer_loop", self.layer_loop,
+             f"one of {LAYER_LOOPS}")
+        need(0 <= self.xla_cpu_nice <= 19, "xla_cpu_nice", self.xla_cpu_nice, "in [0, 19]")
+        for name in ("token_buckets", "seq_buckets"):
+            buckets = getattr(self, name)
+            need(buckets is None or (len(buckets) > 0 and all(b >= 1 for b in buckets)), name,
+                 buckets, "a non-empty list of positive sizes")
