@@ -164,7 +164,7 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
         kv_window=reusable_window(mc.layer_windows, *draft_windows),
         # steady decoders as plan.DecodeRows: ModelRunner's plain steps lay them out (the
         # speculative runner and static batching's padding read chunks)
-        decode_rows=speculation.policy is None and config.batching == "continuous")
+        decode_rows=speculation.policy is None and sched.batching == "continuous")
     runner = speculation.wrap(ModelRunner(
         mc, loaded.params, num_pages=num_pages, page_size=cache.page_size,
         max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
