@@ -22,12 +22,11 @@ import time
 import numpy as np
 
 import jaxserve
-from jaxserve.entrypoints.llm import LLM
+from jaxserve import LLM, SamplingParams  # (the package's own names: every commit has them)
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.llama import random_params
 from jaxserve.model.loader import load_model
 from jaxserve.model.weights import LoadedModel
-from jaxserve.core.request import SamplingParams
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
             num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
