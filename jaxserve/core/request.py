@@ -233,11 +233,8 @@ class Request:
     sampling_row: object = None
     plain_rows: bool = False
     # Scheduler(decode_rows=True): whether its decodes may be plan.DecodeRows (plain rows, no
-    # top logprobs, no grammar), and the page-table tuple its batch slot's settings were last
-    # sent with (None: none sent in this slot yet); a decode whose table is still that one
-    # is a DecodeRows row
+    # top logprobs, no grammar; core/row_layout.py)
     steady_rows: bool = False
-    decode_table: tuple | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

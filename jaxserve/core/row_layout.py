@@ -24,6 +24,14 @@ class RowLayout:
     def __init__(self, pages: PageManager, processor_slots: ProcessorSlots):
         self.pages = pages
         self.processor_slots = processor_slots
+        # request id -> the page table its batch slot's settings were last sent with: a decode
+        # whose table is still that one (equal values) is a DecodeRows row
+        self.sent_tables: dict[str, tuple[int, ...]] = {}
+
+    def forget(self, request_id: str) -> None:
+        """The request left its batch slot (finished, preempted) or got a new one: nothing
+        of it is in a slot now."""
+        self.sent_tables.pop(request_id, None)
 
     def prepare(self, request: Request, decode_rows: bool) -> None:
         """When a request is queued: the SamplingRow of its plain steps, whether that row is
@@ -40,11 +48,11 @@ class RowLayout:
 
     def lay_out(self, plan: StepPlan, scheduled: list[tuple[Request, int]]) -> None:
         """plan.decode and plan.chunks from (request, tokens it computes this step)."""
-        table_of = self.pages.page_table_tuple
+        table_of, sent = self.pages.page_table_tuple, self.sent_tables
         ids, tables, rows, meta, chunk_rows = [], [], [], [], []
         for request, num_new in scheduled:  # (per request and step: plain locals)
             table = table_of(request.request_id)
-            if num_new != 1 or not request.steady_rows or request.decode_table != table:
+            if num_new != 1 or not request.steady_rows or sent.get(request.request_id) != table:
                 chunk_rows.append((request, num_new, table))
                 continue
             start, pending = request.num_computed_tokens, request.num_pending_tokens
@@ -70,4 +78,4 @@ class RowLayout:
             if chunk.sampling is not None:
                 request.num_pending_tokens += 1
                 if request.steady_rows:  # its slot gets its settings and this table
-                    request.decode_table = table
+                    sent[request.request_id] = table

@@ -280,13 +280,14 @@ class Scheduler(SchedulerResults):
 
     def _start_running(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING
-        request.decode_table = None  # a new slot: its settings and table not sent yet
+        self.layout.forget(request.request_id)  # a new slot: its settings and table not sent yet
         request.batch_slot = self._free_batch_slots.pop()  # never empty: <= max_num_seqs run
         bisect.insort(self.running, request, key=Request.sort_key)
 
     def _release_batch_slot(self, request: Request) -> None:
         self._free_batch_slots.append(request.batch_slot)
-        request.batch_slot, request.decode_table = 0, None
+        request.batch_slot = 0
+        self.layout.forget(request.request_id)
 
     def _pick_victim(self, exclude: set[str]) -> Request:
         # The request asking for a page is never in `exclude`, so this is never empty.
