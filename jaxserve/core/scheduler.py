@@ -4,22 +4,17 @@ Order within a step: running requests (one decode token or the next prefill chun
 swapped-out requests coming back, then waiting requests (priority, then arrival), all within
 `max_num_batched_tokens` and `max_num_seqs`. When a page can't be found, the lowest-priority,
 latest-arrived running request is preempted (recompute, or swap with recompute as fallback).
-When to admit and what padding costs is the batching policy's (batching.py: continuous, or the
-static baseline). With a speculation policy (jaxserve/spec), a decoding request also gets draft
-rows to verify, carried as plan-level data (StepPlan.drafts); update() keeps only the accepted
-tokens, gives back the KV slots of rejected ones and caches only accepted ones. With `kv_window`
-(every layer of every model sharing the page tables has a sliding window: reusable_window), a
-request's pages wholly before the window are given back after each step, and a swap moves only
-the pages still in the window. The samples of an n > 1 request wait until sample 0 has
-computed the prompt, then share its pages (PageManager.fork). Requests using logits processors
-hold a ProcessorSlots row while running, and no step speculates while any is in the engine.
-Async scheduling: schedule() counts a scheduled chunk's tokens as computed and its sample as
-pending at once, so the next step can be planned before this one's tokens reach the host; the
-pending token is read on the device from the request's batch slot (its row of the device batch
-state, held while running). update() (scheduler_results.py) takes them in one step late. With
-decode_rows (a runner that keeps each slot's settings and page table: ModelRunner), the steady
-decoders go into the plan as arrays (plan.DecodeRows), not a chunk each.
-Plain Python: no jax, no device arrays, no text (stop strings are the engine's job, finish()).
+Async scheduling: a scheduled chunk's tokens count as computed and its sample as pending at
+once, so the next step can be planned before this one's tokens reach the host (the pending
+token is read on the device from the request's batch slot, held while running); update()
+(scheduler_results.py) takes them in one step late.
+
+Features arrive as objects it asks, never as branches here: the batching policy
+(batching_policy.py: when to admit, what padding costs), the speculation (speculation.py:
+each step's drafter; StepPlan.drafts), the sliding window (sliding_window.py: pages given
+back), prompt sharing of n > 1 samples (prompt_sharing.py), and the row layout
+(row_layout.py: DecodeRows or chunks). Plain Python: no jax, no device arrays, no text (stop
+strings are the engine's job, finish()).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""AsyncEngine: runs Engine.step() on its own thread for asyncio callers (the gRPC and HTTP servers).
+"""AsyncEngine: runs Engine.step() on its own thread for asyncio callers (gRPC and HTTP servers).
 
 Threading: the engine thread is the only one that touches the Engine's scheduler and runner.
 Callers talk to it through an inbox (add, abort: a thread-safe queue) and get their outputs

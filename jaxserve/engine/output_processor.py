@@ -6,9 +6,10 @@ with the stop strings). Events of one step are applied first; then every group t
 yields one snapshot, so an n > 1 request streams one RequestOutput per step holding the deltas
 of each of its samples (output_kind "final_only": only the group's last, holding them all). A
 sample that a stop string (or a failure) ends here is reported by take_finished(): outputs flow
-one way, and the engine tells the scheduler. The usual decode
-event (one token of a plain n = 1 sample, not its first or last; a DecodeTokens holds a step's
-such tokens in lists) takes a short path: the byte table's lookup and one append. Plain Python: no jax, no device state, no scheduling.
+one way, and the engine tells the scheduler. The usual decode event (one token of a plain
+n = 1 sample, not its first or last; a DecodeTokens holds a step's such tokens in lists) takes
+a short path: the byte table's lookup and one append. Plain Python: no jax, no device state,
+no scheduling.
 """
 
 from __future__ import annotations
