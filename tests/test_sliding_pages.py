@@ -18,7 +18,7 @@ from jaxserve.core.plan import StepResult
 from jaxserve.core.page_manager import NULL_PAGE, PageManager
 from jaxserve.core.request import Request, SamplingParams
 from jaxserve.core.scheduler import Scheduler
-from jaxserve.core.sliding_window import KVWindow, reusable_window
+from jaxserve.core.sliding_window import kv_window, reusable_window
 from jaxserve.core.swap_space import HostSwapSpace
 
 
@@ -201,7 +201,7 @@ def mistral_window_run(loaded, prompts, *, reuse: bool, **engine_settings):
              token_buckets=(16,), seq_buckets=(6,),  # one bucket: one compile per engine
              max_model_len=128, progress=False, **engine_settings) as llm:
         scheduler = llm.engine.scheduler
-        scheduler.window = KVWindow(scheduler.pages, reusable_window(loaded.config.layer_windows)
+        scheduler.window = kv_window(scheduler.pages, reusable_window(loaded.config.layer_windows)
                                     if reuse else None)
         schedule, nulls = scheduler.schedule, []
 

@@ -102,7 +102,7 @@ def verify(sched, emitted):
     row = np.full((1, draft.num_tokens + 1), -1, np.int32)
     row[0, :len(emitted)] = emitted
     events = sched.update(plan, StepResult(row, np.zeros(row.shape, np.float32)))
-    return chunk, draft, events[0]
+    return chunk, draft, events[-1]  # (after the decode rows' DecodeTokens)
 
 
 def test_rejected_drafts_give_back_their_slots_and_stay_out_of_the_prefix_cache():

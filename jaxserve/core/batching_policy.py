@@ -17,12 +17,14 @@ from jaxserve.core.request import Request
 
 
 class BatchingPolicy(Protocol):
-    admits_whole_batch: bool  # admit all members at once, even with no token budget left
     reads_every_result: bool  # the next step is planned only once this one's results are in
 
     def begin_step(self, live_ids: Collection[str]) -> None: ...
 
     def may_admit(self, num_running: int) -> bool: ...
+
+    def admits_more(self, budget: int) -> bool:
+        """Whether another waiting request may join with `budget` tokens left this step."""
 
     def admitted(self, new_batch: list[Request]) -> None: ...
 
@@ -30,7 +32,6 @@ class BatchingPolicy(Protocol):
 
 
 class ContinuousBatching:
-    admits_whole_batch = False
     reads_every_result = False
 
     def begin_step(self, live_ids: Collection[str]) -> None:
@@ -38,6 +39,9 @@ class ContinuousBatching:
 
     def may_admit(self, num_running: int) -> bool:
         return True
+
+    def admits_more(self, budget: int) -> bool:
+        return budget > 0
 
     def admitted(self, new_batch: list[Request]) -> None:
         pass
@@ -47,7 +51,6 @@ class ContinuousBatching:
 
 
 class StaticBatching:
-    admits_whole_batch = True
     reads_every_result = True  # (its padding counts the members that finished)
 
     def __init__(self):
@@ -61,6 +64,9 @@ class StaticBatching:
     def may_admit(self, num_running: int) -> bool:
         # The next batch waits until every member of this one is done.
         return num_running == 0
+
+    def admits_more(self, budget: int) -> bool:
+        return True  # all members at once, even with no token budget left
 
     def admitted(self, new_batch: list[Request]) -> None:
         if new_batch and not self._batch:

@@ -110,6 +110,10 @@ class DecodeRows:
     def __len__(self) -> int:
         return len(self.request_ids)
 
+    @classmethod
+    def empty(cls) -> "DecodeRows":
+        return cls([], [], [], np.zeros((0, 5), np.int64))
+
     def chunks(self) -> list[ScheduledChunk]:
         return [ScheduledChunk(rid, (token,), pos, table, row, batch_slot=slot,
                                token_on_device=bool(dev), output_index=index)
@@ -156,7 +160,7 @@ class SwapIn:
 class StepPlan:
     # rows in order: decode's, then chunks (decode chunks first); token results likewise
     chunks: list[ScheduledChunk] = field(default_factory=list)  # decode chunks first
-    decode: DecodeRows | None = None  # the steady decoders (Scheduler(decode_rows=True))
+    decode: DecodeRows = field(default_factory=DecodeRows.empty)  # steady decoders (decode_rows)
     drafts: dict[str, DraftRows] = field(default_factory=dict)  # request id -> its draft rows
     static_padding: StaticPadding | None = None
     swap_out: list[SwapOut] = field(default_factory=list)
@@ -174,7 +178,7 @@ class StepPlan:
 
     @property
     def num_decode_rows(self) -> int:
-        return 0 if self.decode is None else len(self.decode.request_ids)
+        return len(self.decode.request_ids)
 
     @property
     def num_seqs(self) -> int:
@@ -183,7 +187,7 @@ class StepPlan:
 
     def all_chunks(self) -> list[ScheduledChunk]:
         """Every request's rows as chunks, in row order (decode rows made into chunks)."""
-        return self.chunks if self.decode is None else self.decode.chunks() + self.chunks
+        return self.decode.chunks() + self.chunks if self.decode else self.chunks
 
     @property
     def num_padding_rows(self) -> int:

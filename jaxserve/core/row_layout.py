@@ -65,8 +65,7 @@ class RowLayout:
                      len(outputs) + pending)
             request.num_computed_tokens = start + 1
             request.num_pending_tokens = pending + 1
-        if ids:
-            plan.decode = DecodeRows(ids, tables, rows, np.array(meta, np.int64).reshape(-1, 5))
+        plan.decode = DecodeRows(ids, tables, rows, np.array(meta, np.int64).reshape(-1, 5))
         chunk_rows.sort(key=lambda item: item[1] != 1)  # decode chunks first (a stable sort)
         chunks, drafts = plan.chunks, plan.drafts
         for request, num_new, table in chunk_rows:

@@ -29,7 +29,7 @@ from jaxserve.core.prompt_sharing import PromptSharing
 from jaxserve.core.request import FinishReason, Request, RequestStatus, StopSets, TokenEvent
 from jaxserve.core.row_layout import RowLayout
 from jaxserve.core.scheduler_results import SchedulerResults
-from jaxserve.core.sliding_window import KVWindow
+from jaxserve.core import sliding_window
 from jaxserve.core.speculation import NoSpeculation, Speculation
 from jaxserve.core.swap_space import HostSwapSpace
 
@@ -50,7 +50,7 @@ class Scheduler(SchedulerResults):
         self.swap_space = swap_space
         # drafts to verify (spec/policy.py's SpeculationPolicy), or none
         self.speculation: Speculation = speculation or NoSpeculation()
-        self.window = KVWindow(page_manager, kv_window)  # pages a sliding window left behind
+        self.window = sliding_window.kv_window(page_manager, kv_window)  # pages it left behind
         # steady decoders as plan.DecodeRows: only for a runner that keeps each batch slot's
         # settings and page table (ModelRunner's plain steps)
         self.decode_rows = decode_rows
@@ -231,7 +231,7 @@ class Scheduler(SchedulerResults):
 
     def _schedule_waiting(self, scheduled, budget: int) -> int:
         new_batch, index = [], 0
-        while (index < len(self.waiting) and (budget > 0 or self.batching.admits_whole_batch)
+        while (index < len(self.waiting) and self.batching.admits_more(budget)
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[index]
             if ((request.sampling.structured_outputs is not None and request.grammar is None)

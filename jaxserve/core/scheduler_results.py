@@ -33,16 +33,15 @@ class SchedulerResults:
         events, chunk_events = [], []
         token_ids, logprobs = np.asarray(result.token_ids), np.asarray(result.logprobs)
         num_decode, num_chunks = plan.num_decode_rows, len(plan.chunks)
-        if num_decode:
-            self._update_decode_rows(plan.decode, token_ids[:num_decode].tolist(),
-                                     logprobs[:num_decode].tolist(), events)
+        self._update_decode_rows(plan.decode, token_ids[:num_decode].tolist(),
+                                 logprobs[:num_decode].tolist(), events)
         # every chunk's row as a list: one token, or a verified run (-1 after it)
         rows = slice(num_decode, num_decode + num_chunks)
         token_rows = token_ids[rows].reshape(num_chunks, *token_ids.shape[1:] or (1,)).tolist()
         logprob_rows = logprobs[rows].reshape(num_chunks, *logprobs.shape[1:] or (1,)).tolist()
         top_ids, top_logprobs = result.top_ids, result.top_logprobs
         prompt = (result.prompt_ids, result.prompt_logprobs)
-        requests, page_size = self.requests, self.pages.page_size
+        requests, commits = self.requests, self.window.commits
         next_row = num_decode  # the chunk's token rows end there
         for i, chunk in enumerate(plan.chunks):
             num_rows = len(chunk.token_ids)
@@ -68,8 +67,7 @@ class SchedulerResults:
             num_accepted = len(new_tokens) - 1
             request.num_computed_tokens += num_accepted
             start, kv_len = chunk.start_position, chunk.kv_len + num_accepted
-            if running and (kv_len // page_size > start // page_size
-                            or self.window.releases_every_step):
+            if running and commits(start, kv_len):
                 self._commit(request, start, kv_len)
             self._release_held(request.request_id)  # its prompt KV is final: share it
             top = top_logprob_pairs(chunk, top_ids, top_logprobs, i + num_decode, new_tokens)
@@ -88,8 +86,7 @@ class SchedulerResults:
         grammar, no top logprobs, no drafts), as update()'s one-token case. The tokens that
         finish nothing go out as one DecodeTokens event, first; the others each as a
         TokenEvent."""
-        requests, page_size = self.requests, self.pages.page_size
-        window = self.window.releases_every_step
+        requests, commits = self.requests, self.window.commits
         positions = decode.meta[:, decode.POSITION].tolist()
         batch = DecodeTokens([], [], [])
         events.append(batch)
@@ -101,8 +98,7 @@ class SchedulerResults:
                 continue  # finished while the step ran: its token is dropped
             request.num_pending_tokens -= 1
             reason = request.take_token(token)
-            if (window or (start + 1) % page_size == 0) and (
-                    request.status == RequestStatus.RUNNING):
+            if commits(start, start + 1) and request.status == RequestStatus.RUNNING:
                 self._commit(request, start, start + 1)
             self._release_held(request_id)
             if reason is None:
