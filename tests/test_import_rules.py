@@ -28,7 +28,8 @@ HOST_SIDE = [*package_modules("jaxserve.core"), *package_modules("jaxserve.struc
              "jaxserve", "jaxserve.config",
              "jaxserve.engine.metrics", "jaxserve.engine.info", "jaxserve.engine.outputs",
              "jaxserve.engine.output_processor", "jaxserve.model.step_inputs",
-             "jaxserve.runner.batch", "jaxserve.runner.buckets", "jaxserve.runner.protocol",
+             "jaxserve.runner.prepare_inputs", "jaxserve.runner.buckets",
+             "jaxserve.runner.protocol",
              "jaxserve.spec.batch", "jaxserve.spec.policy", "jaxserve.spec.ngram"]
 
 

@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from jaxserve.core.plan import StepPlan
-from jaxserve.runner.batch import build_step_inputs
+from jaxserve.runner.prepare_inputs import build_step_inputs
 from jaxserve.runner.compiled_step import CompiledStep
 from jaxserve.runner.model_runner import ModelRunner, unpack
 from jaxserve.runner.protocol import RunsInDispatch, StepResult
