@@ -1,15 +1,16 @@
 """plan.DecodeRows (Scheduler(decode_rows=True)) changes no step input and no token.
 
 Two schedulers run the same mixed requests in lockstep, one laying the steady decoders out as
-DecodeRows, one as a chunk each; each has its own runner-side persistent state (page tables,
-sampling rows, as ModelRunner keeps them) and lays every step out as ModelRunner does. A fake
+DecodeRows, one as a chunk each; each has its own runner-side persistent state (an InputBatch,
+as ModelRunner keeps one) and lays every step out as ModelRunner does. A fake
 device samples token f(request, output index) from each step's inputs, so tokens do not depend
 on row order (which differs: DecodeRows come first). Per request and step the rows must match:
 tokens (or the batch slot the token is read from), positions, KV slots, KV length, page table,
 sampling settings; the events and final outputs must match too, and both pools end empty. The
 mix: small pages (a decode crosses a page every 4 tokens), chunked prefill, preemption
 (recompute and swap), stop tokens, max_tokens, aborts, top logprobs and a logits processor
-(never DecodeRows), with and without the async one-step lag. No model, no device.
+(never DecodeRows), with and without the async one-step lag. No model, and no step on a device
+(the InputBatch's device arrays are made and never used).
 """
 
 from __future__ import annotations
@@ -22,10 +23,9 @@ import pytest
 from jaxserve.core.plan import StepResult
 from jaxserve.core.page_manager import PageManager
 from jaxserve.core.request import DecodeTokens, FinishReason, Request, SamplingParams
-from jaxserve.runner.batch import build_step_inputs
 from jaxserve.runner.buckets import BucketTable
-from jaxserve.runner.host_page_tables import HostPageTables
-from jaxserve.runner.host_sampling import HostSamplingRows
+from jaxserve.runner.input_batch import InputBatch
+from jaxserve.runner.prepare_inputs import build_step_inputs
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.model.step_layout import layouts_for
 from jaxserve.core.swap_space import HostSwapSpace
@@ -49,10 +49,9 @@ class Side:
                                decode_rows=decode_rows)
         self.buckets = BucketTable.build(BUDGET, SEQS, MAX_LEN, PAGE, (SEQS, BUDGET), (SEQS,))
         p = self.buckets.max_pages_per_request
-        self.tables = HostPageTables(SEQS + 1, p, SEQS)
-        self.samplers = HostSamplingRows(SEQS + 1 + SEQS)
+        self.batch = InputBatch(SEQS, p, SEQS)
         self.layouts = layouts_for(self.buckets.shapes(), p, 1)
-        self.device_tables = np.zeros_like(self.tables.tables)  # as the device's copy
+        self.device_tables = np.zeros_like(self.batch.host_tables.tables)  # as the device's
         self.num_decode_rows = 0
 
     def step(self):
@@ -61,10 +60,10 @@ class Side:
         self.num_decode_rows += plan.num_decode_rows
         if not plan.num_seqs:
             return plan, {}, np.zeros(0, np.int32), np.zeros(0, np.float32)
-        b = build_step_inputs(plan, self.buckets, PAGE, tables=self.tables, device_tables=True,
-                              samplers=self.samplers, layouts=self.layouts).views
+        b = build_step_inputs(plan, self.buckets, PAGE, batch=self.batch,
+                              layouts=self.layouts).views
         t = b.tables
-        k = len(self.tables.changed)  # (this test's steps never overflow the carried rows)
+        k = len(self.batch.host_tables.changed)  # (these steps never overflow the carried rows)
         self.device_tables[t.update_slots[:k]] = t.update_rows[:k]
         m, a, sp = b.model, b.attention, b.sampling
         rows, tokens = {}, []

@@ -28,8 +28,9 @@ HOST_SIDE = [*package_modules("jaxserve.core"), *package_modules("jaxserve.struc
              "jaxserve", "jaxserve.config",
              "jaxserve.engine.metrics", "jaxserve.engine.info", "jaxserve.engine.outputs",
              "jaxserve.engine.output_processor", "jaxserve.model.step_inputs",
-             "jaxserve.runner.batch", "jaxserve.runner.buckets", "jaxserve.runner.protocol",
-             "jaxserve.spec.batch", "jaxserve.spec.policy", "jaxserve.spec.ngram"]
+             "jaxserve.runner.prepare_inputs", "jaxserve.runner.buckets",
+             "jaxserve.runner.protocol", "jaxserve.spec.spec_inputs", "jaxserve.spec.policy",
+             "jaxserve.spec.ngram"]
 
 
 @pytest.mark.parametrize("module", HOST_SIDE)

@@ -1,8 +1,8 @@
 """Logits processors (penalties, logit_bias, allowed tokens, bad words, min_tokens) and top-k
 logprobs against a numpy reference written from the token histories, on random logits.
 
-The device path is the real one: ProcessorSlots assigns slots and inits, runner/batch.py lays
-the plan out, init_rows fills the state, and the jitted apply / record / top_logprobs run.
+The device path is the real one: ProcessorSlots assigns slots and inits, runner/prepare_inputs.py
+lays the plan out, init_rows fills the state, and the jitted apply / record / top_logprobs run.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from jaxserve.core.plan import SamplingRow, ScheduledChunk, StepPlan
 from jaxserve.core.processor_slots import ProcessorSlots
 from jaxserve.core.request import Request, SamplingParams
 from jaxserve.runner import logits_processors as lp
-from jaxserve.runner.batch import build_step_inputs
+from jaxserve.runner.prepare_inputs import build_step_inputs
 from jaxserve.runner.buckets import BucketTable
 from jaxserve.runner.sampler import top_logprobs
 

@@ -87,7 +87,7 @@ def test_decode_rows_come_before_prefill_chunks():
 
 
 def test_static_batch_computes_finished_members_slots_over_the_longest_context():
-    from jaxserve.runner.batch import build_step_inputs
+    from jaxserve.runner.prepare_inputs import build_step_inputs
     from jaxserve.runner.buckets import BucketTable
 
     sched = make_scheduler(batching="static")
@@ -119,7 +119,7 @@ def test_a_chunks_page_table_is_the_page_managers_own_tuple_until_the_pages_chan
     """A decode's chunk holds the request's table without a copy, so the runner's persistent
     page tables (HostPageTables.update) find it unchanged by identity; when the pages change,
     the chunk of the next step holds the new table."""
-    from jaxserve.runner.host_page_tables import HostPageTables
+    from jaxserve.runner.input_batch import HostPageTables
 
     pm = PageManager(16, 4)
     pm.allocate("a", (), 3)

@@ -156,7 +156,7 @@ def test_drafts_leave_every_other_running_request_its_decode_row():
 
 
 @pytest.mark.parametrize("module", ["jaxserve.spec.policy", "jaxserve.spec.ngram",
-                                    "jaxserve.spec.batch", "jaxserve.spec.setup"])
+                                    "jaxserve.spec.spec_inputs", "jaxserve.spec.setup"])
 def test_host_side_spec_modules_do_not_import_jax(module):
     import subprocess
     import sys

@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 
 from jaxserve.core.plan import ProcessorRow, SamplingRow, ScheduledChunk, StepPlan
-from jaxserve.runner.batch import build_step_inputs
 from jaxserve.runner.buckets import BucketTable
-from jaxserve.runner.host_page_tables import HostPageTables
-from jaxserve.runner.host_sampling import HostSamplingRows
+from jaxserve.runner.input_batch import InputBatch
 from jaxserve.runner.packed_inputs import unpack
+from jaxserve.runner.prepare_inputs import build_step_inputs
 from jaxserve.model.step_layout import StepLayout, layouts_for
 
 BUCKETS = BucketTable.build(64, 8, 64, 16, (8, 64), (8,))
@@ -34,9 +33,9 @@ def _plan() -> StepPlan:
 
 
 def _build(layouts=None):
-    tables = HostPageTables(9, BUCKETS.max_pages_per_request, 8)
-    return build_step_inputs(_plan(), BUCKETS, 16, mask_words=WORDS, tables=tables,
-                             device_tables=True, samplers=HostSamplingRows(17), layouts=layouts)
+    batch = InputBatch(8, BUCKETS.max_pages_per_request, 8)
+    return build_step_inputs(_plan(), BUCKETS, 16, mask_words=WORDS, batch=batch,
+                             layouts=layouts)
 
 
 def _fields(inputs):
@@ -93,11 +92,11 @@ def test_host_views_write_through_to_the_buffer_and_each_step_gets_a_fresh_one()
 
 def test_a_step_without_grammars_makes_no_bitmask():
     layouts = layouts_for(BUCKETS.shapes(), BUCKETS.max_pages_per_request, WORDS)
-    tables = HostPageTables(9, BUCKETS.max_pages_per_request, 8)
+    batch = InputBatch(8, BUCKETS.max_pages_per_request, 8)
     plan = StepPlan(chunks=[ScheduledChunk("a", (5,), 20, (1, 2), SamplingRow(0.0, 0, 1.0, 0.0,
                                                                               1), batch_slot=1)])
-    packed = build_step_inputs(plan, BUCKETS, 16, mask_words=WORDS, tables=tables,
-                               device_tables=True, samplers=HostSamplingRows(17), layouts=layouts)
+    packed = build_step_inputs(plan, BUCKETS, 16, mask_words=WORDS, batch=batch,
+                               layouts=layouts)
     assert packed.grammar_bitmask is None and not packed.views.sampling.any_grammar
 
 

@@ -143,8 +143,10 @@ def host_only(n: int, steps: int, tokenizer, cold: bool = False) -> dict:
 
     import numpy as np
 
-    from jaxserve.runner.batch import build_step_inputs
     from jaxserve.runner.buckets import BucketTable
+
+    build_step_inputs = _attr("build_step_inputs", "jaxserve.runner.prepare_inputs",
+                              "jaxserve.runner.batch")
 
     OutputProcessor = _attr("OutputProcessor", "jaxserve.engine.output_processor",
                             "jaxserve.output_processor")
@@ -170,18 +172,23 @@ def host_only(n: int, steps: int, tokenizer, cold: bool = False) -> dict:
         outputs.add([request])
         sched.add(request)
     table = BucketTable.build(prefill, n, max_len, 16, tuple(sorted({n, prefill})), (n,))
-    try:
-        from jaxserve.runner.host_page_tables import HostPageTables
-        layout = {"tables": HostPageTables(n + 1, table.max_pages_per_request)}
-    except ImportError:
-        layout = {}
-    if "device_tables" in inspect.signature(build_step_inputs).parameters:  # as its runner
-        layout = {"tables": HostPageTables(n + 1, table.max_pages_per_request, n),
-                  "device_tables": True}
-    if "samplers" in inspect.signature(build_step_inputs).parameters:
-        from jaxserve.runner.host_sampling import HostSamplingRows
-        layout["samplers"] = HostSamplingRows(n + 1 + n)
-    if "layouts" in inspect.signature(build_step_inputs).parameters:  # one buffer per step
+    takes = inspect.signature(build_step_inputs).parameters
+    if "batch" in takes:  # the runner's persistent rows as one InputBatch
+        InputBatch = _attr("InputBatch", "jaxserve.runner.input_batch")
+        layout = {"batch": InputBatch(n, table.max_pages_per_request, n)}
+    else:  # before it: the persistent rows, where the commit has them, one by one
+        try:
+            from jaxserve.runner.host_page_tables import HostPageTables
+            layout = {"tables": HostPageTables(n + 1, table.max_pages_per_request)}
+        except ImportError:
+            layout = {}
+        if "device_tables" in takes:  # as its runner
+            layout = {"tables": HostPageTables(n + 1, table.max_pages_per_request, n),
+                      "device_tables": True}
+        if "samplers" in takes:
+            from jaxserve.runner.host_sampling import HostSamplingRows
+            layout["samplers"] = HostSamplingRows(n + 1 + n)
+    if "layouts" in takes:  # one buffer per step
         layouts_for = _attr("layouts_for", "jaxserve.model.step_layout", "jaxserve.step_layout")
         layout["layouts"] = layouts_for(table.shapes(), table.max_pages_per_request, 1)
     totals = dict.fromkeys(("schedule", "build", "update", "emit"), 0.0)

@@ -42,7 +42,7 @@ class ProcessorRow:
 class SamplingRow:
     """Sampling settings of one request for the token it samples this step. A request without
     logits processors or a grammar has one for its whole life (the scheduler makes it when the
-    request is queued), so the runner's persistent batch (runner/host_sampling.py) recognizes
+    request is queued), so the runner's persistent batch (runner/input_batch.py) recognizes
     it by identity and writes its settings once per batch slot."""
 
     temperature: float

@@ -1,9 +1,9 @@
 """Registers the step-input dataclasses of jaxserve/model/step_inputs.py (and step_layout.py's
 PackedStepInputs) as jax pytrees.
 
-step_inputs.py stays jax-free (the scheduler side and runner/batch.py build it with numpy); the
-jax side imports this module (the model does) before any of them crosses a jit boundary, and
-Python runs the registration once, at first import. It registers and does nothing else.
+step_inputs.py stays jax-free (the scheduler side and runner/prepare_inputs.py build it with
+numpy); the jax side imports this module (the model does) before any of them crosses a jit
+boundary, and Python runs the registration once, at first import. It registers and does nothing else.
 """
 
 from __future__ import annotations

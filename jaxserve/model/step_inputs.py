@@ -1,8 +1,8 @@
 """The inputs of one compiled step, as dataclasses of fixed-shape arrays (a pytree per step).
 
-runner/batch.py fills them with numpy arrays padded to a bucket; the compiled step receives the
-same dataclasses with device arrays inside, so the step is `step(state, kv, inputs)` and a new
-per-step input (a grammar mask, penalty counts) is one new field here and nowhere else in the
+runner/prepare_inputs.py fills them with numpy arrays padded to a bucket; the compiled step
+receives the same dataclasses with device arrays inside, so the step is `step(state, kv, inputs)`
+and a new per-step input (a grammar mask, penalty counts) is one new field here and nowhere else in the
 call chain. Plain data: this module must not import jax (model/pytrees.py registers the classes
 as pytrees on the jax side) and holds no logic beyond empty-batch constructors.
 
@@ -102,9 +102,9 @@ class SamplingInputs:
 
 @dataclass
 class PageTableInputs:
-    """The plain step's page tables kept on the device by batch slot (runner/
-    device_page_tables.py): each request's slot, and this step's changed rows. The step
-    writes the rows, then gathers attention.page_table [S, P] by slot on the device, so
+    """The plain step's page tables kept on the device by batch slot (runner/input_batch.py's
+    DevicePageTables): each request's slot, and this step's changed rows. The step writes the
+    rows, then gathers attention.page_table [S, P] by slot on the device, so
     attention.page_table itself is not sent (None)."""
 
     slots: np.ndarray         # [S] i32 batch slot of each request (padding: 0, scratch, zeros)

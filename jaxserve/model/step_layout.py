@@ -4,11 +4,11 @@ A plain step reads some thirty small arrays (step_inputs.StepInputs). Handed to 
 one by one, each is a separate pytree leaf, argument and host-to-device transfer on every step.
 A StepLayout, one per bucket, gives every field but the grammar bitmask a fixed place in one
 int32 buffer (float32 and uint32 fields by their bits, bool fields one word each, 0 or 1):
-runner/batch.py writes the fields through numpy views of a fresh copy of the layout's
+runner/prepare_inputs.py writes the fields through numpy views of a fresh copy of the layout's
 all-padding template (so the same code fills it as a plain StepInputs), and the step receives
-(buffer, bitmask) and slices the fields back out (runner/packed_inputs.py). The bitmask stays its
-own array: it is [S, ceil(V / 32)] words, most steps have no grammar and send a device-resident
-one instead.
+(buffer, bitmask) and slices the fields back out (runner/packed_inputs.py). The bitmask stays
+its own array: it is [S, ceil(V / 32)] words, most steps have no grammar and send a
+device-resident one instead.
 
 Plain data and numpy: this module must not import jax (model/pytrees.py registers
 PackedStepInputs as a pytree; the layout is its static part). On the host the bool fields are
@@ -91,9 +91,9 @@ class StepLayout:
 
     def new(self, with_bitmask: bool = True) -> "PackedStepInputs":
         """All-padding inputs in a fresh buffer, with their host views to fill. with_bitmask
-        False: no [S, W] bitmask yet (None; runner/batch.py makes one for a step that has a
-        grammar, the runner sends a device-resident one otherwise): W is ceil(V / 32) words, a
-        few MiB a step at large vocabularies and batches."""
+        False: no [S, W] bitmask yet (None; runner/prepare_inputs.py makes one for a step that
+        has a grammar, the runner sends a device-resident one otherwise): W is ceil(V / 32)
+        words, a few MiB a step at large vocabularies and batches."""
         words = self._template.copy()
         views = {}
         for path, start, end, dtype, shape in self._slices:
@@ -130,8 +130,8 @@ class PackedStepInputs:
     is the host's StepInputs over `words` (None on the device side: it is not sent)."""
 
     words: np.ndarray            # [layout.size] i32
-    # [S, W] i32; None from runner/batch.py when no row has a grammar (the runner then sends a
-    # device-resident one)
+    # [S, W] i32; None from runner/prepare_inputs.py when no row has a grammar (the runner then
+    # sends a device-resident one)
     grammar_bitmask: np.ndarray | None
     layout: StepLayout
     views: StepInputs | None = None

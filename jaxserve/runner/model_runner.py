@@ -1,12 +1,13 @@
 """ModelRunner: owns every device array of a plain step (weights, KV pages, host swap copies,
-the logits processors' state, the batch slots' last tokens).
+the logits processors' state, the InputBatch's per-slot page tables and last tokens).
 
-It turns a StepPlan into StepInputs laid out in one buffer (runner/batch.py, step_layout.py)
+It turns a StepPlan into StepInputs laid out in one buffer (runner/prepare_inputs.py, which
+updates the persistent InputBatch (runner/input_batch.py) from the plan; step_layout.py)
 and one call of its CompiledStep (unpack -> forward -> logits processors -> grammar bitmasks ->
 sample, KV and processor state donated),
 and returns plain numpy results: execute(plan) at once, or dispatch(plan) now and collect() its
 results later (async scheduling: the device runs it while the host plans the next step; a row
-whose token is still on the device reads it from BatchTokens). Dispatched steps are launched
+whose token is still on the device reads it from the InputBatch's LastTokens). Dispatched steps are launched
 in order by a StepLauncher (runner/launcher.py): from the engine's thread when XLA will only
 queue the step, else from a launcher thread, so the engine's thread never sits in a step that
 XLA runs inline. Every (tokens, requests)
@@ -33,16 +34,11 @@ from jaxserve.model import device_select
 from jaxserve.model.attention import resolve_attention_impl
 from jaxserve.model.config import ModelConfig
 from jaxserve.core.plan import StepPlan
-from jaxserve.runner import batch_tokens
-from jaxserve.runner.batch import build_step_inputs
-from jaxserve.runner.batch_tokens import BatchTokens
+from jaxserve.runner import input_batch, logits_processors, packed_inputs
 from jaxserve.runner.buckets import BucketTable
-from jaxserve.runner import device_page_tables
 from jaxserve.runner.compiled_step import CompiledStep
-from jaxserve.runner.device_page_tables import DevicePageTables
-from jaxserve.runner.host_page_tables import HostPageTables
-from jaxserve.runner.host_sampling import HostSamplingRows
-from jaxserve.runner import logits_processors, packed_inputs
+from jaxserve.runner.input_batch import InputBatch
+from jaxserve.runner.prepare_inputs import build_step_inputs
 from jaxserve.runner.grammar_mask import maybe_apply_bitmask
 from jaxserve.runner.kv_cache import DeviceKV
 from jaxserve.runner.launcher import StepLauncher
@@ -102,16 +98,17 @@ def unpack(packed: np.ndarray, num_chunks: int, with_top: bool = False) -> StepR
 
 def plain_step(graphdef, attention, state, kv, inputs: PackedStepInputs):
     """unpack (step_layout.py) -> forward -> logits processors -> sample (+ top-k logprobs, +
-    prompt logprobs). kv: (KV pages, processor state, batch tokens, page tables by slot).
+    prompt logprobs). kv: (KV pages, processor state, last tokens and page tables by slot:
+    input_batch.py).
     Returns ((packed [2, S, 1 + K] i32, prompt [2, T, 1 + K] i32), kv); the prompt part is
     fetched only by steps that asked for it."""
     kv_pages, processors, last_tokens, tables = kv
     inputs = packed_inputs.unpack(inputs)
-    tables, page_table = device_page_tables.apply(tables, inputs.tables)
+    tables, page_table = input_batch.apply_table_updates(tables, inputs.tables)
     inputs = dataclasses.replace(inputs, attention=dataclasses.replace(
         inputs.attention, page_table=page_table))
     model = nnx.merge(graphdef, state)
-    rows = dataclasses.replace(inputs.model, token_ids=batch_tokens.feed(
+    rows = dataclasses.replace(inputs.model, token_ids=input_batch.feed_tokens(
         inputs.model.token_ids, inputs.model.token_slots, last_tokens))
     logits, kv_pages, hidden = model(rows, inputs.attention, kv_pages, attention,
                                      return_hidden=True)
@@ -120,7 +117,7 @@ def plain_step(graphdef, attention, state, kv, inputs: PackedStepInputs):
     logits = maybe_apply_bitmask(logits, sp.grammar_bitmask, sp.has_grammar, sp.any_grammar)
     tokens, logprobs = sample(logits, sp)
     processors = logits_processors.record_if_any(processors, sp, tokens)
-    last_tokens = batch_tokens.record(last_tokens, sp.sample_slots, tokens)
+    last_tokens = input_batch.record_tokens(last_tokens, sp.sample_slots, tokens)
     packed = pack(tokens, logprobs, top_logprobs(logits, sp))
     prompt_ids, prompt_lps = prompt_logprobs(model, hidden, sp)
     prompt = jnp.stack([prompt_ids, jax.lax.bitcast_convert_type(prompt_lps, jnp.int32)])
@@ -168,13 +165,9 @@ class ModelRunner:
         self.cache = self.new_cache(self.placement)
         self.processors = ProcessorState(max_num_seqs + 1, model_config.vocab_size,
                                          self.placement.replicated)
-        self.last_tokens = BatchTokens(max_num_seqs + 1, self.placement.replicated)
         p = self.buckets.max_pages_per_request
-        max_s = self.buckets.seq_buckets[-1]  # transient table slots: rows without a slot
-        self.host_tables = HostPageTables(max_num_seqs + 1, p, num_transient=max_s)
-        self.host_samplers = HostSamplingRows(max_num_seqs + 1 + max_s)  # by the same slots
-        self.device_tables = DevicePageTables(max_num_seqs + 1 + max_s, p,
-                                              self.placement.replicated)
+        self.input_batch = InputBatch(max_num_seqs, p, self.buckets.seq_buckets[-1],
+                                      self.placement.replicated)
         self._launcher = StepLauncher()
         self.attention = self.placement.attention(self.attention_impl, page_size)
         step = functools.partial(plain_step, self.graphdef, self.attention)
@@ -182,8 +175,8 @@ class ModelRunner:
         self._unused_bitmasks: dict[tuple[int, int], jax.Array] = {}
         self.layouts = layouts_for(self.buckets.shapes(), p, self.mask_words)
         self.step = CompiledStep("step", step, state,
-                                 (self.cache, self.processors, self.last_tokens,
-                                  self.device_tables),
+                                 (self.cache, self.processors, self.input_batch.last_tokens,
+                                  self.input_batch.device_tables),
                                  self.buckets, lambda shape: self.layouts[shape].new(),
                                  **self.placement.jit_shardings(processor_state=True))
 
@@ -217,12 +210,12 @@ class ModelRunner:
         self._place_unused_bitmasks()
         self.cache.warmup()
         self.processors.warmup()
-        self.device_tables.warmup()
+        self.input_batch.warmup()
 
     def wait(self) -> None:
         self._launcher.drain()  # every launched step has its arrays
         jax.block_until_ready((self.state, self.kv, self.processors.arrays,
-                               self.last_tokens.arrays, self.device_tables.arrays))
+                               self.input_batch.arrays))
 
     def close(self) -> None:
         self._launcher.shutdown()
@@ -236,32 +229,30 @@ class ModelRunner:
     def dispatch(self, plan: StepPlan) -> PendingStep:
         """Lay the plan out as inputs, hand it to the launcher and return at once."""
         with self._phase("build"):
-            inputs, overflow = None, None
+            inputs, unsent = None, None
             if plan.num_seqs:
                 inputs = build_step_inputs(plan, self.buckets, self.page_size,
-                                           mask_words=self.mask_words, tables=self.host_tables,
-                                           device_tables=True, samplers=self.host_samplers,
+                                           mask_words=self.mask_words, batch=self.input_batch,
                                            layouts=self.layouts)
                 if inputs.grammar_bitmask is None:  # no grammar: no [S, W] bitmask to upload
                     inputs.grammar_bitmask = self._unused_bitmasks[inputs.shape]
-                overflow = self.host_tables.changed[len(inputs.views.tables.update_slots):]
-                if overflow:  # more changed rows than the step carries: written before it
-                    overflow = (np.asarray(overflow, np.int32), self.host_tables.tables[overflow])
+                # more changed rows than the step carries: written before it
+                unsent = self.input_batch.unsent_table_rows(
+                    len(inputs.views.tables.update_slots))
         with self._phase("dispatch"):
-            launched = self._launcher.submit(self._launch, plan, inputs, overflow)
+            launched = self._launcher.submit(self._launch, plan, inputs, unsent)
         if inputs is None:
             launched.result()  # swaps only: done before the next plan is laid out
             return PendingStep(0)
         return PendingStep(plan.num_seqs, launched,
                            bool(inputs.views.sampling.any_prompt_logprobs))
 
-    def _launch(self, plan: StepPlan, inputs: PackedStepInputs | None, table_rows=None):
+    def _launch(self, plan: StepPlan, inputs: PackedStepInputs | None, unsent_rows=None):
         """On the launcher thread: the plan's swaps, processor fills and page-table rows the
         step does not carry, then its step."""
         self.cache.apply_swaps(plan)
         self.processors.apply_inits(plan)
-        if table_rows:
-            self.device_tables.write(*table_rows)
+        self.input_batch.write_unsent(unsent_rows)
         return None if inputs is None else self.step.run(inputs)
 
     def collect(self, pending: PendingStep) -> StepResult:

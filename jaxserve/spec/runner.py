@@ -19,13 +19,13 @@ import time
 import numpy as np
 
 from jaxserve.core.plan import StepPlan
-from jaxserve.runner.batch import build_step_inputs
+from jaxserve.runner.prepare_inputs import build_step_inputs
 from jaxserve.runner.compiled_step import CompiledStep
 from jaxserve.runner.model_runner import ModelRunner, unpack
 from jaxserve.runner.protocol import RunsInDispatch, StepResult
 from jaxserve.runner.tensor_parallel import Placement
 from jaxserve.spec import step
-from jaxserve.spec.batch import build_spec_inputs, empty_spec_inputs
+from jaxserve.spec.spec_inputs import build_spec_inputs, empty_spec_inputs
 from jaxserve.spec.draft import share_weights
 from jaxserve.spec.policy import SpeculationPolicy
 from jaxserve.model.step_inputs import StepInputs

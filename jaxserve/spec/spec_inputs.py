@@ -1,11 +1,11 @@
-"""A StepPlan with draft rows laid out as SpecStepInputs for the verification step (and, with a
-draft model, the draft's own view of the plan).
+"""build_spec_inputs: a StepPlan with draft rows laid out as SpecStepInputs for the verification
+step (and, with a draft model, the draft's own view of the plan).
 
 The verification rows of a request are its last real row and its draft rows; they get logits.
-The layout reuses runner.batch.build_step_inputs: `step` is the plan with each request's draft
-rows appended to its tokens (ids from the plan, or 0 where the draft model fills them in on the
-device), `draft` the plan as scheduled; both padded to the same (T, S) bucket. Logit rows are a
-flat list of R = min(T, S*(k+1)) rows. Pure numpy; it must not import jax.
+The layout reuses runner/prepare_inputs.py's build_step_inputs: `step` is the plan with each
+request's draft rows appended to its tokens (ids from the plan, or 0 where the draft model fills
+them in on the device), `draft` the plan as scheduled; both padded to the same (T, S) bucket.
+Logit rows are a flat list of R = min(T, S*(k+1)) rows. Pure numpy; it must not import jax.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import dataclasses
 import numpy as np
 
 from jaxserve.core.plan import StepPlan
-from jaxserve.runner.batch import build_step_inputs
+from jaxserve.runner.prepare_inputs import build_step_inputs
 from jaxserve.runner.buckets import BucketTable
 from jaxserve.model.step_inputs import (DraftInputs, SpecStepInputs, StepInputs, VerifyInputs,
                                   num_logit_rows)

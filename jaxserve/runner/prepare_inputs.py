@@ -1,11 +1,13 @@
-"""A StepPlan laid out as the step's input dataclasses (step_inputs.py), padded to a bucket.
+"""build_step_inputs: a StepPlan laid out as its step's inputs (step_inputs.py), bucket-padded.
 
-Pure numpy; it must not import jax. Built once per step; the model runner lays its steps out in
-one buffer (step_layout.py: the fields are views of it, one transfer per step), the speculative
-runner as separate arrays (one transfer per array). Padding rows write their K/V into reserved page
-0 and sample nothing. Decode rows come first (the scheduler orders them so: plan.decode's, then
-the decode chunks), and num_decode_seqs says where they end. plan.decode's rows are laid out from
-its arrays (their slots' page tables and settings are already the runner's).
+Pure numpy; it must not import jax (so it never imports runner/input_batch.py: the runner's
+InputBatch comes in as an argument, and the layout updates its host rows from the plan). Built
+once per step; the model runner lays its steps out in one buffer (step_layout.py: the fields
+are views of it, one transfer per step), the speculative runner as separate arrays (one
+transfer per array). Padding rows write their K/V into reserved page 0 and sample nothing.
+Decode rows come first (the scheduler orders them so: plan.decode's, then the decode chunks),
+and num_decode_seqs says where they end. plan.decode's rows are laid out from its arrays (their
+slots' page tables and settings are already the InputBatch's).
 """
 
 from __future__ import annotations
@@ -14,8 +16,6 @@ import numpy as np
 
 from jaxserve.core.plan import ProcessorRow, ScheduledChunk, StepPlan
 from jaxserve.runner.buckets import BucketTable
-from jaxserve.runner.host_page_tables import HostPageTables
-from jaxserve.runner.host_sampling import HostSamplingRows
 from jaxserve.model.step_inputs import SamplingInputs, StepInputs
 from jaxserve.model.step_layout import PackedStepInputs, StepLayout
 
@@ -23,19 +23,18 @@ from jaxserve.model.step_layout import PackedStepInputs, StepLayout
 def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
                       chunks: list[ScheduledChunk] | None = None,
                       shape: tuple[int, int] | None = None, mask_words: int = 1,
-                      tables: HostPageTables | None = None, device_tables: bool = False,
-                      samplers: HostSamplingRows | None = None,
-                      layouts: dict[tuple[int, int], StepLayout] | None = None
+                      batch=None, layouts: dict[tuple[int, int], StepLayout] | None = None
                       ) -> StepInputs | PackedStepInputs:
     """chunks: the rows to lay out (default plan.chunks; speculation passes them with their
     draft rows appended); shape: a fixed (T, S) bucket instead of the smallest that fits;
-    mask_words: grammar bitmask words per row (the step's compiled width); tables: the runner's
-    persistent page tables by batch slot (None: each chunk's table is copied); device_tables:
-    send only the changed rows (StepInputs.tables; needs tables with a transient slot per
-    request row); samplers: the runner's persistent sampling settings by the same slots (None:
-    every row's are written); layouts: one buffer layout per bucket (step_layout.py; with
-    device_tables): the result is then a PackedStepInputs whose `views` were filled, its
-    grammar_bitmask None when no row has a grammar."""
+    mask_words: grammar bitmask words per row (the step's compiled width); batch: the runner's
+    InputBatch (runner/input_batch.py), whose host page tables and sampling rows the plan
+    updates: the step then carries each request's slot and only the changed table rows
+    (StepInputs.tables; batch.host_tables.changed lists them all) and gathers its settings by
+    slot (None: each chunk's table is copied and each row's settings written); layouts: one
+    buffer layout per bucket (step_layout.py; with batch): the result is then a
+    PackedStepInputs whose `views` were filled, its grammar_bitmask None when no row has a
+    grammar."""
     chunks = plan.chunks if chunks is None else chunks
     padding = plan.static_padding if plan.chunks or plan.decode else None
     num_finished = 0 if padding is None else padding.num_finished_slots
@@ -48,9 +47,8 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
                       c.output_index, c.sampling is not None)
                      for c in chunks], np.int64).reshape(len(chunks), 9)
     if num_steady:  # the same scalars of plan.decode's rows, before the chunks'
-        if tables is None or samplers is None:
-            raise ValueError("plan.decode rows need the runner's persistent page tables and "
-                             "sampling rows (tables=, samplers=)")
+        if batch is None:
+            raise ValueError("plan.decode rows need the runner's InputBatch (batch=)")
         meta = np.concatenate([_steady_meta(plan.decode, buckets.max_pages_per_request), meta])
     starts, lens, num_pages = meta[:, 0], meta[:, 1], meta[:, 2]
     kv_lens = starts + lens
@@ -58,7 +56,7 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
     t, s = shape or buckets.select(num_rows, num_seqs + num_finished)
     p = buckets.max_pages_per_request
     if layouts is None:
-        packed, b = None, StepInputs.empty(t, s, p, mask_words, device_tables=device_tables)
+        packed, b = None, StepInputs.empty(t, s, p, mask_words, device_tables=batch is not None)
     else:
         packed = layouts[t, s].new(with_bitmask=False)  # made below if a row has a grammar
         b = packed.views
@@ -70,14 +68,16 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
         raise ValueError(f"request {chunk.request_id}: {len(chunk.page_table)} pages for "
                          f"{chunk.kv_len} tokens (page-table width {p})")
     slots = None
-    if tables is not None and (tables.num_transient >= num_seqs or meta[:, 3].all()):
-        slots = _layout_with_slots(b, chunks, meta, num_decode, page_size, tables, num_steady)
-    elif num_steady:
-        raise ValueError(f"{num_seqs} rows without a batch slot each need a transient page-table "
-                         f"slot; the runner has {tables.num_transient}")
-    else:
+    if batch is None:
         _layout_rows(b, chunks, 0, 0, page_size, copy_tables=True)
-    _fill_sampling(b, chunks, meta, slots, samplers, mask_words, num_steady)
+    elif batch.host_tables.num_transient >= num_seqs or meta[:, 3].all():
+        slots = _layout_with_slots(b, chunks, meta, num_decode, page_size, batch.host_tables,
+                                   num_steady)
+    else:
+        raise ValueError(f"{num_seqs} rows without a batch slot each need a transient page-table "
+                         f"slot; the runner has {batch.host_tables.num_transient}")
+    _fill_sampling(b, chunks, meta, slots, None if batch is None else batch.sampling,
+                   mask_words, num_steady)
     a = b.attention
     row = int(a.cu_q_lens[num_seqs])
     a.num_decode_seqs[...] = num_decode
@@ -92,6 +92,11 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
     return packed
 
 
+# SamplingInputs field <- SamplingRow field (HostSamplingRows names its arrays as the former)
+_SETTINGS = (("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"),
+             ("min_p", "min_p"), ("seeds", "seed"))
+
+
 def _steady_meta(decode, max_pages: int) -> np.ndarray:
     """build_step_inputs' per-chunk scalars of plan.decode's rows, from its arrays (their page
     count: max_pages, as their tables were checked when sent)."""
@@ -104,12 +109,12 @@ def _steady_meta(decode, max_pages: int) -> np.ndarray:
 
 
 def _layout_with_slots(b: StepInputs, chunks, meta: np.ndarray, num_decode: int,
-                       page_size: int, tables: HostPageTables, num_steady: int) -> np.ndarray:
-    """Page tables from the slots' persistent rows (b.tables: just the changed rows, the
-    first num_table_updates of them; tables.changed lists them all); the decode rows in one
-    go each field, from meta (build_step_inputs' per-chunk scalars; the first num_steady
-    rows plan.decode's, whose tables the slots hold). Returns each request's table slot
-    [n]."""
+                       page_size: int, tables, num_steady: int) -> np.ndarray:
+    """Page tables from the slots' persistent rows (tables: the InputBatch's HostPageTables;
+    b.tables: just the changed rows, the first num_table_updates of them; tables.changed lists
+    them all); the decode rows in one go each field, from meta (build_step_inputs' per-chunk
+    scalars; the first num_steady rows plan.decode's, whose tables the slots hold). Returns
+    each request's table slot [n]."""
     m, a = b.model, b.attention
     n = len(meta)
     slots = meta[:, 3].astype(np.int32)
@@ -119,14 +124,11 @@ def _layout_with_slots(b: StepInputs, chunks, meta: np.ndarray, num_decode: int,
     update = tables.update
     tables.changed = [slot for chunk, slot in zip(chunks, slots[num_steady:].tolist())
                       if update(slot, chunk.page_table)]
-    if b.tables is None:
-        a.page_table[:n] = tables.tables[slots]
-    else:
-        t = b.tables
-        t.slots[:n] = slots
-        sent = tables.changed[:len(t.update_slots)]
-        t.update_slots[:len(sent)] = sent
-        t.update_rows[:len(sent)] = tables.tables[sent]
+    t = b.tables
+    t.slots[:n] = slots
+    sent = tables.changed[:len(t.update_slots)]
+    t.update_slots[:len(sent)] = sent
+    t.update_rows[:len(sent)] = tables.tables[sent]
     if num_decode:
         d = meta[:num_decode]
         pos = d[:, 0]
@@ -167,28 +169,35 @@ def _layout_rows(b: StepInputs, chunks, first: int, row: int, page_size: int,
 
 
 def _fill_sampling(b: StepInputs, chunks, meta: np.ndarray, slots: np.ndarray | None,
-                   samplers: HostSamplingRows | None, mask_words: int, num_steady: int) -> None:
+                   samplers, mask_words: int, num_steady: int) -> None:
     """Each sampling row's settings, gathered by slot from the persistent rows (samplers: the
-    runner's, with slots; without them, each row's are written through a fresh set of rows;
-    plan.decode's first num_steady rows are in their slots already); processors, grammars and
-    prompt logprobs (rare) row by row."""
+    InputBatch's HostSamplingRows, with slots; plan.decode's first num_steady rows are in their
+    slots already; None: each row's own are written); processors, grammars and prompt logprobs
+    (rare) row by row."""
     sp = b.sampling
     any_top = any_processors = any_prompt = False
-    n = len(meta)
-    if slots is None or samplers is None:
-        slots, samplers = np.arange(n), HostSamplingRows(n)
     rows = [c.sampling for c in chunks]  # (request i's: rows[i - num_steady])
-    samplers.store(slots[num_steady:].tolist(), rows)
+    if samplers is not None:
+        samplers.store(slots[num_steady:].tolist(), rows)
     index = np.flatnonzero(meta[:, 8])
     if index.size:
         at = slice(0, index.size) if index[-1] == index.size - 1 else index  # 0..k-1: usual
-        by_slot = slots[index]
-        for name in ("temperature", "top_k", "top_p", "min_p", "seeds"):
-            getattr(sp, name)[at] = getattr(samplers, name)[by_slot]
+        if samplers is None:  # (so no plan.decode rows: row i is rows[i])
+            own = [rows[i] for i in index.tolist()]
+            for name, field in _SETTINGS:
+                getattr(sp, name)[at] = [getattr(r, field) for r in own]
+            any_top = any(r.top_logprobs for r in own)
+            special = [i for i, r in zip(index.tolist(), own)
+                       if r.processors is not None or r.grammar_bitmask is not None]
+        else:
+            by_slot = slots[index]
+            for name, _ in _SETTINGS:
+                getattr(sp, name)[at] = getattr(samplers, name)[by_slot]
+            any_top = bool(samplers.top_logprobs[by_slot].any())
+            special = index[samplers.special[by_slot]].tolist()
         sp.output_index[at] = meta[index, 7]
         sp.sample_slots[at] = meta[index, 3]
-        any_top = bool(samplers.top_logprobs[by_slot].any())
-        for i in index[samplers.special[by_slot]].tolist():
+        for i in special:
             sr = rows[i - num_steady]  # (never a plan.decode row: those are plain)
             if sr.processors is not None:
                 _fill_processors(sp, i, sr.processors)

@@ -1,0 +1,133 @@
+"""The runner's persistent per-slot state (runner/input_batch.py) through the step layout.
+
+Page tables kept on the device by batch slot: a step sends only the rows that changed, the
+step's gathered [S, P] table equals each request's own, rows beyond what a step carries go
+through the overflow scatter, and nothing compiles after warm-up. Sampling settings by slot: a
+slot's settings are written when another row takes it, and every step gathers the right ones."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxserve.model import pytrees  # noqa: E402,F401  (the step inputs as pytrees)
+from jaxserve.core.plan import ProcessorRow, SamplingRow, ScheduledChunk, StepPlan  # noqa: E402
+from jaxserve.runner import input_batch  # noqa: E402
+from jaxserve.runner.buckets import BucketTable  # noqa: E402
+from jaxserve.runner.compile_count import CompileCounter  # noqa: E402
+from jaxserve.runner.input_batch import DevicePageTables, InputBatch  # noqa: E402
+from jaxserve.runner.prepare_inputs import build_step_inputs  # noqa: E402
+
+PAGE_SIZE, MAX_SEQS = 4, 40
+BUCKETS = BucketTable.build(64, MAX_SEQS, 32, PAGE_SIZE, (64,), (MAX_SEQS,))
+P = BUCKETS.max_pages_per_request
+
+
+def decode_plan(lengths, slots, first_page=1):
+    """One decode chunk per request; request i owns pages first_page + 8i ...."""
+    chunks = []
+    for i, (n, slot) in enumerate(zip(lengths, slots)):
+        pages = tuple(range(first_page + 8 * i, first_page + 8 * i + -(-n // PAGE_SIZE)))
+        chunks.append(ScheduledChunk(f"r{i}", (5,), n - 1, pages, None, batch_slot=slot))
+    return StepPlan(chunks=chunks)
+
+
+def layout(plan, batch):
+    return build_step_inputs(plan, BUCKETS, PAGE_SIZE, batch=batch)
+
+
+def test_a_step_sends_only_the_rows_that_changed():
+    batch = InputBatch(MAX_SEQS, P, MAX_SEQS)
+    lengths, slots = [3, 4, 9], [2, 5, 7]
+    first = layout(decode_plan(lengths, slots), batch)
+    assert first.attention.page_table is None, "the whole table was sent"
+    assert list(first.tables.update_slots[:3]) == slots
+    same = layout(decode_plan(lengths, slots), batch)
+    assert not same.tables.update_slots.any(), "unchanged rows were sent again"
+    grown = layout(decode_plan([3, 5, 9], slots), batch)  # request 1 gains its second page
+    assert list(grown.tables.update_slots[:2]) == [5, 0]
+    assert list(grown.tables.update_rows[0, :2]) == [9, 10]
+    assert list(grown.tables.slots[:3]) == slots
+
+
+def test_the_device_table_of_a_step_equals_each_requests_own_table():
+    batch = InputBatch(MAX_SEQS, P, MAX_SEQS)
+    device = batch.device_tables
+    apply = jax.jit(input_batch.apply_table_updates)
+    rng = np.random.default_rng(0)
+    for step in range(6):  # admissions beyond a step's own updates go through the overflow
+        n = int(rng.integers(1, MAX_SEQS))
+        slots = [int(s) for s in rng.permutation(np.arange(1, MAX_SEQS + 1))[:n]]
+        slots[0] = 0  # a request without a batch slot takes a transient one
+        plan = decode_plan(rng.integers(1, 30, n), slots, first_page=step)
+        inputs = layout(plan, batch)
+        batch.write_unsent(batch.unsent_table_rows(len(inputs.tables.update_slots)))
+        device.arrays, page_table = apply(device.arrays, inputs.tables)
+        for i, chunk in enumerate(plan.chunks):
+            row = np.asarray(page_table[i])
+            want = list(chunk.page_table) + [0] * (P - len(chunk.page_table))
+            assert list(row) == want, f"step {step} request {i}: {row} != {want}"
+        assert not np.asarray(page_table[n:]).any(), "padding requests read a non-zero row"
+
+
+def test_overflow_writes_compile_nothing_after_warmup():
+    device = DevicePageTables(MAX_SEQS + 1, P)
+    device.warmup()
+    with CompileCounter() as compiles:
+        for n in range(1, MAX_SEQS + 1):  # slots 1..n; the padding writes zeros to scratch 0
+            device.write(np.arange(1, n + 1, dtype=np.int32), np.ones((n, P), np.int32))
+    assert compiles.count == 0, f"{compiles.count} compilations after warm-up"
+    assert np.asarray(device.arrays)[1:].all() and not np.asarray(device.arrays)[0].any()
+
+
+SAMPLING_BUCKETS = BucketTable.build(64, 8, 64, 16, (8, 64), (8,))
+SAMPLING_SEQS = 8  # max_num_seqs (and request rows a step has)
+
+
+def _chunk(rid: str, slot: int, row: SamplingRow | None, index: int = 3) -> ScheduledChunk:
+    return ScheduledChunk(rid, (5,), 10, (1,), row, batch_slot=slot, output_index=index)
+
+
+def _layout(chunks, batch):
+    return build_step_inputs(StepPlan(chunks=chunks), SAMPLING_BUCKETS, 16, batch=batch).sampling
+
+
+def _settings(sp, n):
+    return [(float(sp.temperature[i]), int(sp.top_k[i]), float(sp.top_p[i]),
+             float(sp.min_p[i]), int(sp.seeds[i]), int(sp.output_index[i]),
+             int(sp.sample_slots[i])) for i in range(n)]
+
+
+def test_persistent_rows_match_a_fresh_layout_as_slots_change_hands():
+    batch = InputBatch(SAMPLING_SEQS, SAMPLING_BUCKETS.max_pages_per_request, SAMPLING_SEQS)
+    a, b = SamplingRow(0.7, 5, 0.9, 0.05, 11, 2), SamplingRow(0.0, 0, 1.0, 0.0, 12)
+    c = SamplingRow(1.3, 0, 0.5, 0.0, 13)
+    steps = [[_chunk("a", 1, a, 4), _chunk("b", 2, b, 7)],
+             [_chunk("a", 1, a, 5), _chunk("b", 2, b, 8)],
+             [_chunk("c", 2, c, 0), _chunk("a", 1, a, 6)],      # c takes b's slot
+             [_chunk("a", 1, a, 7), _chunk("x", 0, b, 9)]]      # a row without a slot
+    for chunks in steps:
+        got = _layout(chunks, batch)
+        want = build_step_inputs(StepPlan(chunks=chunks), SAMPLING_BUCKETS, 16).sampling
+        assert _settings(got, len(chunks)) == _settings(want, len(chunks))
+        assert bool(got.any_sampling) == bool(want.any_sampling) is True
+        assert bool(got.any_top_logprobs) == (a in [ch.sampling for ch in chunks])
+    assert _settings(got, 2)[0] == (np.float32(0.7), 5, np.float32(0.9), np.float32(0.05), 11,
+                                    7, 1)
+
+
+def test_rows_without_sampling_and_per_step_processor_rows():
+    batch = InputBatch(SAMPLING_SEQS, SAMPLING_BUCKETS.max_pages_per_request, SAMPLING_SEQS)
+    plain = SamplingRow(0.0, 0, 1.0, 0.0, 1)
+    for penalty in (1.5, 2.0):  # a processor row is new every step: its slot is rewritten
+        proc = SamplingRow(0.5, 0, 1.0, 0.0, 2, 0, ProcessorRow(3, 0.0, 0.0, penalty, False,
+                                                                 (), None))
+        chunks = [_chunk("p", 1, plain), _chunk("q", 2, proc),
+                  ScheduledChunk("r", (5, 6, 7), 0, (4,), None, batch_slot=3)]  # a prefill
+        sp = _layout(chunks, batch)
+        assert float(sp.repetition_penalty[1]) == penalty and int(sp.processor_slot[1]) == 3
+        assert bool(sp.any_processors) and not bool(sp.any_top_logprobs)
+        assert float(sp.temperature[2]) == 0.0  # the prefill row samples nothing
+        assert bool(sp.any_sampling)  # q samples at 0.5
