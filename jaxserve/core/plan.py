@@ -110,6 +110,11 @@ class DecodeRows:
     def __len__(self) -> int:
         return len(self.request_ids)
 
+    def __eq__(self, other) -> bool:  # (meta is an array: compared by value, not truth)
+        return (isinstance(other, DecodeRows) and self.request_ids == other.request_ids
+                and self.page_tables == other.page_tables and self.sampling == other.sampling
+                and np.array_equal(self.meta, other.meta))
+
     @classmethod
     def empty(cls) -> "DecodeRows":
         return cls([], [], [], np.zeros((0, 5), np.int64))
