@@ -40,6 +40,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
             num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
@@ -101,14 +102,17 @@ def _device_ms(step, inputs, repeats: int = 20) -> float:
 
 
 def _attr(name: str, *modules: str):
-    """`name` from the first of `modules` that has it: the package's layout (and so a
-    module's path) differs across the commits the probe measures."""
+    """`name` from the first of `modules` that the measured checkout has: the package's layout
+    (and so a module's path) differs across the commits the probe measures. Only files of
+    the imported jaxserve package count (an editable install elsewhere would mix commits)."""
+    import jaxserve
+
+    root = Path(jaxserve.__file__).parent
     for module in modules:
-        try:
+        path = root.joinpath(*module.split(".")[1:])
+        if path.with_suffix(".py").is_file() or (path / "__init__.py").is_file():
             return getattr(importlib.import_module(module), name)
-        except (ModuleNotFoundError, AttributeError):
-            continue
-    raise ImportError(f"{name} is in none of {modules}")
+    raise ImportError(f"{name}: none of {modules} is in {root}")
 
 
 def _frozen_heap(fallback):

@@ -86,7 +86,7 @@ class SchedulerResults:
         grammar, no top logprobs, no drafts), as update()'s one-token case. The tokens that
         finish nothing go out as one DecodeTokens event, first; the others each as a
         TokenEvent."""
-        requests, commits = self.requests, self.window.commits
+        requests, commits, held = self.requests, self.window.commits, self.sharing.held
         positions = decode.meta[:, decode.POSITION].tolist()
         batch = DecodeTokens([], [], [])
         events.append(batch)
@@ -100,7 +100,8 @@ class SchedulerResults:
             reason = request.take_token(token)
             if commits(start, start + 1) and request.status == RequestStatus.RUNNING:
                 self._commit(request, start, start + 1)
-            self._release_held(request_id)
+            if held:  # (per request and step: no call unless some sample waits)
+                self._release_held(request_id)
             if reason is None:
                 ids.append(request_id)
                 tokens.append(token)
