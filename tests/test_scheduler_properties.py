@@ -406,23 +406,19 @@ def test_a_small_pool_preempts_and_still_conserves_pages(mode, lag, decode_rows)
     assert all(len(run.tokens[s.request_id]) == 12 for s in specs[:-1])
 
 
-# ---- known gaps (xfail) -----------------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason=(
-    "Without chunked prefill, Scheduler.add accepts a prompt longer than "
-    "max_num_batched_tokens (it checks only pages) and _admit_pages never admits it: the "
-    "request waits forever with no error event, and blocks every later request behind it"))
-def test_without_chunked_prefill_a_prompt_over_the_step_budget_is_refused_or_runs():
-    cfg = Config(page_size=4, num_pages=64, max_num_seqs=4, budget=16, max_model_len=64,
-                 chunked=False, mode="recompute", swap_pages=0, decode_rows=False, lag=False)
-    run_workload(cfg, [Spec("long", (3,) * 20, 4, False, 0), Spec("short", (4,) * 4, 4, False, 0)])
+# ---- without chunked prefill -------------------------------------------------------------
+def test_without_chunked_prefill_a_step_budget_below_max_model_len_is_refused():
+    """A prompt (or a recompute's prompt + outputs) is prefilled in one step: a smaller budget
+    would leave such a request waiting forever, so the scheduler refuses the settings."""
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens=16 .* max_model_len \(64\)"):
+        Scheduler(PageManager(64, 4), max_num_seqs=4, max_num_batched_tokens=16,
+                  max_model_len=64, enable_chunked_prefill=False)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Without chunked prefill, a request preempted by recompute must re-prefill prompt + "
-    "outputs in one step; once that exceeds max_num_batched_tokens _admit_pages never "
-    "admits it again (nothing refuses it either): it waits forever though the pool is empty"))
 def test_without_chunked_prefill_a_recompute_preempted_request_resumes():
-    # prompts of 8 fit the 16-token budget; "b" is preempted after > 8 outputs
-    cfg = Config(page_size=4, num_pages=9, max_num_seqs=4, budget=16, max_model_len=64,
+    # "b" is preempted after > 8 outputs and re-prefills prompt + outputs in one step
+    cfg = Config(page_size=4, num_pages=9, max_num_seqs=4, budget=64, max_model_len=64,
                  chunked=False, mode="recompute", swap_pages=0, decode_rows=False, lag=False)
-    run_workload(cfg, [Spec("a", (5,) * 8, 24, False, 0), Spec("b", (6,) * 8, 24, False, 0)])
+    run = run_workload(cfg, [Spec("a", (5,) * 8, 24, False, 0),
+                             Spec("b", (6,) * 8, 24, False, 0)])
+    assert run.num_preemptions > 0, "the small pool should force a preemption"

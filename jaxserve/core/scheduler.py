@@ -40,6 +40,11 @@ class Scheduler(SchedulerResults):
                  preemption_mode: str = "recompute", enable_chunked_prefill: bool = True,
                  batching: str = "continuous", swap_space: HostSwapSpace | None = None,
                  speculation=None, kv_window: int | None = None, decode_rows: bool = False):
+        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            # a prompt (or a recompute's prompt + outputs) is prefilled in one step
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} is too small: "
+                             f"without chunked prefill it must be >= max_model_len "
+                             f"({max_model_len}), or enable chunked prefill")
         self.pages = page_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
