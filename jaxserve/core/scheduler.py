@@ -63,7 +63,7 @@ class Scheduler(SchedulerResults):
         self.waiting: list[Request] = []   # sorted by Request.sort_key
         self.running: list[Request] = []   # sorted by Request.sort_key
         self.swapped: list[Request] = []   # FIFO
-        # n > 1: sample 0's id -> the other samples, held until its prompt KV is computed
+        # n > 1: the other samples are held until sample 0's prompt KV is computed, then fork it
         self.sharing = PromptSharing(page_manager, self.requests)
         self._leave_queue = {RequestStatus.WAITING: self._leave_waiting,  # by request status
                              RequestStatus.RUNNING: self._leave_running,
