@@ -1,8 +1,10 @@
 """The runner's persistent per-slot state (runner/input_batch.py) through the step layout.
 
-Page tables kept on the device by batch slot: a step sends only the rows that changed, the
-step's gathered [S, P] table equals each request's own, rows beyond what a step carries go
-through the overflow scatter, and nothing compiles after warm-up. Sampling settings by slot: a
+Page tables cross from the scheduler as diffs (row_layout.page_update) and are kept by batch
+slot (runner/page_tables.py): any sequence of changes leaves each slot's row equal to the
+request's table; on the device a step sends only the rows that changed, the step's gathered
+[S, P] table equals each request's own, rows beyond what a step carries go through the
+overflow scatter, and nothing compiles after warm-up. Sampling settings by slot: a
 slot's settings are written when another row takes it, and every step gathers the right ones."""
 
 import os
@@ -13,11 +15,16 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxserve.model import pytrees  # noqa: E402,F401  (the step inputs as pytrees)
-from jaxserve.core.plan import ProcessorRow, SamplingRow, ScheduledChunk, StepPlan  # noqa: E402
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from jaxserve.core.plan import (PageUpdate, ProcessorRow, SamplingRow,  # noqa: E402
+                                ScheduledChunk, StepPlan)
+from jaxserve.core.row_layout import page_update  # noqa: E402
 from jaxserve.runner import input_batch  # noqa: E402
 from jaxserve.runner.buckets import BucketTable  # noqa: E402
 from jaxserve.runner.compile_count import CompileCounter  # noqa: E402
 from jaxserve.runner.input_batch import DevicePageTables, InputBatch  # noqa: E402
+from jaxserve.runner.page_tables import HostPageTables  # noqa: E402
 from jaxserve.runner.prepare_inputs import build_step_inputs  # noqa: E402
 
 PAGE_SIZE, MAX_SEQS = 4, 40
@@ -25,13 +32,17 @@ BUCKETS = BucketTable.build(64, MAX_SEQS, 32, PAGE_SIZE, (64,), (MAX_SEQS,))
 P = BUCKETS.max_pages_per_request
 
 
-def decode_plan(lengths, slots, first_page=1):
-    """One decode chunk per request; request i owns pages first_page + 8i ...."""
-    chunks = []
+def decode_plan(lengths, slots, sent, first_page=1):
+    """One decode chunk per request, request i owning pages first_page + 8i ...; sent: slot ->
+    the table it last got (the scheduler's side of the diffs). Returns (plan, tables)."""
+    chunks, tables = [], []
     for i, (n, slot) in enumerate(zip(lengths, slots)):
         pages = tuple(range(first_page + 8 * i, first_page + 8 * i + -(-n // PAGE_SIZE)))
-        chunks.append(ScheduledChunk(f"r{i}", (5,), n - 1, pages, None, batch_slot=slot))
-    return StepPlan(chunks=chunks)
+        update = PageUpdate.whole(pages) if slot == 0 else page_update(sent.get(slot), pages)
+        sent[slot] = pages
+        chunks.append(ScheduledChunk(f"r{i}", (5,), n - 1, update, None, batch_slot=slot))
+        tables.append(pages)
+    return StepPlan(chunks=chunks), tables
 
 
 def layout(plan, batch):
@@ -39,21 +50,25 @@ def layout(plan, batch):
 
 
 def test_a_step_sends_only_the_rows_that_changed():
-    batch = InputBatch(MAX_SEQS, P, MAX_SEQS)
+    batch, sent = InputBatch(MAX_SEQS, P, MAX_SEQS), {}
     lengths, slots = [3, 4, 9], [2, 5, 7]
-    first = layout(decode_plan(lengths, slots), batch)
+    first = layout(decode_plan(lengths, slots, sent)[0], batch)
     assert first.attention.page_table is None, "the whole table was sent"
     assert list(first.tables.update_slots[:3]) == slots
-    same = layout(decode_plan(lengths, slots), batch)
+    plan = decode_plan(lengths, slots, sent)[0]
+    assert all(c.pages is None for c in plan.chunks), "unchanged tables crossed again"
+    same = layout(plan, batch)
     assert not same.tables.update_slots.any(), "unchanged rows were sent again"
-    grown = layout(decode_plan([3, 5, 9], slots), batch)  # request 1 gains its second page
+    plan = decode_plan([3, 5, 9], slots, sent)[0]  # request 1 gains its second page
+    assert plan.chunks[1].pages == PageUpdate(1, (10,))
+    grown = layout(plan, batch)
     assert list(grown.tables.update_slots[:2]) == [5, 0]
     assert list(grown.tables.update_rows[0, :2]) == [9, 10]
     assert list(grown.tables.slots[:3]) == slots
 
 
 def test_the_device_table_of_a_step_equals_each_requests_own_table():
-    batch = InputBatch(MAX_SEQS, P, MAX_SEQS)
+    batch, sent = InputBatch(MAX_SEQS, P, MAX_SEQS), {}
     device = batch.device_tables
     apply = jax.jit(input_batch.apply_table_updates)
     rng = np.random.default_rng(0)
@@ -61,15 +76,44 @@ def test_the_device_table_of_a_step_equals_each_requests_own_table():
         n = int(rng.integers(1, MAX_SEQS))
         slots = [int(s) for s in rng.permutation(np.arange(1, MAX_SEQS + 1))[:n]]
         slots[0] = 0  # a request without a batch slot takes a transient one
-        plan = decode_plan(rng.integers(1, 30, n), slots, first_page=step)
+        plan, tables = decode_plan(rng.integers(1, 30, n), slots, sent, first_page=step)
         inputs = layout(plan, batch)
         batch.write_unsent(batch.unsent_table_rows(len(inputs.tables.update_slots)))
         device.arrays, page_table = apply(device.arrays, inputs.tables)
-        for i, chunk in enumerate(plan.chunks):
+        for i, table in enumerate(tables):
             row = np.asarray(page_table[i])
-            want = list(chunk.page_table) + [0] * (P - len(chunk.page_table))
+            want = list(table) + [0] * (P - len(table))
             assert list(row) == want, f"step {step} request {i}: {row} != {want}"
         assert not np.asarray(page_table[n:]).any(), "padding requests read a non-zero row"
+
+
+# a table's changes while its request runs: pages gained, leading pages a window released
+# (NULL_PAGE in their place), a tail cut (rejected drafts), or a new request in the slot
+_CHANGES = st.lists(st.tuples(st.sampled_from(["grow", "release", "cut", "new"]),
+                              st.integers(0, 5)), max_size=30)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_CHANGES)
+def test_any_sequence_of_page_table_diffs_leaves_the_slot_holding_the_table(changes):
+    host, sent, table, fresh = HostPageTables(2, 16), {}, (), iter(range(1, 10_000))
+    for kind, k in changes:
+        if kind == "grow":
+            table = (table + tuple(next(fresh) for _ in range(k)))[:16]
+        elif kind == "release":
+            released = min(k + sum(p == 0 for p in table), len(table))
+            table = (0,) * released + table[released:]
+        elif kind == "cut":
+            table = table[:max(len(table) - k, 0)]
+        else:
+            table, sent = tuple(next(fresh) for _ in range(k)), {}
+        update = page_update(sent.get(1), table)
+        if update is not None:
+            assert update.apply(sent.get(1, ())) == table
+        sent[1] = table
+        host.apply(1, update)
+        assert host.tables[1].tolist() == list(table) + [0] * (16 - len(table))
+        assert host.lengths[1] == len(table)
 
 
 def test_overflow_writes_compile_nothing_after_warmup():
@@ -87,7 +131,8 @@ SAMPLING_SEQS = 8  # max_num_seqs (and request rows a step has)
 
 
 def _chunk(rid: str, slot: int, row: SamplingRow | None, index: int = 3) -> ScheduledChunk:
-    return ScheduledChunk(rid, (5,), 10, (1,), row, batch_slot=slot, output_index=index)
+    return ScheduledChunk(rid, (5,), 10, PageUpdate.whole((1,)), row, batch_slot=slot,
+                          output_index=index)
 
 
 def _layout(chunks, batch):
@@ -110,7 +155,10 @@ def test_persistent_rows_match_a_fresh_layout_as_slots_change_hands():
              [_chunk("a", 1, a, 7), _chunk("x", 0, b, 9)]]      # a row without a slot
     for chunks in steps:
         got = _layout(chunks, batch)
-        want = build_step_inputs(StepPlan(chunks=chunks), SAMPLING_BUCKETS, 16).sampling
+        tables = HostPageTables(SAMPLING_SEQS + 1, SAMPLING_BUCKETS.max_pages_per_request,
+                                SAMPLING_SEQS)
+        want = build_step_inputs(StepPlan(chunks=chunks), SAMPLING_BUCKETS, 16,
+                                 tables=tables).sampling
         assert _settings(got, len(chunks)) == _settings(want, len(chunks))
         assert bool(got.any_sampling) == bool(want.any_sampling) is True
         assert bool(got.any_top_logprobs) == (a in [ch.sampling for ch in chunks])
@@ -125,7 +173,8 @@ def test_rows_without_sampling_and_per_step_processor_rows():
         proc = SamplingRow(0.5, 0, 1.0, 0.0, 2, 0, ProcessorRow(3, 0.0, 0.0, penalty, False,
                                                                  (), None))
         chunks = [_chunk("p", 1, plain), _chunk("q", 2, proc),
-                  ScheduledChunk("r", (5, 6, 7), 0, (4,), None, batch_slot=3)]  # a prefill
+                  ScheduledChunk("r", (5, 6, 7), 0, PageUpdate.whole((4,)), None,
+                                 batch_slot=3)]  # a prefill
         sp = _layout(chunks, batch)
         assert float(sp.repetition_penalty[1]) == penalty and int(sp.processor_slot[1]) == 3
         assert bool(sp.any_processors) and not bool(sp.any_top_logprobs)

@@ -11,10 +11,11 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.core.plan import SamplingRow, ScheduledChunk, StepPlan
+from jaxserve.core.plan import PageUpdate, SamplingRow, ScheduledChunk, StepPlan
 from jaxserve.core.processor_slots import ProcessorSlots
 from jaxserve.core.request import Request, SamplingParams
 from jaxserve.runner import logits_processors as lp
+from jaxserve.runner.page_tables import HostPageTables
 from jaxserve.runner.prepare_inputs import build_step_inputs
 from jaxserve.runner.buckets import BucketTable
 from jaxserve.runner.sampler import top_logprobs
@@ -79,10 +80,11 @@ def device_rows(requests, logits):
     chunks = []
     for i, r in enumerate(requests):
         row = SamplingRow(0.0, 0, 1.0, 0.0, r.seed, 5, slots.row(r))
-        chunks.append(ScheduledChunk(r.request_id, (3,), i, (1,), row,
+        chunks.append(ScheduledChunk(r.request_id, (3,), i, PageUpdate.whole((1,)), row,
                                      output_index=len(r.output_token_ids)))
-    plan = StepPlan(chunks=chunks)
-    inputs = build_step_inputs(plan, BucketTable.build(64, 16, 64, 16), 16)
+    plan, buckets = StepPlan(chunks=chunks), BucketTable.build(64, 16, 64, 16)
+    tables = HostPageTables(1, buckets.max_pages_per_request, len(chunks))
+    inputs = build_step_inputs(plan, buckets, 16, tables=tables)
     arrays = list(lp.empty_arrays(len(requests) + 1, V))
     for chunk in chunks:
         proc = chunk.sampling.processors

@@ -114,10 +114,11 @@ def _health(client) -> str:
 # ---- the plan channel and the leader/follower runners, in one process -----------------------
 
 def _plan(n: int):
-    from jaxserve.core.plan import SamplingRow, ScheduledChunk, StepPlan, SwapIn
+    from jaxserve.core.plan import PageUpdate, SamplingRow, ScheduledChunk, StepPlan, SwapIn
 
     row = SamplingRow(temperature=0.5, top_k=3, top_p=0.9, min_p=0.0, seed=n)
-    chunk = ScheduledChunk(f"r{n}", tuple(range(3, 3 + 200 * n)), 0, (1, 2), row, output_index=1)
+    chunk = ScheduledChunk(f"r{n}", tuple(range(3, 3 + 200 * n)), 0, PageUpdate.whole((1, 2)),
+                           row, output_index=1)
     return StepPlan(chunks=[chunk], swap_in=[SwapIn("s", (4,))], dropped_swaps=["d"])
 
 

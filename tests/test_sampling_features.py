@@ -172,7 +172,8 @@ def test_n_samples_share_one_prefill_and_each_reproduces_alone(llm, monkeypatch)
             if chunk.start_position < len(prompt):
                 prefill[chunk.request_id] = prefill.get(chunk.request_id, 0) + min(
                     chunk.kv_len, len(prompt)) - chunk.start_position
-            tables[chunk.request_id] = chunk.page_table
+            if chunk.pages is not None:  # (the change of its table since its last chunk)
+                tables[chunk.request_id] = chunk.pages.apply(tables.get(chunk.request_id, ()))
     first, = [rid for rid in prefill if "#" not in rid]  # sample 0 (the engine's id)
     assert prefill[first] == len(prompt)
     others = [rid for rid in prefill if rid != first]

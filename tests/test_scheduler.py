@@ -87,54 +87,60 @@ def test_decode_rows_come_before_prefill_chunks():
 
 
 def test_static_batch_computes_finished_members_slots_over_the_longest_context():
-    from jaxserve.runner.prepare_inputs import build_step_inputs
     from jaxserve.runner.buckets import BucketTable
+    from jaxserve.runner.page_tables import HostPageTables
+    from jaxserve.runner.prepare_inputs import build_step_inputs
+
+    table = BucketTable.build(32, 4, 512, 16)
+    host = HostPageTables(5, table.max_pages_per_request)  # the runner's, kept from each plan
+
+    def step():
+        plan, _ = run_step(sched)
+        host.apply_all(plan.chunks, [c.batch_slot for c in plan.chunks])
 
     sched = make_scheduler(batching="static")
     # member 0 finishes after its first token; member 3, the longest, has 30 prompt tokens
     members = add(sched, 4, prompt_len=[10, 10, 10, 30], max_tokens=[1, 6, 6, 6])
-    run_step(sched)  # members 0-2 prefill, member 3 its first 2 prompt tokens
+    step()  # members 0-2 prefill, member 3 its first 2 prompt tokens
     assert members[0].is_finished
-    run_step(sched)  # the batch still steps member 0's slot; member 3 prefills the rest
+    step()  # the batch still steps member 0's slot; member 3 prefills the rest
     plan = sched.schedule()
     assert len(plan.chunks) == 3 and plan.static_padding.num_finished_slots == 1
     assert plan.num_padding_rows >= 1
     assert [c.kv_len for c in plan.chunks] == [12, 12, 31], (
         "members 1, 2 decode at kv_len 12 and member 3 (the longest, last) at 31")
-    table = BucketTable.build(32, 4, 512, 16)
-    inputs = build_step_inputs(plan, table, 16)
+    inputs = build_step_inputs(plan, table, 16, tables=host)
     batch, rows = inputs.attention, inputs.model
     longest = max(plan.chunks, key=lambda c: c.kv_len)
+    pages = sched.pages.page_table(longest.request_id)
     slot = len(plan.chunks)  # the finished slot is the sequence after the live ones
     assert int(batch.num_seqs) == 4
     assert batch.kv_lens[slot] == longest.kv_len
-    assert list(batch.page_table[slot, :len(longest.page_table)]) == list(longest.page_table)
+    assert list(batch.page_table[slot, :len(pages)]) == pages
     row = batch.cu_q_lens[slot]
     assert batch.cu_q_lens[slot + 1] == row + 1
     assert rows.positions[row] == longest.kv_len - 1
     assert rows.slot_mapping[row] == 0, "a finished slot must write only scratch page 0"
 
 
-def test_a_chunks_page_table_is_the_page_managers_own_tuple_until_the_pages_change():
-    """A decode's chunk holds the request's table without a copy, so the runner's persistent
-    page tables (HostPageTables.update) find it unchanged by identity; when the pages change,
-    the chunk of the next step holds the new table."""
-    from jaxserve.runner.input_batch import HostPageTables
+def test_a_running_requests_page_table_crosses_as_its_changes():
+    """The plan carries a request's whole table when it is new to its batch slot, then only
+    the pages it gains (none while its last page has room), and whole again in a new slot."""
+    from jaxserve.core.plan import PageUpdate
 
-    pm = PageManager(16, 4)
-    pm.allocate("a", (), 3)
-    first = pm.page_table_tuple("a")
-    assert pm.append_slots("a", 4) and pm.page_table_tuple("a") is first  # within its page
-    tables = HostPageTables(2, 4)
-    assert tables.update(1, first) and not tables.update(1, pm.page_table_tuple("a"))
-    assert pm.append_slots("a", 9)  # two more pages
-    grown = pm.page_table_tuple("a")
-    assert grown[:1] == first and len(grown) == 3 and tables.update(1, grown)
-    assert list(tables.tables[1, :3]) == list(grown)
-    assert pm.release_window("a", 8) == 2
-    assert pm.page_table_tuple("a") == (0, 0, grown[2]) and grown[0] != 0  # the old is intact
-    pm.truncate("a", 8)
-    assert pm.page_table_tuple("a") == (0, 0)
+    sched = make_scheduler(max_num_batched_tokens=64, preemption_mode="recompute")
+    r, = add(sched, 1, prompt_len=30, max_tokens=20)
+    plan, _ = run_step(sched)  # the prompt: 2 pages of 16
+    pages = sched.pages.page_table("r0")
+    assert plan.chunks[0].pages == PageUpdate.whole(pages)
+    for _ in range(2):  # positions 30 and 31 fit in page 2
+        plan, _ = run_step(sched)
+        assert plan.chunks[0].pages is None
+    plan, _ = run_step(sched)  # position 32 opens page 3
+    assert plan.chunks[0].pages == PageUpdate(2, (sched.pages.page_table("r0")[2],))
+    sched._preempt(r, plan)  # (by recompute: it comes back in a new slot)
+    plan, _ = run_step(sched)
+    assert plan.chunks[0].pages == PageUpdate.whole(sched.pages.page_table("r0"))
 
 
 def test_commit_slices_the_tokens_across_the_prompt_output_boundary():

@@ -37,24 +37,29 @@ def add(sched, rid, prompt, max_tokens):
     return r
 
 
-def check_plan(plan, window: int, page_size: int) -> None:
-    """Every page a chunk's queries can see is a live page, never the NULL_PAGE stand-in."""
+def check_plan(plan, held: dict, window: int, page_size: int) -> None:
+    """Every page a chunk's queries can see is a live page, never the NULL_PAGE stand-in, in
+    the table the runner holds for it (held: request id -> table, kept from the plans' diffs
+    as the runner keeps them)."""
     for chunk in plan.chunks:
+        if chunk.pages is not None:
+            held[chunk.request_id] = chunk.pages.apply(held.get(chunk.request_id, ()))
+        table = held[chunk.request_id]
         first_key = max(chunk.start_position - window + 1, 0)
-        needed = chunk.page_table[first_key // page_size:math.ceil(chunk.kv_len / page_size)]
+        needed = table[first_key // page_size:math.ceil(chunk.kv_len / page_size)]
         assert NULL_PAGE not in needed, (
             f"{chunk.request_id}: queries {chunk.start_position}..{chunk.kv_len - 1} see keys from "
-            f"{first_key}, but its page table {chunk.page_table} has a released page there")
+            f"{first_key}, but its page table {table} has a released page there")
 
 
 def run(sched, *, max_steps=5000, on_step=None):
     """Drive the scheduler to the end with token 7 every step; check accounting every step."""
     pm, window = sched.pages, sched.window.window
-    steps = 0
+    steps, held = 0, {}
     while sched.has_unfinished():
         plan = sched.schedule()
         if window is not None:
-            check_plan(plan, window, pm.page_size)
+            check_plan(plan, held, window, pm.page_size)
         if on_step is not None:
             on_step(plan)
         sched.update(plan, StepResult([7] * len(plan.chunks), [0.0] * len(plan.chunks)))
@@ -132,7 +137,9 @@ def test_without_a_window_no_page_is_released():
     sched = make(window=None)
     add(sched, "r", range(10, 40), max_tokens=60)
     seen = []
-    run(sched, on_step=lambda plan: seen.extend(p for c in plan.chunks for p in c.page_table))
+    run(sched, on_step=lambda plan: seen.extend(
+        p for c in plan.chunks if c.pages is not None
+        for p in (NULL_PAGE,) * c.pages.num_released + c.pages.new_pages))
     assert NULL_PAGE not in seen
 
 
@@ -207,7 +214,9 @@ def mistral_window_run(loaded, prompts, *, reuse: bool, **engine_settings):
 
         def recording_schedule():
             plan = schedule()
-            nulls.extend(p for c in plan.chunks for p in c.page_table if p == NULL_PAGE)
+            nulls.extend(p for c in plan.chunks if c.pages is not None
+                         for p in (NULL_PAGE,) * c.pages.num_released + c.pages.new_pages
+                         if p == NULL_PAGE)
             return plan
 
         scheduler.schedule = recording_schedule

@@ -92,8 +92,8 @@ class PageManager:
     def page_table(self, request_id: str) -> list[int]:
         return list(self._get(request_id).pages)
 
-    def page_table_tuple(self, request_id: str) -> tuple[int, ...]:  # the same object while
-        return self._get(request_id).pages  # the pages don't change (HostPageTables: by identity)
+    def page_table_tuple(self, request_id: str) -> tuple[int, ...]:  # (no copy: RowLayout
+        return self._get(request_id).pages  # compares it with the table it last sent)
 
     def num_slots(self, request_id: str) -> int:
         return self._get(request_id).num_slots

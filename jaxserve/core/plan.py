@@ -42,8 +42,8 @@ class ProcessorRow:
 class SamplingRow:
     """Sampling settings of one request for the token it samples this step. A request without
     logits processors or a grammar has one for its whole life (the scheduler makes it when the
-    request is queued), so the runner's persistent batch (runner/input_batch.py) recognizes
-    it by identity and writes its settings once per batch slot."""
+    request is queued), so the runner's persistent batch (runner/input_batch.py) finds its
+    slot holding equal settings and writes them once per batch slot."""
 
     temperature: float
     top_k: int
@@ -58,6 +58,28 @@ class SamplingRow:
     grammar_draft_bitmasks: tuple[bytes | None, ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class PageUpdate:
+    """How a request's page table changed since its batch slot last got it (the runner keeps
+    each slot's table): its first num_kept entries stay, the leading num_released of them now
+    NULL_PAGE (pages a sliding window gave back), new_pages follow, and nothing after (a
+    table shortened by rejected drafts ends at num_kept). num_kept 0: the whole table (a
+    request new to its slot). Applying it twice gives the same table."""
+
+    num_kept: int
+    new_pages: tuple[int, ...]
+    num_released: int = 0
+
+    @classmethod
+    def whole(cls, page_table) -> "PageUpdate":
+        return cls(0, tuple(page_table))
+
+    def apply(self, held: tuple[int, ...]) -> tuple[int, ...]:
+        """The table this makes of the one the slot held."""
+        return ((0,) * self.num_released + tuple(held[self.num_released:self.num_kept])
+                + self.new_pages)
+
+
 @dataclass(slots=True)  # built per request and step: cheap to make, never changed
 class ScheduledChunk:
     """Tokens of one request whose K/V this step writes (1 for a decode, many for prefill)."""
@@ -65,7 +87,7 @@ class ScheduledChunk:
     request_id: str
     token_ids: tuple[int, ...]
     start_position: int            # position of token_ids[0]
-    page_table: tuple[int, ...]    # the request's pages, in order
+    pages: PageUpdate | None       # its page table's change (None: its slot holds it as is)
     sampling: SamplingRow | None   # None: a prefill chunk that is not the last one
     # prompt_logprobs = k: rows from prompt_logprob_first_row on report the log-probability of
     # the prompt token that follows them (prompt_logprob_next, in order) and k alternatives
@@ -92,16 +114,15 @@ class ScheduledChunk:
 @dataclass(slots=True)
 class DecodeRows:
     """The step's steady decode rows, laid out before every chunk: one token each, of running
-    requests whose batch slot already holds their sampling settings and page table (they came
-    with an earlier chunk of the request in that slot, and the table is the same tuple), with a
-    plain SamplingRow (no processors, grammar, top or prompt logprobs). Row i is request
-    request_ids[i]; `meta` [D, 5] int64 holds its start position, its token (0: a placeholder
-    when on the device), its batch slot, whether the token is on the device (the step before
-    sampled it), and the output index it samples. page_tables and sampling are the same objects
-    its chunk would carry (chunks() makes those chunks, for any reader that wants objects)."""
+    requests whose batch slot already holds their sampling settings and page table, unchanged
+    (they came with an earlier chunk of the request in that slot), with a plain SamplingRow (no
+    processors, grammar, top or prompt logprobs). Row i is request request_ids[i]; `meta`
+    [D, 5] int64 holds its start position, its token (0: a placeholder when on the device), its
+    batch slot, whether the token is on the device (the step before sampled it), and the
+    output index it samples. sampling is the row its slot holds (chunks() makes the chunks
+    these rows stand for, for any reader that wants objects)."""
 
     request_ids: list[str]
-    page_tables: list[tuple[int, ...]]
     sampling: list[SamplingRow]
     meta: np.ndarray
 
@@ -112,18 +133,18 @@ class DecodeRows:
 
     def __eq__(self, other) -> bool:  # (meta is an array: compared by value, not truth)
         return (isinstance(other, DecodeRows) and self.request_ids == other.request_ids
-                and self.page_tables == other.page_tables and self.sampling == other.sampling
+                and self.sampling == other.sampling
                 and np.array_equal(self.meta, other.meta))
 
     @classmethod
     def empty(cls) -> "DecodeRows":
-        return cls([], [], [], np.zeros((0, 5), np.int64))
+        return cls([], [], np.zeros((0, 5), np.int64))
 
     def chunks(self) -> list[ScheduledChunk]:
-        return [ScheduledChunk(rid, (token,), pos, table, row, batch_slot=slot,
+        return [ScheduledChunk(rid, (token,), pos, None, row, batch_slot=slot,
                                token_on_device=bool(dev), output_index=index)
-                for rid, table, row, (pos, token, slot, dev, index)
-                in zip(self.request_ids, self.page_tables, self.sampling, self.meta.tolist())]
+                for rid, row, (pos, token, slot, dev, index)
+                in zip(self.request_ids, self.sampling, self.meta.tolist())]
 
 
 @dataclass(frozen=True)

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxserve.core.plan import SamplingRow, ScheduledChunk
+from jaxserve.core.plan import PageUpdate, SamplingRow, ScheduledChunk
 from jaxserve.core.processor_slots import ProcessorSlots
 from jaxserve.core.request import Request
 
 
-def build_chunk(request: Request, num_new: int, page_table: tuple[int, ...],
+def build_chunk(request: Request, num_new: int, pages: PageUpdate | None,
                 processor_slots: ProcessorSlots, drafts: tuple[int, ...] = ()) -> ScheduledChunk:
-    """The request's next num_new tokens, from num_computed_tokens on. drafts: the host's
+    """The request's next num_new tokens, from num_computed_tokens on; pages: its page table's
+    change since its batch slot last got it (None: none). drafts: the host's
     proposals verified after them (speculative steps), which its grammar masks too. Called
     per request and step: the common cases (a decode, no grammar) take the fewest steps."""
     start = request.num_computed_tokens
@@ -65,7 +66,7 @@ def build_chunk(request: Request, num_new: int, page_table: tuple[int, ...],
             tokens = tuple(prompt[start:]) + tuple(outputs[:end - num_prompt])
         if end > known:  # its last tokens: the step in flight samples them, placeholders
             tokens += (0,) * (end - known)
-    return ScheduledChunk(request.request_id, tokens, start, page_table, sampling, k,
+    return ScheduledChunk(request.request_id, tokens, start, pages, sampling, k,
                           first, nxt, request.batch_slot, end > known, output_index)
 
 

@@ -2,15 +2,15 @@
 
 A request keeps its batch slot while it runs, so what a step needs of it mostly did not change
 since the step before: its page table changes when it gains a page (every page_size tokens of
-decoding), loses out-of-window pages or is admitted; its sampling settings (plan.SamplingRow)
-are the same object for its whole life; its last sampled token is on the device. The batch
-keeps each of these by slot and a step writes only the rows that changed:
+decoding), loses out-of-window pages or is admitted, and the plan carries only that change
+(plan.PageUpdate); its sampling settings (plan.SamplingRow) are the same for its whole life;
+its last sampled token is on the device. The batch keeps each of these by slot and a step
+writes only the rows that changed:
 
-* HostPageTables: the host's copy of every slot's page table, checked by identity first (the
-  page manager replaces a request's tuple when its pages change); the rows a layout changed
-  are listed for the device.
-* HostSamplingRows: every slot's sampling settings; a step's [S] setting arrays are one gather
-  per field by slot.
+* HostPageTables (runner/page_tables.py): the host's copy of every slot's page table, kept
+  from the plans' diffs; the rows the device lacks are listed for it.
+* HostSamplingRows: every slot's sampling settings, written when a row's differ from those its
+  slot holds; a step's [S] setting arrays are one gather per field by slot.
 * DevicePageTables: the same tables on the device. A step carries each request's slot and at
   most num_table_updates(S) changed rows (step_inputs.PageTableInputs), writes them and
   gathers its [S, P] table by slot (`apply_table_updates`); rows beyond those go first
@@ -38,30 +38,7 @@ import numpy as np
 from jaxserve.core.plan import SamplingRow
 from jaxserve.model.step_inputs import PageTableInputs
 from jaxserve.runner.buckets import powers_of_two
-
-
-class HostPageTables:
-    """The host's copy of every slot's page table [num_slots + num_transient, P]."""
-
-    def __init__(self, num_slots: int, max_pages_per_request: int, num_transient: int = 0):
-        """num_slots: max_num_seqs + 1 (slot 0: scratch, never stored); num_transient: more
-        slots after those, one per request row of a step."""
-        self.num_slots, self.num_transient = num_slots, num_transient
-        self.tables = np.zeros((num_slots + num_transient, max_pages_per_request), np.int32)
-        self._rows: list[tuple[int, ...] | None] = [None] * (num_slots + num_transient)
-        self.changed: list[int] = []  # slots whose row the last layout changed, in order
-
-    def update(self, slot: int, page_table: tuple[int, ...]) -> bool:
-        """Store a request's table in its slot if it differs from the one there; True if so
-        (the device's copy of the row is then stale)."""
-        held = self._rows[slot]
-        if held is page_table or held == page_table:  # (the page manager's tuple: identity)
-            return False
-        row = self.tables[slot]
-        row[:len(page_table)] = page_table
-        row[len(page_table):] = 0
-        self._rows[slot] = page_table
-        return True
+from jaxserve.runner.page_tables import HostPageTables
 
 
 class HostSamplingRows:
@@ -80,11 +57,11 @@ class HostSamplingRows:
         self._rows: list[SamplingRow | None] = [None] * num_slots
 
     def store(self, slots: list[int], rows: list[SamplingRow | None]) -> None:
-        """Each row's settings into its slot, unless the slot holds that very row already
+        """Each row's settings into its slot, unless the slot holds equal ones already
         (None rows: nothing)."""
         held = self._rows
         for slot, r in zip(slots, rows):
-            if r is not None and held[slot] is not r:
+            if r is not None and r != held[slot]:
                 held[slot] = r
                 self.temperature[slot], self.top_k[slot] = r.temperature, r.top_k
                 self.top_p[slot], self.min_p[slot], self.seeds[slot] = r.top_p, r.min_p, r.seed

@@ -23,33 +23,46 @@ from jaxserve.model.step_layout import PackedStepInputs, StepLayout
 def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
                       chunks: list[ScheduledChunk] | None = None,
                       shape: tuple[int, int] | None = None, mask_words: int = 1,
-                      batch=None, layouts: dict[tuple[int, int], StepLayout] | None = None
-                      ) -> StepInputs | PackedStepInputs:
+                      batch=None, layouts: dict[tuple[int, int], StepLayout] | None = None,
+                      tables=None) -> StepInputs | PackedStepInputs:
     """chunks: the rows to lay out (default plan.chunks; speculation passes them with their
     draft rows appended); shape: a fixed (T, S) bucket instead of the smallest that fits;
     mask_words: grammar bitmask words per row (the step's compiled width); batch: the runner's
     InputBatch (runner/input_batch.py), whose host page tables and sampling rows the plan
-    updates: the step then carries each request's slot and only the changed table rows
-    (StepInputs.tables; batch.host_tables.changed lists them all) and gathers its settings by
-    slot (None: each chunk's table is copied and each row's settings written); layouts: one
-    buffer layout per bucket (step_layout.py; with batch): the result is then a
-    PackedStepInputs whose `views` were filled, its grammar_bitmask None when no row has a
-    grammar."""
+    updates: the step then carries each request's slot and only the table rows the device
+    lacks (StepInputs.tables; batch.host_tables.changed lists them all) and gathers its
+    settings by slot; tables: without batch, the runner's HostPageTables
+    (runner/page_tables.py), whose rows the plan updates and each request's table is copied
+    from, each row's settings written; layouts: one buffer layout per bucket (step_layout.py;
+    with batch): the result is then a PackedStepInputs whose `views` were filled, its
+    grammar_bitmask None when no row has a grammar."""
     chunks = plan.chunks if chunks is None else chunks
+    host = batch.host_tables if batch is not None else tables
+    if host is None:
+        raise ValueError("build_step_inputs needs the runner's page tables (batch= or tables=)")
     padding = plan.static_padding if plan.chunks or plan.decode else None
     num_finished = 0 if padding is None else padding.num_finished_slots
     num_steady = plan.num_decode_rows
     num_seqs = num_steady + len(chunks)
-    # every chunk's scalars in one pass: start, tokens, pages, slot, token on device, first
-    # token, prompt-logprob rows, output index, samples [n, 9] (per request and step)
-    meta = np.array([(c.start_position, len(c.token_ids), len(c.page_table), c.batch_slot,
+    # every chunk's scalars in one pass: start, tokens, pages (below), slot, token on device,
+    # first token, prompt-logprob rows, output index, samples [n, 9] (per request and step)
+    meta = np.array([(c.start_position, len(c.token_ids), 0, c.batch_slot,
                       c.token_on_device, c.token_ids[0], len(c.prompt_logprob_next),
                       c.output_index, c.sampling is not None)
                      for c in chunks], np.int64).reshape(len(chunks), 9)
     if num_steady:  # the same scalars of plan.decode's rows, before the chunks'
         if batch is None:
             raise ValueError("plan.decode rows need the runner's InputBatch (batch=)")
-        meta = np.concatenate([_steady_meta(plan.decode, buckets.max_pages_per_request), meta])
+        meta = np.concatenate([_steady_meta(plan.decode), meta])
+    slots = meta[:, 3].astype(np.int32)
+    transient = slots == 0  # rows without a batch slot: row i uses slot num_slots + i
+    if transient.any():
+        if host.num_transient < num_seqs:
+            raise ValueError(f"{num_seqs} rows without a batch slot each need a transient "
+                             f"page-table slot; the runner has {host.num_transient}")
+        slots[transient] = host.num_slots + np.flatnonzero(transient)
+    host.apply_all(chunks, slots[num_steady:].tolist())
+    meta[:, 2] = host.lengths[slots]
     starts, lens, num_pages = meta[:, 0], meta[:, 1], meta[:, 2]
     kv_lens = starts + lens
     num_rows = int(lens.sum()) + plan.num_padding_rows
@@ -62,27 +75,23 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
         b = packed.views
     longer = np.flatnonzero(lens != 1)
     num_decode = int(longer[0]) if longer.size else num_seqs  # decode rows come first
-    bad = np.flatnonzero((num_pages > p) | (num_pages * page_size < kv_lens))
+    bad = np.flatnonzero(num_pages * page_size < kv_lens)
     if bad.size:
-        chunk = (plan.decode.chunks() + chunks if num_steady else chunks)[int(bad[0])]
-        raise ValueError(f"request {chunk.request_id}: {len(chunk.page_table)} pages for "
-                         f"{chunk.kv_len} tokens (page-table width {p})")
-    slots = None
+        i = int(bad[0])
+        rid = plan.decode.request_ids[i] if i < num_steady else chunks[i - num_steady].request_id
+        raise ValueError(f"request {rid}: {int(num_pages[i])} pages for {int(kv_lens[i])} "
+                         f"tokens")
     if batch is None:
-        _layout_rows(b, chunks, 0, 0, page_size, copy_tables=True)
-    elif batch.host_tables.num_transient >= num_seqs or meta[:, 3].all():
-        slots = _layout_with_slots(b, chunks, meta, num_decode, page_size, batch.host_tables,
-                                   num_steady)
+        _layout_rows(b, chunks, 0, 0, page_size, host.tables, slots, copy_tables=True)
     else:
-        raise ValueError(f"{num_seqs} rows without a batch slot each need a transient page-table "
-                         f"slot; the runner has {batch.host_tables.num_transient}")
+        _layout_with_slots(b, chunks, meta, slots, num_decode, page_size, host, num_steady)
     _fill_sampling(b, chunks, meta, slots, None if batch is None else batch.sampling,
                    mask_words, num_steady)
     a = b.attention
     row = int(a.cu_q_lens[num_seqs])
     a.num_decode_seqs[...] = num_decode
     if num_finished:
-        row = _fill_finished_slots(b, chunks, num_seqs, row, num_finished, slots)
+        row = _fill_finished_slots(b, chunks, num_seqs, row, num_finished, slots, host.tables)
         num_seqs += num_finished
     a.cu_q_lens[num_seqs + 1:] = row
     a.num_seqs[...] = num_seqs
@@ -97,33 +106,26 @@ _SETTINGS = (("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_
              ("min_p", "min_p"), ("seeds", "seed"))
 
 
-def _steady_meta(decode, max_pages: int) -> np.ndarray:
-    """build_step_inputs' per-chunk scalars of plan.decode's rows, from its arrays (their page
-    count: max_pages, as their tables were checked when sent)."""
+def _steady_meta(decode) -> np.ndarray:
+    """build_step_inputs' per-chunk scalars of plan.decode's rows, from its arrays."""
     d, meta = decode.meta, np.empty((len(decode.meta), 9), np.int64)
-    meta[:, 0], meta[:, 1], meta[:, 2] = d[:, decode.POSITION], 1, max_pages
+    meta[:, 0], meta[:, 1], meta[:, 2] = d[:, decode.POSITION], 1, 0
     meta[:, 3], meta[:, 4] = d[:, decode.SLOT], d[:, decode.ON_DEVICE]
     meta[:, 5], meta[:, 6] = d[:, decode.TOKEN], 0
     meta[:, 7], meta[:, 8] = d[:, decode.OUTPUT_INDEX], 1
     return meta
 
 
-def _layout_with_slots(b: StepInputs, chunks, meta: np.ndarray, num_decode: int,
-                       page_size: int, tables, num_steady: int) -> np.ndarray:
-    """Page tables from the slots' persistent rows (tables: the InputBatch's HostPageTables;
-    b.tables: just the changed rows, the first num_table_updates of them; tables.changed lists
-    them all); the decode rows in one go each field, from meta (build_step_inputs' per-chunk
-    scalars; the first num_steady rows plan.decode's, whose tables the slots hold). Returns
-    each request's table slot [n]."""
+def _layout_with_slots(b: StepInputs, chunks, meta: np.ndarray, slots: np.ndarray,
+                       num_decode: int, page_size: int, tables, num_steady: int) -> None:
+    """Page tables from the slots' persistent rows (tables: the InputBatch's HostPageTables,
+    this plan's updates applied; b.tables: the rows of this step's slots the device lacks, the
+    first num_table_updates of them; tables.changed lists them all); the decode rows in one
+    go each field, from meta (build_step_inputs' per-chunk scalars; the first num_steady rows
+    plan.decode's)."""
     m, a = b.model, b.attention
     n = len(meta)
-    slots = meta[:, 3].astype(np.int32)
-    transient = slots == 0  # requests without a batch slot: row i uses slot num_slots + i
-    if transient.any():
-        slots[transient] = tables.num_slots + np.flatnonzero(transient)
-    update = tables.update
-    tables.changed = [slot for chunk, slot in zip(chunks, slots[num_steady:].tolist())
-                      if update(slot, chunk.page_table)]
+    tables.changed = tables.take_stale(slots)
     t = b.tables
     t.slots[:n] = slots
     sent = tables.changed[:len(t.update_slots)]
@@ -140,21 +142,21 @@ def _layout_with_slots(b: StepInputs, chunks, meta: np.ndarray, num_decode: int,
         m.token_slots[:num_decode] = np.where(d[:, 4] != 0, d[:, 3], 0)
         a.kv_lens[:num_decode] = pos + 1
         a.cu_q_lens[1:num_decode + 1] = np.arange(1, num_decode + 1, dtype=np.int32)
-    _layout_rows(b, chunks, num_decode, num_decode, page_size, copy_tables=False,
-                 offset=num_steady)
-    return slots
+    _layout_rows(b, chunks, num_decode, num_decode, page_size, tables.tables, slots,
+                 copy_tables=False, offset=num_steady)
 
 
 def _layout_rows(b: StepInputs, chunks, first: int, row: int, page_size: int,
-                 copy_tables: bool, offset: int = 0) -> None:
+                 tables: np.ndarray, slots: np.ndarray, copy_tables: bool,
+                 offset: int = 0) -> None:
     """Requests from `first` on, one at a time, their rows from `row` on (request i is
-    chunks[i - offset])."""
+    chunks[i - offset], its page table tables[slots[i]])."""
     m, a = b.model, b.attention
     for i in range(first, offset + len(chunks)):
         chunk = chunks[i - offset]
         n = chunk.num_tokens
         pos = np.arange(chunk.start_position, chunk.kv_len, dtype=np.int32)
-        table = np.asarray(chunk.page_table, dtype=np.int32)
+        table = tables[slots[i]]
         m.token_ids[row:row + n] = chunk.token_ids
         if chunk.token_on_device:  # its last token: the step before sampled it, on the device
             m.token_slots[row + n - 1] = chunk.batch_slot
@@ -162,7 +164,7 @@ def _layout_rows(b: StepInputs, chunks, first: int, row: int, page_size: int,
         m.slot_mapping[row:row + n] = table[pos // page_size] * page_size + pos % page_size
         m.logits_indices[i] = row + n - 1
         if copy_tables:
-            a.page_table[i, :len(table)] = table
+            a.page_table[i] = table
         a.kv_lens[i] = chunk.kv_len
         a.cu_q_lens[i + 1] = row + n
         row += n
@@ -230,13 +232,12 @@ def _fill_processors(sp: SamplingInputs, i: int, pr: ProcessorRow) -> None:
 
 
 def _fill_finished_slots(b: StepInputs, chunks: list[ScheduledChunk], first: int, row: int,
-                         count: int, slots: np.ndarray | None) -> int:
+                         count: int, slots: np.ndarray, tables: np.ndarray) -> int:
     """Static batching: a finished member's slot is a decode row over the longest member's
     pages (read only); its own K/V goes to scratch page 0 and nothing samples it. slots: each
-    chunk's table slot (device tables: the row reads the longest's). Returns the next free
-    row."""
+    chunk's table slot (device tables: the row reads the longest's); tables: the host's rows.
+    Returns the next free row."""
     longest = max(range(len(chunks)), key=lambda i: chunks[i].kv_len)
-    table = np.asarray(chunks[longest].page_table, dtype=np.int32)
     a = b.attention
     for i in range(first, first + count):
         b.model.positions[row] = chunks[longest].kv_len - 1
@@ -244,7 +245,7 @@ def _fill_finished_slots(b: StepInputs, chunks: list[ScheduledChunk], first: int
         if b.tables is not None:
             b.tables.slots[i] = slots[longest]
         else:
-            a.page_table[i, :len(table)] = table
+            a.page_table[i] = tables[slots[longest]]
         a.kv_lens[i] = chunks[longest].kv_len
         a.cu_q_lens[i + 1] = row + 1
         row += 1

@@ -151,9 +151,11 @@ class SpeculativeRunner(RunsInDispatch):
             self.draft_cache.apply_swaps(plan)  # the draft cache follows the target's swaps
         if not plan.drafts:
             if self.sync is not None and plan.chunks:
-                self.sync.run(build_step_inputs(plan, self.buckets, self.base.page_size))
+                self.sync.run(build_step_inputs(plan, self.buckets, self.base.page_size,
+                                                tables=self.base.input_batch.host_tables))
             return self.base.execute(plan)
         self.base.cache.apply_swaps(plan)
         inputs = build_spec_inputs(plan, self.buckets, self.base.page_size, self.k,
-                                   self.with_draft_model, self.base.mask_words)
+                                   self.with_draft_model, self.base.input_batch.host_tables,
+                                   self.base.mask_words)
         return unpack(np.asarray(self.verify.run(inputs)), len(plan.chunks))

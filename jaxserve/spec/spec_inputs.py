@@ -22,9 +22,10 @@ from jaxserve.model.step_inputs import (DraftInputs, SpecStepInputs, StepInputs,
 
 
 def build_spec_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
-                      num_speculative_tokens: int, with_draft_model: bool,
+                      num_speculative_tokens: int, with_draft_model: bool, tables,
                       mask_words: int = 1) -> SpecStepInputs:
-    """mask_words: grammar bitmask words per row (the compiled width)."""
+    """tables: the runner's HostPageTables (runner/page_tables.py), which the plan's page-table
+    changes update; mask_words: grammar bitmask words per row (the compiled width)."""
     k = num_speculative_tokens
     num_rows = plan.num_tokens + plan.num_draft_tokens
     t, s = buckets.select(num_rows + plan.num_padding_rows, len(plan.chunks))
@@ -34,7 +35,7 @@ def build_spec_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
         extra = () if d is None else (d.token_ids or (0,) * d.num_tokens)
         chunks.append(dataclasses.replace(c, token_ids=c.token_ids + extra))
     step = build_step_inputs(plan, buckets, page_size, chunks=chunks, shape=(t, s),
-                             mask_words=mask_words)
+                             mask_words=mask_words, tables=tables)
     if step.sampling.any_processors or step.sampling.any_top_logprobs:
         # The scheduler never speculates while such a request is in the engine.
         raise ValueError("a speculative step carries logits processors or top logprobs; the "
@@ -67,7 +68,8 @@ def build_spec_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
     verify.any_grammar[...] = bool(verify.has_grammar.any())
     if not with_draft_model:
         return SpecStepInputs(step, verify, None)
-    scheduled = build_step_inputs(plan, buckets, page_size, shape=(t, s), mask_words=mask_words)
+    scheduled = build_step_inputs(plan, buckets, page_size, shape=(t, s), mask_words=mask_words,
+                                  tables=tables)
     draft.model, draft.attention = scheduled.model, scheduled.attention
     return SpecStepInputs(step, verify, draft)
 
