@@ -65,10 +65,18 @@ def test_a_per_channel_int8_layers_program_calls_the_kernel(monkeypatch):
     assert cpu_int8.TARGET in text, "per-channel int8 linear does not call the CPU kernel"
 
 
-def test_a_failed_build_or_the_off_switch_is_a_reason_not_an_error(monkeypatch, tmp_path):
-    monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path))  # nothing built there yet
-    monkeypatch.setenv("CXX", "/bin/false")
-    reason = cpu_ffi._load(cpu_int8.NAME, {"jaxserve_test_unused": "JaxserveInt8Matmul"})
+def test_a_failed_build_or_the_off_switch_is_a_reason_not_an_error(tmp_path):
+    failing = cpu_ffi.KernelSettings(cache_dir=str(tmp_path / "kernels"), compiler="/bin/false")
+    reason = cpu_ffi._load(cpu_int8.NAME, {"jaxserve_test_unused": "JaxserveInt8Matmul"},
+                           failing)
     assert reason and "/bin/false failed" in reason, reason
-    monkeypatch.setattr(cpu_ffi, "SETTING", "off")
-    assert cpu_ffi._load(cpu_int8.NAME, {}) == "JAXSERVE_CPU_KERNELS=off"
+    assert not list((tmp_path / "kernels").iterdir()), "a failed build left a file behind"
+    missing = cpu_ffi.KernelSettings(cache_dir=str(tmp_path / "kernels"),
+                                     compiler="no-such-compiler-here")
+    reason = cpu_ffi._load(cpu_int8.NAME, {}, missing)
+    assert reason and "no C++ compiler" in reason and "no-such-compiler-here" in reason, reason
+    off = cpu_ffi.KernelSettings(mode="off")
+    assert cpu_ffi._load(cpu_int8.NAME, {}, off) == "cpu_kernels=off"
+    with cpu_ffi.using(off):
+        assert not cpu_int8.available() and cpu_ffi.reason(cpu_int8.NAME) == "cpu_kernels=off"
+    assert cpu_int8.available(), "the off switch outlived its `using` block"

@@ -49,6 +49,9 @@ CLI_VALUES = {
     "seq_buckets": (["--seq-buckets", "4", "1"], (1, 4)),
     "compile_cache_dir": (["--compile-cache-dir", ""], ""),
     "xla_cpu_nice": (["--xla-cpu-nice", "0"], 0),
+    "cpu_kernels": (["--cpu-kernels", "off"], "off"),
+    "cpu_kernel_cache_dir": (["--cpu-kernel-cache-dir", "/srv/kernels"], "/srv/kernels"),
+    "cpu_kernel_compiler": (["--cpu-kernel-compiler", "clang++"], "clang++"),
 }
 
 

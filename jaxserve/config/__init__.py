@@ -8,11 +8,11 @@ Plain data and validation only: no jax import, no defaults that depend on the de
 from jaxserve.config.engine import GROUPS, EngineConfig, Setting
 from jaxserve.config.groups import (CacheConfig, ModelSettings, ParallelConfig, RunnerConfig,
                                     SchedulerConfig, SpeculativeConfig)
-from jaxserve.config.settings import (BATCHING_MODES, DTYPES, LAYER_LOOPS, PREEMPTION_MODES,
-                                      QUANTIZATIONS, SIZE_UNITS, SPECULATIVE_METHODS, parse_size,
-                                      setting)
+from jaxserve.config.settings import (BATCHING_MODES, CPU_KERNEL_MODES, DTYPES, LAYER_LOOPS,
+                                      PREEMPTION_MODES, QUANTIZATIONS, SIZE_UNITS,
+                                      SPECULATIVE_METHODS, parse_size, setting)
 
 __all__ = ["EngineConfig", "GROUPS", "Setting", "ModelSettings", "CacheConfig",
            "SchedulerConfig", "ParallelConfig", "SpeculativeConfig", "RunnerConfig",
-           "parse_size", "setting", "BATCHING_MODES", "DTYPES", "LAYER_LOOPS",
-           "PREEMPTION_MODES", "QUANTIZATIONS", "SIZE_UNITS", "SPECULATIVE_METHODS"]
+           "parse_size", "setting", "BATCHING_MODES", "CPU_KERNEL_MODES", "DTYPES",
+           "LAYER_LOOPS", "PREEMPTION_MODES", "QUANTIZATIONS", "SIZE_UNITS", "SPECULATIVE_METHODS"]

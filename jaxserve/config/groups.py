@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jaxserve.config.settings import (BATCHING_MODES, DTYPES, LAYER_LOOPS, PREEMPTION_MODES,
-                                      QUANTIZATIONS, SPECULATIVE_METHODS, need, setting)
+from jaxserve.config.settings import (BATCHING_MODES, CPU_KERNEL_MODES, DTYPES, LAYER_LOOPS,
+                                      PREEMPTION_MODES, QUANTIZATIONS, SPECULATIVE_METHODS, need,
+                                      setting)
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,7 @@ class SpeculativeConfig:
 @dataclass(frozen=True)
 class RunnerConfig:
     """How the device step is built and run: attention path, layer loop, compiled shapes, the
-    compilation cache and the CPU backend's threads."""
+    compilation cache, the CPU backend's threads and jaxserve's CPU kernels."""
     attention_impl: str = setting(
         "auto", "paged attention: auto (pallas on TPU/GPU, reference on CPU), reference "
         "(XLA), pallas, pallas-interpret (kernel tests)",
@@ -205,10 +206,28 @@ class RunnerConfig:
         10, "CPU backend only: how much lower XLA's compute threads run than the engine's own "
         "thread, so the host loop keeps a core while the next step computes (0: as they are)",
         unit="nice levels")
+    cpu_kernels: str = setting(
+        "auto", "jaxserve's C++ kernels for XLA on the CPU (int8 matmul, decode attention): "
+        "auto (built on first use, then used in a one-device CPU process on x86-64 with AVX2 "
+        "and FMA when a compiler is found and the cache passes its ownership checks; else "
+        "XLA's ops, logged), off (XLA's ops)", choices=CPU_KERNEL_MODES)
+    cpu_kernel_cache_dir: str | None = setting(
+        None, "where the CPU kernels are built and cached, created owner-only (0700); a "
+        "directory or library not owned by this user, or writable by its group or others, is "
+        "refused (XLA's ops run); unset: ~/.cache/jaxserve/kernels", unit="directory")
+    cpu_kernel_compiler: str | None = setting(
+        None, "the C++ compiler that builds the CPU kernels (a name on PATH or a path); unset: "
+        "c++, else g++, from PATH", unit="command")
 
     def validate(self) -> None:
         need(self.layer_loop in LAYER_LOOPS, "layer_loop", self.layer_loop,
              f"one of {LAYER_LOOPS}")
+        need(self.cpu_kernels in CPU_KERNEL_MODES, "cpu_kernels", self.cpu_kernels,
+             f"one of {CPU_KERNEL_MODES}")
+        for name in ("cpu_kernel_cache_dir", "cpu_kernel_compiler"):
+            value = getattr(self, name)
+            need(value is None or (isinstance(value, str) and value.strip() != ""), name, value,
+                 "unset or a non-empty string")
         need(0 <= self.xla_cpu_nice <= 19, "xla_cpu_nice", self.xla_cpu_nice, "in [0, 19]")
         for name in ("token_buckets", "seq_buckets"):
             buckets = getattr(self, name)

@@ -107,6 +107,7 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
     returning."""
     import jax
 
+    from jaxserve.model import cpu_ffi
     from jaxserve.model.sharding import make_mesh
     from jaxserve.runner import multihost, tensor_parallel
     from jaxserve.runner.buckets import powers_of_two, token_buckets_for
@@ -165,19 +166,23 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
         # steady decoders as plan.DecodeRows: ModelRunner's plain steps lay them out (the
         # speculative runner and static batching's padding read chunks)
         decode_rows=speculation.policy is None and sched.batching == "continuous")
-    runner = speculation.wrap(ModelRunner(
-        mc, loaded.params, num_pages=num_pages, page_size=cache.page_size,
-        max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
-        max_num_batched_tokens=sched.max_num_batched_tokens, dtype=model.dtype,
-        attention_impl=run.attention_impl, layer_loop=run.layer_loop,
-        token_buckets=run.token_buckets or token_buckets_for(
-            jax.default_backend(), sched.max_num_batched_tokens),
-        seq_buckets=run.seq_buckets,
-        compile_cache_dir=run.compile_cache_dir, mesh=mesh,
-        host_prefix_slots=0 if tier is None else tier.num_slots))
-    with phase(log, "warm-up: trace, compile (or read the compile cache) and run every step "
-                    "bucket"):
-        runner.warmup(progress=progress)
+    # The steps are traced inside `using`: where the CPU kernels are built, and whether.
+    kernels = cpu_ffi.KernelSettings(run.cpu_kernels, run.cpu_kernel_cache_dir,
+                                     run.cpu_kernel_compiler)
+    with cpu_ffi.using(kernels):
+        runner = speculation.wrap(ModelRunner(
+            mc, loaded.params, num_pages=num_pages, page_size=cache.page_size,
+            max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens, dtype=model.dtype,
+            attention_impl=run.attention_impl, layer_loop=run.layer_loop,
+            token_buckets=run.token_buckets or token_buckets_for(
+                jax.default_backend(), sched.max_num_batched_tokens),
+            seq_buckets=run.seq_buckets,
+            compile_cache_dir=run.compile_cache_dir, mesh=mesh,
+            host_prefix_slots=0 if tier is None else tier.num_slots))
+        with phase(log, "warm-up: trace, compile (or read the compile cache) and run every "
+                        "step bucket"):
+            runner.warmup(progress=progress)
     if jax.default_backend() == "cpu":  # the host loop keeps a core beside XLA's threads
         lower_xla_cpu_threads(run.xla_cpu_nice)
     # Several JAX processes: process 0 broadcasts each plan, the others follow it.
