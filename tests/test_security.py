@@ -361,3 +361,14 @@ def test_api_keys_accept_each_key_only_as_a_bearer_token():
                     KEYS[0], f"Bearer {KEYS[0][:-1]}", f"Bearer {KEYS[0]},{KEYS[1]}"):
         assert not keys.allows(refused), refused
     assert ApiKeys().allows(None), "no keys configured: every caller is let in"
+
+
+def test_listening_beyond_loopback_without_a_key_or_tls_is_warned_about(tls_files):
+    bare, keyed = Security.load(SecurityConfig()), Security.load(SecurityConfig(api_keys=KEYS))
+    both = Security.load(SecurityConfig(api_keys=KEYS, ssl_certfile=tls_files.server_cert,
+                                        ssl_keyfile=tls_files.server_key))
+    for host in ("127.0.0.1", "::1", "localhost"):
+        assert bare.exposure_warning(host) is None, host
+    assert "no API key and no TLS" in bare.exposure_warning("0.0.0.0")
+    assert "with no TLS" in keyed.exposure_warning("::")
+    assert both.exposure_warning("0.0.0.0") is None

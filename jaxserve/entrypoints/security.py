@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import ssl
 from dataclasses import dataclass
 
@@ -124,3 +125,17 @@ class Security:
         tls = ("no TLS" if self.tls is None else
                "mutual TLS" if self.tls.require_client_cert else "TLS")
         return f"{tls}, {len(self.keys) or 'no'} API key(s)"
+
+    def exposure_warning(self, host: str) -> str | None:
+        """A warning for the start-up log when host is reachable from other machines and a
+        protection is missing (None when nothing is missing, or on a loopback address)."""
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback
+        except ValueError:  # a name
+            loopback = host == "localhost"
+        missing = [what for what, absent in (("no API key", not len(self.keys)),
+                                             ("no TLS", self.tls is None)) if absent]
+        if loopback or not missing:
+            return None
+        return (f"listening on {host} with {' and '.join(missing)}: whoever reaches the ports "
+                "can use the model (and read traffic in the clear); see docs/security.md")

@@ -300,6 +300,8 @@ async def serve(engine_config: EngineConfig, host: str, port: int, shutdown_time
     from jaxserve.engine.engine import Engine
 
     guard = Security.load(security)
+    if (warning := guard.exposure_warning(host)) is not None:
+        log.warning(warning)
     stop = asyncio.Event()
     install_stop_signals(stop)
     handle = await GrpcServer.start(host, port, security=guard)
