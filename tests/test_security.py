@@ -372,3 +372,12 @@ def test_listening_beyond_loopback_without_a_key_or_tls_is_warned_about(tls_file
     assert "no API key and no TLS" in bare.exposure_warning("0.0.0.0")
     assert "with no TLS" in keyed.exposure_warning("::")
     assert both.exposure_warning("0.0.0.0") is None
+
+
+def test_jaxserve_generate_reaches_a_tls_server_with_its_key_and_ca(tls, tls_files, capsys):
+    flags = ["generate", "--address", tls.address, "--ssl-ca-certs", tls_files.ca,
+             "--max-tokens", "2", "--temperature", "0", "--ignore-eos", "the cat"]
+    assert main([*flags[:1], "--api-key", KEYS[1], *flags[1:]]) == 0, capsys.readouterr().err
+    assert capsys.readouterr().out.strip()
+    assert main([*flags[:1], "--api-key", WRONG_KEY, *flags[1:]]) == 1
+    assert f"UNAUTHENTICATED: {GRPC_REFUSAL}" in capsys.readouterr().err
