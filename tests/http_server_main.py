@@ -2,13 +2,15 @@
 
     python tests/http_server_main.py [--api-key KEY] [--max-queued-requests N]
         [--step-delay-ms MS] [--model tiny-bpe|fixtures] [engine overrides]
+        [security flags: --ssl-certfile FILE --ssl-keyfile FILE --ssl-ca-certs FILE ...]
 
 The model is the tiny random Llama with the tiny byte-level BPE vocabulary and ChatML template
 of model_fixtures (so chat templates, special tokens and --chat-template behave as with a real
 model); `--model fixtures` serves model_fixtures.random_model() over the same vocabulary instead
 (the model test_structured_engine constrains offline); engine shapes are conftest.SMALL_ENGINE's.
 Both ports are free ones, logged on stderr as "gRPC server listening on HOST:PORT" and "HTTP
-(OpenAI API) server listening on http://...". Exits with run_server's return code. It serves
+(OpenAI API) server listening on http(s)://..."; the security flags are `jaxserve serve`'s own
+(cli_flags.add_security_flags, with $JAXSERVE_API_KEY). Exits with run_server's return code. It serves
 nothing but a tiny random model.
 `server_process(*args)` runs it for a test module: started, serving, its stderr kept read.
 """
@@ -34,6 +36,8 @@ from model_fixtures import random_model, tiny_tokenizer  # noqa: E402
 from tiny_models import TinyLoaded, tiny_model  # noqa: E402
 
 from jaxserve.config import EngineConfig  # noqa: E402
+from jaxserve.entrypoints.cli_flags import (add_security_flags,  # noqa: E402
+                                            security_config_from_args)
 from jaxserve.entrypoints.grpc.server import run_server  # noqa: E402
 from jaxserve.entrypoints.openai.http_server import HttpSettings  # noqa: E402
 
@@ -90,11 +94,12 @@ def server_process(*args: str):
     lines, url, address, health_seen, poller = [], None, None, [], None
     for line in proc.stderr:
         lines.append(line)
-        if m := re.search(r"HTTP \(OpenAI API\) server listening on (http://\S+)", line):
+        if m := re.search(r"HTTP \(OpenAI API\) server listening on (https?://\S+)", line):
             url = m.group(1)
-            poller = threading.Thread(target=_record_health, args=(url, health_seen),
-                                      daemon=True)
-            poller.start()
+            if url.startswith("http://"):  # a TLS server's health is the test's to read
+                poller = threading.Thread(target=_record_health, args=(url, health_seen),
+                                          daemon=True)
+                poller.start()
         if m := re.search(r"gRPC server listening on (\S+:\d+)", line):
             address = m.group(1)
         if "health SERVING" in line:
@@ -128,7 +133,6 @@ def drained_server_url(*args: str):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shutdown-timeout", type=float, default=30.0)
-    parser.add_argument("--api-key", default=None)
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20)
     parser.add_argument("--max-queued-requests", type=int, default=None)
@@ -138,6 +142,7 @@ def main() -> int:
     parser.add_argument("--step-delay-ms", type=float, default=0.0,
                         help="sleep before every engine step (keeps requests in flight long "
                              "enough for drain and disconnect tests)")
+    add_security_flags(parser)
     args = parser.parse_args()
     if args.step_delay_ms:
         from jaxserve.engine.engine import Engine
@@ -149,11 +154,11 @@ def main() -> int:
                                    ("max_num_seqs", args.max_num_seqs),
                                    ("seq_buckets", args.seq_buckets)) if v is not None}
     config = EngineConfig.from_kwargs(**{**SMALL_ENGINE, **overrides})
-    http = HttpSettings(port=0, api_key=args.api_key, served_model_name=args.served_model_name,
+    http = HttpSettings(port=0, served_model_name=args.served_model_name,
                         max_body_bytes=args.max_body_bytes)
     return run_server(config, host="127.0.0.1", port=0, shutdown_timeout=args.shutdown_timeout,
                       loaded=fixtures_loaded() if args.model == "fixtures" else tiny_bpe_loaded(),
-                      http=http)
+                      http=http, security=security_config_from_args(args))
 
 
 if __name__ == "__main__":

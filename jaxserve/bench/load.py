@@ -19,6 +19,7 @@ from jaxserve.bench.datasets import ServeRequest
 from jaxserve.bench.stats import RequestTimeline
 from jaxserve.core.request import SamplingParams
 from jaxserve.entrypoints.grpc import convert
+from jaxserve.entrypoints.grpc.client import auth_metadata
 from jaxserve.entrypoints.grpc.pb import jaxserve_pb2 as pb
 from jaxserve.entrypoints.grpc.pb import jaxserve_pb2_grpc as pb_grpc
 
@@ -45,11 +46,11 @@ def request_message(request: ServeRequest, temperature: float = 0.0,
 
 
 async def _one(stub, message: pb.GenerateRequest, timeline: RequestTimeline,
-               timeout: float | None) -> tuple[str | None, int]:
+               timeout: float | None, metadata=()) -> tuple[str | None, int]:
     timeline.arrival = time.perf_counter()
     cached = 0
     try:
-        async for response in stub.Generate(message, timeout=timeout):
+        async for response in stub.Generate(message, timeout=timeout, metadata=metadata):
             now = time.perf_counter()
             timeline.token_times.extend([now] * len(response.token_ids))
             if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
@@ -66,9 +67,9 @@ async def _one(stub, message: pb.GenerateRequest, timeline: RequestTimeline,
 
 async def run_load(address: str, messages: list[pb.GenerateRequest], send_offsets,
                    max_concurrency: int | None = None,
-                   timeout: float | None = None) -> LoadResult:
+                   timeout: float | None = None, api_key: str | None = None) -> LoadResult:
     """Send messages[i] at send_offsets[i] seconds (or later, waiting for a concurrency slot)
-    and stream every response to the end."""
+    and stream every response to the end (with api_key, if given, on every call)."""
     if len(messages) != len(send_offsets):
         raise ValueError(f"{len(messages)} messages but {len(send_offsets)} send offsets")
     channels = [grpc.aio.insecure_channel(address) for _ in range(min(_CHANNELS, len(messages))
@@ -77,11 +78,15 @@ async def run_load(address: str, messages: list[pb.GenerateRequest], send_offset
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     timelines = [RequestTimeline(0.0) for _ in messages]
 
+    metadata = auth_metadata(api_key)
+
     async def send(i: int):
         if slots is None:
-            return await _one(stubs[i % len(stubs)], messages[i], timelines[i], timeout)
+            return await _one(stubs[i % len(stubs)], messages[i], timelines[i], timeout,
+                              metadata)
         async with slots:
-            return await _one(stubs[i % len(stubs)], messages[i], timelines[i], timeout)
+            return await _one(stubs[i % len(stubs)], messages[i], timelines[i], timeout,
+                              metadata)
 
     try:
         await asyncio.gather(*(c.channel_ready() for c in channels))
@@ -111,6 +116,7 @@ def load_result(timelines, outcomes, start: float, end: float, send_offsets) -> 
 
 
 def run_load_sync(address: str, messages, send_offsets, max_concurrency=None,
-                  timeout=None) -> LoadResult:
+                  timeout=None, api_key=None) -> LoadResult:
     """run_load on a fresh event loop (for synchronous callers: the CLI, the suite)."""
-    return asyncio.run(run_load(address, messages, send_offsets, max_concurrency, timeout))
+    return asyncio.run(run_load(address, messages, send_offsets, max_concurrency, timeout,
+                                api_key))

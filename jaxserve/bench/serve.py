@@ -43,7 +43,8 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000",
                         help="OpenAI HTTP API server (--backend openai, openai-chat)")
     parser.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
-                        help="HTTP API key (default: $JAXSERVE_API_KEY)")
+                        help="the server's API key, both backends (default: "
+                             "$JAXSERVE_API_KEY)")
     parser.add_argument("--dataset", default="chat", choices=DATASETS,
                         help="the prompts (jaxserve/bench/datasets.py); default: chat")
     parser.add_argument("--dataset-path", default=None,
@@ -112,7 +113,8 @@ def benchmark(address: str, requests: list[ServeRequest], *, request_rate: float
         send_offsets = arrival_times(len(requests), request_rate, burstiness, seed)
     if backend == "grpc":
         messages = [request_message(r, temperature, ignore_eos) for r in requests]
-        load = run_load_sync(address, messages, send_offsets, max_concurrency, timeout)
+        load = run_load_sync(address, messages, send_offsets, max_concurrency, timeout,
+                             api_key)
     else:
         bodies = [request_body(backend, r, model, temperature, ignore_eos, ids)
                   for r, ids in zip(requests, prompt_ids or [None] * len(requests))]
@@ -187,7 +189,8 @@ def run_serve_bench(args) -> int:
             print(f"jaxserve bench serve: {args.base_url}: {exc}", file=sys.stderr)
             return 1
     try:
-        return _run(args, slos, GrpcFacts(JaxServeClient(args.address, timeout=30.0)))
+        return _run(args, slos, GrpcFacts(JaxServeClient(args.address, timeout=30.0,
+                                                            api_key=args.api_key)))
     except JaxServeError as exc:
         print(f"jaxserve bench serve: {args.address}: {exc}", file=sys.stderr)
         return 1

@@ -86,14 +86,15 @@ def _reply(backend: Backend, head: Messages, turns: Messages, user: dict, stdout
             notes.write("(the oldest turn was dropped to fit the context)\n")
 
 
-def remote_backend(address: str, overrides: dict) -> Backend:
-    """Turns sent to the gRPC server at address; max_tokens unset: the rest of the context."""
+def remote_backend(address: str, overrides: dict, **connect) -> Backend:
+    """Turns sent to the gRPC server at address (connect: JaxServeClient's api_key and TLS
+    keywords); max_tokens unset: the rest of the context."""
     import grpc
 
     from jaxserve.engine.generation_defaults import sampling_params
     from jaxserve.entrypoints.grpc.client import JaxServeClient, JaxServeError
 
-    client = JaxServeClient(address)
+    client = JaxServeClient(address, **connect)
     max_model_len = client.model_info().max_model_len
 
     def backend(messages: Messages) -> Iterator[str]:

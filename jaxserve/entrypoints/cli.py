@@ -14,9 +14,12 @@ import argparse
 import os
 import sys
 
+from jaxserve.config import ENV_API_KEY
 from jaxserve.entrypoints import distributed, logging_setup
 from jaxserve.entrypoints.cli_flags import (BoolFlag, add_engine_flags, add_sampling_flags,
-                                engine_config_from_args, sampling_overrides, size_type)
+                                            add_security_flags, engine_config_from_args,
+                                            sampling_overrides, security_config_from_args,
+                                            size_type)
 
 __all__ = ["build_parser", "main", "engine_config_from_args"]
 
@@ -44,12 +47,18 @@ def _resolve_model(args) -> None:
     args.model = tag or args.model
 
 
-def _wait_ready(address: str, seconds: float) -> None:
+def _connect(args) -> dict:
+    """JaxServeClient's key and TLS keywords from the client flags."""
+    return dict(api_key=args.api_key, tls=args.tls, ssl_ca_certs=args.ssl_ca_certs,
+                ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)
+
+
+def _wait_ready(args) -> None:
     from jaxserve.bench.targets import wait_until_serving
     from jaxserve.entrypoints.grpc.client import JaxServeClient
-    if seconds > 0:
-        with JaxServeClient(address) as client:
-            wait_until_serving(client, seconds)
+    if args.wait_ready > 0:
+        with JaxServeClient(args.address, **_connect(args)) as client:
+            wait_until_serving(client, args.wait_ready)
 
 
 def _offline_engine(args):
@@ -65,9 +74,10 @@ def cmd_generate(args) -> int:
     if not args.offline:
         from jaxserve.entrypoints.grpc.client import JaxServeError, stream_generate
         try:
-            _wait_ready(args.address, args.wait_ready)
+            _wait_ready(args)
             params = sampling_params(sampling_overrides(args))
-            for delta in stream_generate(args.address, args.prompt, params, chat=args.chat):
+            for delta in stream_generate(args.address, args.prompt, params, chat=args.chat,
+                                         **_connect(args)):
                 sys.stdout.write(delta)
                 sys.stdout.flush()
         except JaxServeError as exc:
@@ -100,9 +110,10 @@ def cmd_chat(args) -> int:
     if not args.offline:
         from jaxserve.entrypoints.grpc.client import JaxServeError
         try:
-            _wait_ready(args.address, args.wait_ready)
-            return chat_cli.run_chat(chat_cli.remote_backend(args.address, overrides),
-                                     system=args.system)
+            _wait_ready(args)
+            return chat_cli.run_chat(
+                chat_cli.remote_backend(args.address, overrides, **_connect(args)),
+                system=args.system)
         except JaxServeError as exc:
             print(f"\njaxserve: error: {exc}", file=sys.stderr)
             return 1
@@ -121,15 +132,15 @@ def http_settings_from_args(args):
         with open(args.chat_template, encoding="utf-8") as f:
             template = f.read()
     return HttpSettings(port=args.http_port, served_model_name=args.served_model_name,
-                        api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY") or None,
                         chat_template=template, max_body_bytes=args.http_max_body_bytes)
 
 
 def cmd_serve(args) -> int:
     from jaxserve.entrypoints.grpc.server import run_server
+    security = security_config_from_args(args)  # refused here, before the model loads
     return run_server(engine_config_from_args(args), host=args.host, port=args.port,
                       shutdown_timeout=args.shutdown_timeout, metrics_port=args.metrics_port,
-                      http=http_settings_from_args(args))
+                      http=http_settings_from_args(args), security=security)
 
 
 def cmd_convert(args) -> int:
@@ -173,9 +184,6 @@ def _add_serve(sub) -> None:
                             "--http-port); default: 50051")
     front.add_argument("--http-port", type=int, default=8000,
                        help="OpenAI-compatible HTTP API port (0 turns it off); default: 8000")
-    front.add_argument("--api-key", default=None,
-                       help="HTTP: require 'Authorization: Bearer KEY'; default: "
-                            "$JAXSERVE_API_KEY, unset: no key (vLLM: same name)")
     front.add_argument("--served-model-name", default=None,
                        help="HTTP: the model name clients send; default: the model's own "
                             "(vLLM: same name)")
@@ -186,10 +194,11 @@ def _add_serve(sub) -> None:
                        metavar="SIZE", help="HTTP: larger request bodies get 413; size: 16MiB, "
                                             "a plain number is in bytes; default: 16MiB")
     front.add_argument("--metrics-port", type=int, default=None,
-                       help="also serve Prometheus metrics at http://HOST:PORT/metrics; "
-                            "default: off")
+                       help="also serve Prometheus metrics at http://HOST:PORT/metrics (plain "
+                            "HTTP, no key: docs/security.md); default: off")
     front.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds to drain in-flight requests after SIGTERM; default: 30")
+    add_security_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
 
@@ -203,6 +212,20 @@ def _add_client_flags(parser, what: str) -> None:
                        help="wait up to SECONDS for the server's health to be SERVING (start "
                             "it and this at once); default: 0, no wait")
     group.add_argument("--quiet", action="store_true", help="--offline: no progress bars")
+    env_key = os.environ.get(ENV_API_KEY, "").split(",")[0].strip() or None
+    group.add_argument("--api-key", default=env_key,
+                       help="the server's API key, sent as 'authorization: Bearer KEY'; "
+                            "default: $JAXSERVE_API_KEY (its first key), else none")
+    group.add_argument("--tls", action=BoolFlag, default=False,
+                       help="connect over TLS, trusting the system's CAs (on when any --ssl-* "
+                            "flag is given); default: off")
+    group.add_argument("--ssl-ca-certs", default=None, metavar="FILE",
+                       help="TLS: PEM CA certificates to trust; default: the system's")
+    group.add_argument("--ssl-certfile", default=None, metavar="FILE",
+                       help="TLS: this client's PEM certificate, for a server started with "
+                            "--ssl-ca-certs (with --ssl-keyfile); default: none")
+    group.add_argument("--ssl-keyfile", default=None, metavar="FILE",
+                       help="TLS: the private key of --ssl-certfile; default: none")
 
 
 def _add_generate(sub) -> None:

@@ -1,5 +1,5 @@
-"""The CLI's engine and sampling flags, made from one place: the field metadata of EngineConfig's
-groups and SamplingParams' defaults.
+"""The CLI's engine, security and sampling flags, made from one place: the field metadata of
+EngineConfig's groups and of SecurityConfig, and SamplingParams' defaults.
 
 Each flag's help says what it does, its unit, its choices and its default; sizes take units
 (`4GiB`, `512MiB`; a plain number is in vLLM's unit for the same flag); booleans are
@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from jaxserve.config import GROUPS, EngineConfig, parse_size
+from jaxserve.config import (ENV_API_KEY, GROUPS, EngineConfig, SecurityConfig, parse_api_keys,
+                             parse_size)
 
 _SKIP = {"model"}  # a positional MODEL on serve; --model elsewhere (add_model_flag)
 
@@ -136,6 +137,40 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     settings = {f.name: getattr(args, f.name) for f, _ in engine_fields()
                 if getattr(args, f.name, None) is not None}
     return EngineConfig.from_kwargs(**settings)
+
+
+# Security flags are SecurityConfig's fields; api_keys takes vLLM's singular, repeatable flag.
+_SECURITY_FLAGS = {"api_keys": "--api-key"}
+
+
+def add_security_flags(parser: argparse.ArgumentParser) -> None:
+    """SecurityConfig's fields as `jaxserve serve` flags (vLLM's names), one help section."""
+    group = parser.add_argument_group(
+        "security: both front ends (SecurityConfig; docs/security.md)")
+    for f in dataclasses.fields(SecurityConfig):
+        shown = None if f.default == () else f.default
+        kwargs: dict = {"dest": f.name, "help": _describe(f.metadata, shown, None)}
+        if f.name == "api_keys":
+            kwargs.update(action="append", default=None, metavar="KEY[,KEY...]")
+        elif isinstance(f.default, bool):
+            kwargs.update(action=BoolFlag, default=f.default)
+        else:
+            kwargs.update(default=None, metavar="FILE")
+        group.add_argument(_SECURITY_FLAGS.get(f.name, flag_name(f.name)), **kwargs)
+
+
+def security_config_from_args(args: argparse.Namespace, environ=None) -> SecurityConfig:
+    """The validated SecurityConfig from add_security_flags' flags; keys from --api-key, else
+    from $JAXSERVE_API_KEY (empty or unset: no key)."""
+    import os
+    environ = os.environ if environ is None else environ
+    values = args.api_keys
+    if values is None:
+        values = [environ[ENV_API_KEY]] if environ.get(ENV_API_KEY, "").strip() else []
+    return SecurityConfig(api_keys=parse_api_keys(values),
+                          grpc_open_health=args.grpc_open_health,
+                          ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
+                          ssl_ca_certs=args.ssl_ca_certs).validate()
 
 
 # Sampling flags: (SamplingParams field, type, help). Defaults are SamplingParams' own (the

@@ -12,17 +12,21 @@ import threading
 
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.entrypoints.grpc.server import GrpcServer
+from jaxserve.entrypoints.security import Security
 
 
 class ServerThread:
-    def __init__(self, async_engine: AsyncEngine, host: str = "127.0.0.1", port: int = 0):
-        """Listen on host:port (0: a free port) and serve async_engine (already started)."""
+    def __init__(self, async_engine: AsyncEngine, host: str = "127.0.0.1", port: int = 0,
+                 security: Security | None = None):
+        """Listen on host:port (0: a free port) and serve async_engine (already started);
+        security: API keys and TLS (Security.load(SecurityConfig(...)); None: neither)."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="jaxserve-grpc",
                                         daemon=True)
         self._thread.start()
         self._stopped = False
-        self.handle: GrpcServer = self.call(GrpcServer.start(host, port, async_engine))
+        self.handle: GrpcServer = self.call(GrpcServer.start(host, port, async_engine,
+                                                               security))
 
     def call(self, coro, timeout: float | None = None):
         """Run a coroutine on the server's loop and wait for its result."""

@@ -1,7 +1,9 @@
 """A small synchronous client for the JaxServe gRPC API (the CLI's `generate --address`, tests).
 
-JaxServeClient wraps one channel: generate (the raw response stream, cancellable),
-generate_text (collected), tokenize, model_info, health. stream_generate yields text deltas.
+JaxServeClient wraps one channel, plain or TLS (with a client certificate for a server that
+requires one), and sends an API key with every call when given one: generate (the raw response
+stream, cancellable), generate_text (collected), tokenize, model_info, health. stream_generate
+yields text deltas.
 Failures raise JaxServeError carrying the gRPC status code (InvalidRequestError, also a
 ValueError, for INVALID_ARGUMENT). It holds no engine code and imports no jax.
 """
@@ -32,6 +34,11 @@ class InvalidRequestError(JaxServeError, ValueError):
     """INVALID_ARGUMENT: the message names the field, the value and the limit."""
 
 
+def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    """The call metadata that carries api_key (none without one)."""
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+
 def _error(exc: grpc.RpcError) -> JaxServeError:
     cls = InvalidRequestError if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else JaxServeError
     return cls(exc.code(), exc.details() or "")
@@ -53,11 +60,42 @@ class GenerateResult:
     samples: dict[int, "GenerateResult"] = field(default_factory=dict)
 
 
+def _read(path: str, name: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise ValueError(f"{name} {path!r} cannot be read: {exc.strerror or exc}") from None
+
+
+def open_channel(address: str, *, tls: bool | None = None, ssl_ca_certs: str | None = None,
+                 ssl_certfile: str | None = None, ssl_keyfile: str | None = None,
+                 aio: bool = False):
+    """A channel to address: plain, or TLS when tls is True or any ssl_* file is given.
+    ssl_ca_certs: PEM CAs to trust (None: the system's); ssl_certfile + ssl_keyfile: this
+    client's certificate, for a server that requires one (--ssl-ca-certs there)."""
+    module = grpc.aio if aio else grpc
+    if (ssl_certfile is None) != (ssl_keyfile is None):
+        raise ValueError("ssl_certfile and ssl_keyfile go together: a client certificate "
+                         "needs its private key")
+    if not (tls or ssl_ca_certs or ssl_certfile):
+        return module.insecure_channel(address)
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=ssl_ca_certs and _read(ssl_ca_certs, "ssl_ca_certs"),
+        private_key=ssl_keyfile and _read(ssl_keyfile, "ssl_keyfile"),
+        certificate_chain=ssl_certfile and _read(ssl_certfile, "ssl_certfile"))
+    return module.secure_channel(address, credentials)
+
+
 class JaxServeClient:
-    def __init__(self, address: str, timeout: float | None = None):
-        """address: "host:port"; timeout: default per-call deadline in seconds."""
+    def __init__(self, address: str, timeout: float | None = None, *,
+                 api_key: str | None = None, **tls):
+        """address: "host:port"; timeout: default per-call deadline in seconds; api_key: sent
+        as 'authorization: Bearer KEY' on every call; tls: open_channel's tls, ssl_ca_certs,
+        ssl_certfile, ssl_keyfile (TLS when any is given)."""
         self.address, self.timeout = address, timeout
-        self.channel = grpc.insecure_channel(address)
+        self.channel = open_channel(address, **tls)
+        self.metadata = auth_metadata(api_key)
         self.stub = pb_grpc.JaxServeStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 
@@ -77,7 +115,8 @@ class JaxServeClient:
         grpc.RpcError on failure. Exactly one of prompt (text or token ids) and messages."""
         request = convert.generate_request(prompt, params, messages=messages,
                                            request_id=request_id, priority=priority)
-        return self.stub.Generate(request, timeout=timeout or self.timeout)
+        return self.stub.Generate(request, timeout=timeout or self.timeout,
+                                  metadata=self.metadata)
 
     def generate_text(self, prompt: str | list[int] | None = None,
                       params: SamplingParams | None = None, **kwargs) -> GenerateResult:
@@ -114,13 +153,15 @@ class JaxServeClient:
             request.text = text
             request.add_special_tokens = add_special_tokens
         try:
-            return list(self.stub.Tokenize(request, timeout=self.timeout).token_ids)
+            return list(self.stub.Tokenize(request, timeout=self.timeout,
+                                           metadata=self.metadata).token_ids)
         except grpc.RpcError as exc:
             raise _error(exc) from None
 
     def model_info(self) -> pb.ModelInfoResponse:
         try:
-            return self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=self.timeout)
+            return self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=self.timeout,
+                                       metadata=self.metadata)
         except grpc.RpcError as exc:
             raise _error(exc) from None
 
@@ -128,17 +169,19 @@ class JaxServeClient:
         """"SERVING", "NOT_SERVING", ...; raises JaxServeError (UNAVAILABLE) when unreachable."""
         try:
             response = self.health_stub.Check(health_pb2.HealthCheckRequest(service=service),
-                                              timeout=self.timeout or 5.0)
+                                              timeout=self.timeout or 5.0,
+                                              metadata=self.metadata)
         except grpc.RpcError as exc:
             raise _error(exc) from None
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
 
 def stream_generate(address: str, prompt: str, params: SamplingParams | None = None,
-                    chat: bool = False) -> Iterator[str]:
+                    chat: bool = False, **connect) -> Iterator[str]:
     """Text deltas of one completion from the server at address; chat wraps the prompt as a
-    user message. Raises JaxServeError (InvalidRequestError for bad input) on failure."""
-    with JaxServeClient(address) as client:
+    user message; connect: JaxServeClient's api_key and TLS keywords. Raises JaxServeError
+    (InvalidRequestError for bad input) on failure."""
+    with JaxServeClient(address, **connect) as client:
         if chat:
             call = client.generate(messages=[{"role": "user", "content": prompt}],
                                    params=params)

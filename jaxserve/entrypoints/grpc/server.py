@@ -23,6 +23,10 @@ queue, or a request the KV page pool can never hold (RequestError.exceeds_kv_poo
 RESOURCE_EXHAUSTED; starting, draining or a dead engine -> UNAVAILABLE; a failed engine, or any
 other failure of one request -> INTERNAL (the server goes on unless the engine failed). This
 module does no sampling, scheduling or device work.
+
+Security (grpc/auth.py): with API keys an interceptor ends calls without one UNAUTHENTICATED
+before any handler runs; with TLS files the port serves only TLS (and, with client CAs, only
+clients holding a certificate they signed). One Security serves this port and the HTTP one.
 """
 
 from __future__ import annotations
@@ -38,12 +42,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, SecurityConfig
 from jaxserve.entrypoints.prompt_intake import encode
 from jaxserve.entrypoints.grpc import convert
+from jaxserve.entrypoints.grpc.auth import interceptors, server_credentials
 from jaxserve.entrypoints.grpc.errors import StatusError, add_servicer, status_for_exception
 from jaxserve.entrypoints.grpc.pb import jaxserve_pb2 as pb
 from jaxserve.entrypoints.process import exit_now, in_daemon_thread, install_stop_signals
+from jaxserve.entrypoints.security import ApiKeys, Security
 from jaxserve.entrypoints.grpc.pb import jaxserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
@@ -211,10 +217,15 @@ class GrpcServer:
 
     @classmethod
     async def start(cls, host: str = "127.0.0.1", port: int = 0,
-                    async_engine: AsyncEngine | None = None) -> "GrpcServer":
-        """Listen on host:port (0: a free port); SERVING at once when an engine is given."""
+                    async_engine: AsyncEngine | None = None,
+                    security: Security | None = None) -> "GrpcServer":
+        """Listen on host:port (0: a free port); SERVING at once when an engine is given.
+        security: the API keys and TLS files (None: neither)."""
+        security = security or Security(ApiKeys())
         # No SO_REUSEPORT: a second server on a busy port must fail, not share its traffic.
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)],
+                                 interceptors=interceptors(security.keys,
+                                                           security.grpc_open_health))
         servicer = JaxServeServicer()
         health_servicer = health.aio.HealthServicer()
         add_servicer(servicer, server)
@@ -222,7 +233,9 @@ class GrpcServer:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         try:
-            bound = server.add_insecure_port(_host_port(host, port))
+            bound = (server.add_insecure_port(_host_port(host, port)) if security.tls is None
+                     else server.add_secure_port(_host_port(host, port),
+                                                 server_credentials(security.tls)))
         except RuntimeError as exc:  # grpc's "Failed to bind"
             raise OSError(f"cannot listen on {_host_port(host, port)}: {exc}") from None
         self = cls(server, host, bound, servicer, health_servicer)
@@ -279,22 +292,26 @@ class GrpcServer:
 
 async def serve(engine_config: EngineConfig, host: str, port: int, shutdown_timeout: float,
                 loaded=None, metrics_port: int | None = None, http=None,
-                exit_process: bool = False) -> int:
+                exit_process: bool = False, security: SecurityConfig | None = None) -> int:
     """run_server's body, on the running event loop; returns the exit code. http: an
     http_server.HttpSettings to serve the OpenAI HTTP API too, over the same AsyncEngine (None:
-    gRPC only). exit_process: once drained, end the process with the code (see exit_now)."""
+    gRPC only). exit_process: once drained, end the process with the code (see exit_now).
+    security: API keys and TLS files for both ports, read and checked before either listens."""
     from jaxserve.engine.engine import Engine
 
+    guard = Security.load(security)
+    if (warning := guard.exposure_warning(host)) is not None:
+        log.warning(warning)
     stop = asyncio.Event()
     install_stop_signals(stop)
-    handle = await GrpcServer.start(host, port)
-    log.info("jaxserve gRPC server listening on %s (health NOT_SERVING until the engine is "
-             "ready)", handle.address)
+    handle = await GrpcServer.start(host, port, security=guard)
+    log.info("jaxserve gRPC server listening on %s (%s; health NOT_SERVING until the engine "
+             "is ready)", handle.address, guard.describe())
     fronts = [handle]
     if http is not None:
         from jaxserve.entrypoints.openai.http_server import HttpServer
         try:
-            fronts.append(await HttpServer.start(host, http))
+            fronts.append(await HttpServer.start(host, http, guard))
         except BaseException:
             await handle.server.stop(0)
             raise
@@ -367,9 +384,12 @@ async def _drain(fronts, async_engine: AsyncEngine, timeout: float, why: str,
 
 def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 50051,
                shutdown_timeout: float = 30.0, loaded=None, metrics_port: int | None = None,
-               http=None) -> int:
+               http=None, security: SecurityConfig | None = None) -> int:
     """The server process: serve until SIGTERM/SIGINT, drain, then end the process with exit
     code 0 (1 when the engine failed); it returns only when loading fails or a stop signal came
-    during loading. http: HttpSettings to serve the OpenAI HTTP API too (None: off)."""
+    during loading, and raises ValueError before listening when security's files are bad.
+    http: HttpSettings to serve the OpenAI HTTP API too (None: off); security: API keys and
+    TLS for both (None: neither)."""
     return asyncio.run(serve(engine_config, host, port, shutdown_timeout, loaded=loaded,
-                             metrics_port=metrics_port, http=http, exit_process=True))
+                             metrics_port=metrics_port, http=http, exit_process=True,
+                             security=security))

@@ -1,6 +1,7 @@
 """The HTTP front end's gate: ASGI middleware that checks every request before any route runs.
 
-In order: the API key (401, when one is set), the body size (413: Content-Length against the
+In order: the API key (401 when keys are set, one message for a missing and a wrong key;
+entrypoints/security.py's ApiKeys compares in constant time against every key), the body size (413: Content-Length against the
 limit, or a chunked body read here up to it), a JSON Content-Type on the generation, tokenize
 and detokenize routes (415), and readiness (503 while starting, draining or after the engine
 died). It also counts the requests in flight, which shutdown waits on. Probes, scrapers and the
@@ -10,12 +11,12 @@ no engine calls: it reads only the state that http_server.py gives it.
 
 from __future__ import annotations
 
-import hmac
 import time
 
 from fastapi.responses import JSONResponse
 
 from jaxserve.entrypoints.openai.errors import OpenAIError
+from jaxserve.entrypoints.security import UNAUTHENTICATED_MESSAGE, ApiKeys
 
 # Paths served whatever the state and without the API key (probes, scrapers, the schema).
 _OPEN_PATHS = {"/health", "/metrics", "/version", "/openapi.json", "/docs", "/redoc",
@@ -49,20 +50,20 @@ class Gate:
     """ASGI middleware before any route: API key, body size, content type, readiness, and the
     in-flight count."""
 
-    def __init__(self, app, settings: HttpSettings, state: GateState):
-        self.app, self.settings, self.state = app, settings, state
+    def __init__(self, app, settings: HttpSettings, state: GateState, keys: ApiKeys):
+        self.app, self.settings, self.state, self.keys = app, settings, state, keys
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in _OPEN_PATHS:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        key = self.settings.api_key
-        if key is not None:
-            given = headers.get(b"authorization", b"").decode("latin-1")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+        if len(self.keys):
+            given = [v for k, v in scope["headers"] if k == b"authorization"]
+            if len(given) != 1 or not self.keys.allows(given[0]):
                 return await send_error(OpenAIError(
-                    401, "missing or invalid API key: send the header 'Authorization: Bearer "
-                         "<key>'", "authorization", "authentication_error"), scope, receive, send)
+                    401, f"{UNAUTHENTICATED_MESSAGE}: send the header 'Authorization: Bearer "
+                         "<key>'", "authorization", "authentication_error",
+                    {"WWW-Authenticate": "Bearer"}), scope, receive, send)
         limit = self.settings.max_body_bytes
         length = headers.get(b"content-length", b"0")
         if not length.isdigit() or int(length) > limit:

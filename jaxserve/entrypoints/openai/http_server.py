@@ -7,9 +7,10 @@ this module only routes, gates and shapes errors as OpenAI does ({"error": {mess
 param, code}}): 400 bad value (pydantic's and the engine's messages, naming the field), 404
 unknown model or path, 405 wrong method, 429 full queue (Retry-After), 503 while starting,
 draining or after the engine died; never a 500 for bad input. The API key (401), body size (413),
-JSON content type (415) and readiness are checked before any route (http_gate.py). A client
-that disconnects aborts its request: a stream's response closes its engine stream, and a
-non-streaming request's work is cancelled the moment the disconnect arrives.
+JSON content type (415) and readiness are checked before any route (http_gate.py); with TLS
+files uvicorn serves only TLS (with client CAs, only to clients holding a certificate they
+signed). A client that disconnects aborts its request: a stream's response closes its engine
+stream, and a non-streaming request's work is cancelled the moment the disconnect arrives.
 
 Threading and lifecycle: uvicorn serves the app on the caller's asyncio loop (the one the gRPC
 server runs on), from a socket bound at `start` (port 0: any free one); health is 503 until
@@ -28,6 +29,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 import time
 from dataclasses import dataclass
 
@@ -44,6 +46,7 @@ from jaxserve.entrypoints.openai import protocol as api
 from jaxserve.entrypoints.openai.http_gate import Gate, GateState
 from jaxserve.entrypoints.openai.errors import OpenAIError, bad_request
 from jaxserve.entrypoints.openai.serving import OpenAIServing
+from jaxserve.entrypoints.security import ApiKeys, Security, TlsFiles
 
 log = logging.getLogger(__name__)
 _ERRORS = {code: {"model": api.ErrorResponse}
@@ -53,7 +56,6 @@ _ERRORS = {code: {"model": api.ErrorResponse}
 @dataclass(frozen=True)
 class HttpSettings:
     port: int = 8000                      # 0: any free port
-    api_key: str | None = None            # required as "Authorization: Bearer KEY" when set
     served_model_name: str | None = None  # default: the model's name
     chat_template: str | None = None      # template source overriding the model's own
     max_body_bytes: int = 16 << 20
@@ -128,7 +130,8 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     return bad_request(f"{param}={shown} is invalid: {'; or '.join(messages[:3])}", param)
 
 
-def build_app(settings: HttpSettings, state: GateState) -> FastAPI:
+def build_app(settings: HttpSettings, state: GateState,
+              keys: ApiKeys | None = None) -> FastAPI:
     app = FastAPI(title="jaxserve OpenAI-compatible API", version=__version__)
 
     def serving() -> OpenAIServing:
@@ -211,7 +214,7 @@ def build_app(settings: HttpSettings, state: GateState) -> FastAPI:
         return JSONResponse(OpenAIError(500, f"internal error: {exc!r}", None,
                                         "internal_error").body(), 500)
 
-    app.add_middleware(Gate, settings=settings, state=state)
+    app.add_middleware(Gate, settings=settings, state=state, keys=keys or ApiKeys())
     return app
 
 
@@ -221,6 +224,15 @@ class _Uvicorn(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self):
         yield
+
+
+def _ssl_options(tls: TlsFiles | None) -> dict:
+    """uvicorn's ssl_* options for the TLS files: with client CAs, a client certificate signed
+    by one of them is required (the handshake fails without one)."""
+    if tls is None:
+        return {}
+    return dict(ssl_certfile=tls.certfile, ssl_keyfile=tls.keyfile, ssl_ca_certs=tls.ca_certs,
+                ssl_cert_reqs=ssl.CERT_REQUIRED if tls.require_client_cert else ssl.CERT_NONE)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -239,24 +251,29 @@ def _bind(host: str, port: int) -> socket.socket:
 class HttpServer:
     """A listening uvicorn server for the app. Build it with `start`, then `attach`."""
 
-    def __init__(self, host: str, settings: HttpSettings):
+    def __init__(self, host: str, settings: HttpSettings, security: Security | None = None):
+        security = security or Security(ApiKeys())
         self.host, self.settings, self.state = host, settings, GateState()
-        self.app = build_app(settings, self.state)
+        self.app = build_app(settings, self.state, security.keys)
         self.sock = _bind(host, settings.port)
         self.port = self.sock.getsockname()[1]
+        self.tls = security.tls is not None
         self.server = _Uvicorn(uvicorn.Config(
             self.app, lifespan="off", log_config=None, access_log=False,
-            timeout_graceful_shutdown=1, timeout_keep_alive=30))
+            timeout_graceful_shutdown=1, timeout_keep_alive=30, **_ssl_options(security.tls)))
         self._task: asyncio.Future | None = None
 
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}"
 
     @classmethod
-    async def start(cls, host: str, settings: HttpSettings) -> "HttpServer":
-        self = cls(host, settings)
+    async def start(cls, host: str, settings: HttpSettings,
+                    security: Security | None = None) -> "HttpServer":
+        """Listen (TLS and the API keys as security says; None: neither), health 503 until
+        attach."""
+        self = cls(host, settings, security)
         self._task = asyncio.ensure_future(self.server.serve(sockets=[self.sock]))
         while not self.server.started:
             if self._task.done():
