@@ -12,7 +12,8 @@ Both ports are free ones, logged on stderr as "gRPC server listening on HOST:POR
 (OpenAI API) server listening on http(s)://..."; the security flags are `jaxserve serve`'s own
 (cli_flags.add_security_flags, with $JAXSERVE_API_KEY). Exits with run_server's return code. It serves
 nothing but a tiny random model.
-`server_process(*args)` runs it for a test module: started, serving, its stderr kept read.
+`server_process(*args)` runs it for a test module: started, serving, its stderr kept read;
+`drained_server` / `drained_server_url` also check on teardown that SIGTERM drains it.
 """
 
 from __future__ import annotations
@@ -120,14 +121,20 @@ def server_process(*args: str):
         reader.join(timeout=5)
 
 
-def drained_server_url(*args: str):
-    """A module fixture's body: a server_process's URL, and on teardown the check that SIGTERM
-    drains it to exit 0 with no traceback in its log."""
+def drained_server(*args: str):
+    """A module fixture's body: a server_process (its URL and its log so far), and on teardown
+    the check that SIGTERM drains it to exit 0 with no traceback in its log."""
     with server_process(*args) as process:
-        yield process.url
+        yield process
         process.proc.terminate()
         assert process.proc.wait(timeout=60) == 0, "SIGTERM must drain and exit 0"
         assert "Traceback" not in process.log, process.log[-3000:]
+
+
+def drained_server_url(*args: str):
+    """drained_server, yielding only the URL."""
+    for process in drained_server(*args):
+        yield process.url
 
 
 def main() -> int:

@@ -22,10 +22,15 @@ GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True, "return_token_ids
 
 
 @pytest.fixture(scope="module")
-def server():
-    from http_server_main import drained_server_url
+def http_process():
+    from http_server_main import drained_server
 
-    yield from drained_server_url("--api-key", KEY)
+    yield from drained_server("--api-key", KEY)
+
+
+@pytest.fixture(scope="module")
+def server(http_process):
+    return http_process.url
 
 
 @pytest.fixture(scope="module")
@@ -231,7 +236,8 @@ BAD = [  # (path, json body / raw bytes / chunks, header overrides, status, fiel
     (COMP, {**C, "repetition_penalty": 0}, None, 400, "repetition_penalty"),
     (COMP, {**C, "logit_bias": {"x": 3}}, None, 400, "logit_bias"),
     (COMP, {**C, "logit_bias": {"5": 500}}, None, 400, "logit_bias"),
-    (COMP, {**C, "bogus": 1}, None, 400, "bogus"),
+    (CHAT, {**H, "response_format": {"type": "text", "bogus": 1}}, None, 400,
+     "response_format.bogus"),  # unknown keys elsewhere are ignored: test_http_fields.py
     (COMP, {"model": "gpt-4", "prompt": "x"}, None, 404, "model"),
     (COMP, {"model": 5, "prompt": "x"}, None, 400, "model"),
     (CHAT, {"model": MODEL, "messages": []}, None, 400, "messages"),

@@ -21,7 +21,8 @@ EXTRA = {"ignore_eos": True, "return_token_ids": True}
 ALL_PAGES = 47  # SMALL_ENGINE's 48, less the reserved page 0
 
 
-from test_http import client, offline, server  # noqa: E402,F401  (the same fixtures)
+from test_http import (client, http_process, offline,  # noqa: E402,F401  (the same fixtures)
+                       server)
 
 
 def run_offline(offline, prompt_ids, **params):

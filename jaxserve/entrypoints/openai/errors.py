@@ -2,10 +2,12 @@
 
 A RequestError (core/intake.py: every check on a request) is a 400 whose param is its field.
 Engine failures: a stopped engine is 503, one that failed under the request 500, a passed
-`timeout` 408. An OpenAIError carries the HTTP status, a message naming the field and its limit, the field
-itself and OpenAI's error type; `body()` is {"error": {message, type, param, code}}. UNSUPPORTED
-lists the parameters the engine cannot honour yet: each is refused with a 400 naming it, never
-accepted and ignored. Plain data and pure functions: no engine calls, no routing.
+`timeout` 408. An OpenAIError carries the HTTP status, a message naming the field and its
+limit, the field itself and OpenAI's error type; `body()` is {"error": {message, type, param,
+code}}. UNSUPPORTED lists the parameters the engine cannot honour yet: each is refused with a
+400 naming it, never accepted and ignored; `check_supported` also refuses what OpenAI refuses
+(stream_options without stream: true) and store=true (nothing is stored). Plain data and pure
+functions: no engine calls, no routing.
 """
 
 from __future__ import annotations
@@ -89,6 +91,12 @@ def check_supported(request) -> None:
             shown = value.model_dump() if hasattr(value, "model_dump") else value
             raise bad_request(f"{name}={shown!r} is not supported by this server yet "
                               f"(only the default is)", name)
+    if request.stream_options is not None and not request.stream:
+        raise bad_request("stream_options is set but stream is not true: stream_options is "
+                          "only allowed with stream: true (as in OpenAI)", "stream_options")
+    if getattr(request, "store", None):
+        raise bad_request("store=true asks the server to store the completion, and this "
+                          "server stores nothing: omit store or set it to false", "store")
     if getattr(request, "top_logprobs", None) and not request.logprobs:
         raise bad_request("top_logprobs is set, so logprobs must be true", "top_logprobs")
     if request.prompt_logprobs is not None and request.stream:

@@ -3,14 +3,16 @@
 Routes: POST /v1/completions, /v1/chat/completions, GET /v1/models, /health, /metrics,
 /version, POST /tokenize, /detokenize (vLLM's shapes). Request bodies are pydantic models
 (openai_protocol.py); the translation to engine calls is OpenAIServing's (openai_serving.py);
-this module only routes, gates and shapes errors as OpenAI does ({"error": {message, type,
-param, code}}): 400 bad value (pydantic's and the engine's messages, naming the field), 404
-unknown model or path, 405 wrong method, 429 full queue (Retry-After), 503 while starting,
-draining or after the engine died; never a 500 for bad input. The API key (401), body size (413),
-JSON content type (415) and readiness are checked before any route (http_gate.py); with TLS
-files uvicorn serves only TLS (with client CAs, only to clients holding a certificate they
-signed). A client that disconnects aborts its request: a stream's response closes its engine
-stream, and a non-streaming request's work is cancelled the moment the disconnect arrives.
+this module only routes, gates, reports the request fields it ignored (one warning per request
+and the X-Jaxserve-Ignored-Fields header on its answer, stream and error included: ignored.py),
+and shapes errors as OpenAI does ({"error": {message, type, param, code}}): 400 bad value
+(pydantic's and the engine's messages, naming the field), 404 unknown model or path, 405 wrong
+method, 429 full queue (Retry-After), 503 while starting, draining or after the engine died;
+never a 500 for bad input. The API key (401), body size (413), JSON content type (415) and
+readiness are checked before any route (http_gate.py); with TLS files uvicorn serves only TLS
+(with client CAs, only to clients holding a certificate they signed). A client that
+disconnects aborts its request: a stream's response closes its engine stream, and a
+non-streaming request's work is cancelled the moment the disconnect arrives.
 
 Threading and lifecycle: uvicorn serves the app on the caller's asyncio loop (the one the gRPC
 server runs on), from a socket bound at `start` (port 0: any free one); health is 503 until
@@ -45,6 +47,7 @@ from jaxserve import __version__
 from jaxserve.entrypoints.openai import protocol as api
 from jaxserve.entrypoints.openai.http_gate import Gate, GateState
 from jaxserve.entrypoints.openai.errors import OpenAIError, bad_request
+from jaxserve.entrypoints.openai.ignored import IGNORED_FIELDS_HEADER, describe, ignored_fields
 from jaxserve.entrypoints.openai.serving import OpenAIServing
 from jaxserve.entrypoints.security import ApiKeys, Security, TlsFiles
 
@@ -123,7 +126,9 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     if first["type"] == "missing":
         return bad_request(f"{param} is required", param)
     if first["type"] == "extra_forbidden":
-        return bad_request(f"{param} is not a parameter this server accepts", param)
+        parent = param.rpartition(".")[0] or "the request"  # only closed objects refuse keys
+        return bad_request(f"{param} is not a key {parent} accepts (unknown keys in an output "
+                           f"constraint are refused, not ignored)", param)
     messages = list(dict.fromkeys(e["msg"] for e in errors if _param(e["loc"]) == param))
     shown = repr(first.get("input"))
     shown = shown if len(shown) <= 80 else shown[:77] + "..."
@@ -146,13 +151,42 @@ def build_app(settings: HttpSettings, state: GateState,
         return _EventStream(result, headers={"Cache-Control": "no-cache",
                                              "X-Accel-Buffering": "no"})
 
+    def report_ignored(raw: Request, request) -> str | None:
+        """The unknown fields of the request, described, after one warning naming them."""
+        fields = ignored_fields(request)
+        if not fields:
+            return None
+        names = describe(fields)
+        log.warning("%s %s: ignored request fields this server does not know: %s",
+                    raw.method, raw.url.path, names)
+        return names
+
+    async def answer(request, raw: Request, response: Response, work,
+                     watch_disconnect: bool = True):
+        """Run work(serving) for a validated request; every answer (a response, a stream,
+        an error) names the request's ignored fields in IGNORED_FIELDS_HEADER."""
+        ignored = report_ignored(raw, request)
+        try:
+            result = work(serving())
+            result = respond(await (_unless_disconnected(raw, result) if watch_disconnect
+                                    else result))
+        except OpenAIError as exc:
+            if ignored is not None:
+                exc.headers[IGNORED_FIELDS_HEADER] = ignored
+            raise
+        if ignored is not None:  # a route's returned model is sent with `response`'s headers
+            headers = result.headers if isinstance(result, Response) else response.headers
+            headers[IGNORED_FIELDS_HEADER] = ignored
+        return result
+
     @app.post("/v1/completions", response_model=api.Completion, responses=_ERRORS)
-    async def completions(request: api.CompletionRequest, raw: Request):
-        return respond(await _unless_disconnected(raw, serving().completions(request)))
+    async def completions(request: api.CompletionRequest, raw: Request, response: Response):
+        return await answer(request, raw, response, lambda s: s.completions(request))
 
     @app.post("/v1/chat/completions", response_model=api.ChatCompletion, responses=_ERRORS)
-    async def chat_completions(request: api.ChatCompletionRequest, raw: Request):
-        return respond(await _unless_disconnected(raw, serving().chat(request)))
+    async def chat_completions(request: api.ChatCompletionRequest, raw: Request,
+                               response: Response):
+        return await answer(request, raw, response, lambda s: s.chat(request))
 
     @app.get("/v1/models", response_model=api.ModelList, responses=_ERRORS)
     async def models():
@@ -162,12 +196,13 @@ def build_app(settings: HttpSettings, state: GateState,
             max_model_len=s.info.max_model_len, vocab_size=s.info.vocab_size)])
 
     @app.post("/tokenize", response_model=api.TokenizeResponse, responses=_ERRORS)
-    async def tokenize(request: api.TokenizeCompletionRequest | api.TokenizeChatRequest):
-        return await serving().tokenize(request)
+    async def tokenize(request: api.TokenizeCompletionRequest | api.TokenizeChatRequest,
+                       raw: Request, response: Response):
+        return await answer(request, raw, response, lambda s: s.tokenize(request), False)
 
     @app.post("/detokenize", response_model=api.DetokenizeResponse, responses=_ERRORS)
-    async def detokenize(request: api.DetokenizeRequest):
-        return await serving().detokenize(request)
+    async def detokenize(request: api.DetokenizeRequest, raw: Request, response: Response):
+        return await answer(request, raw, response, lambda s: s.detokenize(request), False)
 
     @app.get("/health")
     async def health():

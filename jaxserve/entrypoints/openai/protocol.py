@@ -1,10 +1,17 @@
 """Pydantic models of the OpenAI HTTP API as jaxserve serves it: requests and responses.
 
-Requests validate types and ranges (the limits are in the schema, so /openapi.json documents
-them and a bad value is a 400 naming the field and its limit); unknown fields are refused, so a
-parameter jaxserve does not know is never silently ignored. Parameters it knows but cannot honour
-yet are modelled here and refused in openai_errors.UNSUPPORTED. Besides OpenAI's parameters,
-vLLM's extra ones (top_k, min_p, min_tokens, repetition_penalty, allowed_token_ids, bad_words,
+Requests validate OpenAI's types strictly (a boolean is a JSON boolean, an integer a JSON
+integer, a number an integer or a float: never a string) and ranges (the limits are in the
+schema, so /openapi.json documents them and a bad value is a 400 naming the field and its
+limit). A field the server does not know is kept aside rather than refused, as vLLM does: a
+request and the objects in it that a client may send with extra keys (messages, their text
+parts, stream_options) derive from `_Open`, whose unknown keys `ignored.py` reports (a warning
+and a response header); the output constraints (response_format, structured_outputs) derive
+from `_Closed`, whose unknown keys are a 400, since a constraint read in part would let through
+output the client meant to forbid. Knowing a field is declaring it here. ACCEPTED_WITHOUT_EFFECT
+lists OpenAI's fields accepted and not acted on (no warning); parameters known but not honoured
+yet are modelled here and refused in openai/errors.py. Besides OpenAI's parameters, vLLM's extra
+ones (top_k, min_p, min_tokens, repetition_penalty, allowed_token_ids, bad_words,
 include_stop_str_in_output, skip_special_tokens, ignore_eos, stop_token_ids, return_token_ids,
 prompt_logprobs, and the output constraints structured_outputs and guided_json / guided_regex /
 guided_choice / guided_grammar) are accepted, as a vLLM client sends them in `extra_body`.
@@ -39,15 +46,34 @@ TokenIds = Annotated[list[NonNegativeInt], Field(min_length=1)]
 StopStrings = Union[NonEmptyText, list[NonEmptyText]]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Open(BaseModel):
+    """Strict types; unknown keys kept in model_extra, reported and otherwise ignored."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
-class StreamOptions(_Strict):
+class _Closed(BaseModel):
+    """Strict types; an unknown key is a 400 naming it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+# OpenAI's fields that are accepted and have no effect here (docs/openai_api.md lists them):
+# field -> the endpoints whose request has it. store=true is refused (errors.check_supported).
+ACCEPTED_WITHOUT_EFFECT = {
+    "user": ("completions", "chat"),
+    "metadata": ("chat",),
+    "store": ("chat",),
+    "service_tier": ("chat",),
+    "parallel_tool_calls": ("chat",),  # no tool calling yet: nothing to run in parallel
+}
+
+
+class StreamOptions(_Open):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(_Closed):
     """response_format.json_schema: the schema (OpenAI's name and strict are accepted; every
     schema is enforced strictly)."""
 
@@ -57,12 +83,12 @@ class JsonSchemaFormat(_Strict):
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(_Closed):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputsField(_Strict):
+class StructuredOutputsField(_Closed):
     """vLLM's structured_outputs extra: exactly one of these."""
 
     json_schema: dict | bool | str | None = Field(None, alias="json")
@@ -72,7 +98,7 @@ class StructuredOutputsField(_Strict):
     json_object: bool | None = None
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(_Open):
     """What completions and chat share: the model, sampling, stopping and streaming."""
 
     model: str
@@ -96,7 +122,7 @@ class _SamplingFields(_Strict):
     bad_words: list[NonEmptyText] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    user: str | None = None
+    user: str | None = None  # accepted without effect
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # vLLM's extension: token ids in each choice
@@ -124,12 +150,12 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
 
 
-class TextPart(_Strict):
+class TextPart(_Open):
     type: Literal["text"]
     text: Text
 
 
-class ChatMessage(_Strict):
+class ChatMessage(_Open):
     role: Literal["system", "developer", "user", "assistant"]
     content: Union[Text, Annotated[list[TextPart], Field(min_length=1)]]
     name: Text | None = None
@@ -142,6 +168,13 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # Accepted without effect (ACCEPTED_WITHOUT_EFFECT); store=true is refused
+    metadata: Annotated[dict[Annotated[str, Field(max_length=64)],
+                             Annotated[str, Field(max_length=512)]],
+                        Field(max_length=16)] | None = None
+    store: bool | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 _GUIDED_KINDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -172,20 +205,20 @@ def structured_outputs(request: _SamplingFields, field: str) -> StructuredOutput
     return StructuredOutputs(**{_GUIDED_KINDS[field]: getattr(request, field)})
 
 
-class TokenizeCompletionRequest(_Strict):
+class TokenizeCompletionRequest(_Open):
     model: str | None = None
     prompt: Text
     add_special_tokens: bool = True
 
 
-class TokenizeChatRequest(_Strict):
+class TokenizeChatRequest(_Open):
     model: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(_Open):
     model: str | None = None
     tokens: list[NonNegativeInt]
 
