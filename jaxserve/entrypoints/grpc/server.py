@@ -6,8 +6,10 @@ fixed engine facts (config, tokenizer, model config, page size) and talk to the 
 through AsyncEngine.generate, whose iterator is always closed when a handler ends, so a
 cancelled call or a passed deadline aborts the request in the engine and frees its pages.
 Prompt size limits are checked before tokenizing; chat templating and long prompts are
-tokenized on AsyncEngine's bounded text pool, never on the loop. A call's gRPC deadline goes
-with its request: one still queued when it passes is dropped before it uses the device.
+tokenized on AsyncEngine's text pool, never on the loop (token ids never wait for it). A call's
+gRPC deadline goes with its request: one still queued when it passes is dropped before it uses
+the device. A Generate or Tokenize call counts against its client (client_limits.py) until its
+handler ends, however it ends.
 
 Lifecycle (run_server): listen first with health NOT_SERVING, build the engine (load + compile)
 on a worker thread while health checks are answered, then SERVING. On SIGTERM/SIGINT: health
@@ -19,10 +21,11 @@ in-flight call INTERNAL, health NOT_SERVING, new calls UNAVAILABLE, exit 1.
 
 Status codes (grpc/errors.py): an undecodable request, a RequestError (core/intake.py: every
 check on a request) or another ValueError before the first token -> INVALID_ARGUMENT; a full
-queue, or a request the KV page pool can never hold (RequestError.exceeds_kv_pool) ->
-RESOURCE_EXHAUSTED; starting, draining or a dead engine -> UNAVAILABLE; a failed engine, or any
-other failure of one request -> INTERNAL (the server goes on unless the engine failed). This
-module does no sampling, scheduling or device work.
+queue or a client at its bound (both with trailing metadata `retry-after`), or a request the KV
+page pool can never hold (RequestError.exceeds_kv_pool) -> RESOURCE_EXHAUSTED; starting,
+draining or a dead engine -> UNAVAILABLE; a failed engine, or any other failure of one request
+-> INTERNAL (the server goes on unless the engine failed). This module does no sampling,
+scheduling or device work.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from grpc_reflection.v1alpha import reflection
 
 from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError
 from jaxserve.config import EngineConfig
+from jaxserve.entrypoints.client_limits import ClientLimitError, grpc_client
 from jaxserve.entrypoints.prompt_intake import encode
 from jaxserve.entrypoints.grpc import convert
 from jaxserve.entrypoints.grpc.errors import StatusError, add_servicer, status_for_exception
@@ -77,10 +81,12 @@ def _deadline(context) -> float | None:
 
 
 class JaxServeServicer(pb_grpc.JaxServeServicer):
-    """The JaxServe handlers; async_engine is None until the engine is ready."""
+    """The JaxServe handlers; async_engine is None until the engine is ready. keyed_clients:
+    API keys are configured, so a call's bearer token names its client (else its address)."""
 
-    def __init__(self, async_engine: AsyncEngine | None = None):
+    def __init__(self, async_engine: AsyncEngine | None = None, keyed_clients: bool = False):
         self.async_engine = async_engine
+        self.keyed_clients = keyed_clients
         self.draining = False
         self.num_in_flight = 0     # Generate calls past the readiness check, not yet ended
         self.max_request_bytes = 4 << 20  # grpc's own default, until an engine sets its limit
@@ -96,6 +102,16 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
                                 f"engine stopped: {self.async_engine.error!r}")
         return self.async_engine
 
+    async def _admit(self, async_engine: AsyncEngine, context) -> str:
+        """Count the call against its client, or end it RESOURCE_EXHAUSTED with retry-after;
+        the caller releases the returned client once the call ends."""
+        client = grpc_client(context, self.keyed_clients)
+        try:
+            async_engine.clients.acquire(client)
+        except ClientLimitError as exc:
+            await context.abort(*status_for_exception(exc, validating=True))
+        return client
+
     async def _prompt(self, async_engine: AsyncEngine, request: pb.GenerateRequest):
         """(text, token ids) as prompt_from_proto gives them; a chat is size-checked, then
         templated and tokenized on the text pool."""
@@ -110,11 +126,13 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context):
         async_engine = await self._engine(context)
+        client = await self._admit(async_engine, context)
         self.num_in_flight += 1
         try:
             await self._generate(async_engine, request, context)
-        finally:
+        finally:  # also when the call is cancelled or its deadline passes
             self.num_in_flight -= 1
+            async_engine.clients.release(client)
 
     async def _generate(self, async_engine: AsyncEngine, request, context) -> None:
         try:
@@ -158,10 +176,13 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         async_engine = await self._engine(context)
+        client = await self._admit(async_engine, context)
         try:
             text, token_ids = await self._tokenize(async_engine, request)
         except Exception as exc:
             await context.abort(*status_for_exception(exc, validating=True))
+        finally:
+            async_engine.clients.release(client)
         return pb.TokenizeResponse(token_ids=[int(t) for t in token_ids], prompt_text=text)
 
     @staticmethod
@@ -211,11 +232,13 @@ class GrpcServer:
 
     @classmethod
     async def start(cls, host: str = "127.0.0.1", port: int = 0,
-                    async_engine: AsyncEngine | None = None) -> "GrpcServer":
-        """Listen on host:port (0: a free port); SERVING at once when an engine is given."""
+                    async_engine: AsyncEngine | None = None,
+                    keyed_clients: bool = False) -> "GrpcServer":
+        """Listen on host:port (0: a free port); SERVING at once when an engine is given.
+        keyed_clients: API keys are configured (a call's bearer token names its client)."""
         # No SO_REUSEPORT: a second server on a busy port must fail, not share its traffic.
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        servicer = JaxServeServicer()
+        servicer = JaxServeServicer(keyed_clients=keyed_clients)
         health_servicer = health.aio.HealthServicer()
         add_servicer(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -287,7 +310,8 @@ async def serve(engine_config: EngineConfig, host: str, port: int, shutdown_time
 
     stop = asyncio.Event()
     install_stop_signals(stop)
-    handle = await GrpcServer.start(host, port)
+    handle = await GrpcServer.start(host, port, keyed_clients=http is not None
+                                    and http.api_key is not None)
     log.info("jaxserve gRPC server listening on %s (health NOT_SERVING until the engine is "
              "ready)", handle.address)
     fronts = [handle]
