@@ -153,7 +153,7 @@ def main() -> int:
                         max_body_bytes=args.max_body_bytes)
     return run_server(config, host="127.0.0.1", port=0, shutdown_timeout=args.shutdown_timeout,
                       loaded=fixtures_loaded() if args.model == "fixtures" else tiny_bpe_loaded(),
-                      http=http)
+                      http=http, keyed_clients=args.api_key is not None)
 
 
 if __name__ == "__main__":

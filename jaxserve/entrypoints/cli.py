@@ -111,6 +111,10 @@ def cmd_chat(args) -> int:
         return chat_cli.run_chat(backend, system=args.system)
 
 
+def api_key_from_args(args) -> str | None:
+    return args.api_key or os.environ.get("JAXSERVE_API_KEY") or None
+
+
 def http_settings_from_args(args):
     """The OpenAI HTTP front end's settings, or None when --http-port is 0."""
     from jaxserve.entrypoints.openai.http_server import HttpSettings
@@ -121,15 +125,16 @@ def http_settings_from_args(args):
         with open(args.chat_template, encoding="utf-8") as f:
             template = f.read()
     return HttpSettings(port=args.http_port, served_model_name=args.served_model_name,
-                        api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY") or None,
-                        chat_template=template, max_body_bytes=args.http_max_body_bytes)
+                        api_key=api_key_from_args(args), chat_template=template,
+                        max_body_bytes=args.http_max_body_bytes)
 
 
 def cmd_serve(args) -> int:
     from jaxserve.entrypoints.grpc.server import run_server
     return run_server(engine_config_from_args(args), host=args.host, port=args.port,
                       shutdown_timeout=args.shutdown_timeout, metrics_port=args.metrics_port,
-                      http=http_settings_from_args(args))
+                      http=http_settings_from_args(args),
+                      keyed_clients=api_key_from_args(args) is not None)
 
 
 def cmd_convert(args) -> int:
@@ -174,8 +179,10 @@ def _add_serve(sub) -> None:
     front.add_argument("--http-port", type=int, default=8000,
                        help="OpenAI-compatible HTTP API port (0 turns it off); default: 8000")
     front.add_argument("--api-key", default=None,
-                       help="HTTP: require 'Authorization: Bearer KEY'; default: "
-                            "$JAXSERVE_API_KEY, unset: no key (vLLM: same name)")
+                       help="HTTP: require 'Authorization: Bearer KEY'; both front ends: "
+                            "the bearer token is the client --max-queued-requests-per-key "
+                            "counts (unset: its address); default: $JAXSERVE_API_KEY, unset: "
+                            "no key (vLLM: same name)")
     front.add_argument("--served-model-name", default=None,
                        help="HTTP: the model name clients send; default: the model's own "
                             "(vLLM: same name)")

@@ -302,16 +302,16 @@ class GrpcServer:
 
 async def serve(engine_config: EngineConfig, host: str, port: int, shutdown_timeout: float,
                 loaded=None, metrics_port: int | None = None, http=None,
-                exit_process: bool = False) -> int:
+                exit_process: bool = False, keyed_clients: bool = False) -> int:
     """run_server's body, on the running event loop; returns the exit code. http: an
     http_server.HttpSettings to serve the OpenAI HTTP API too, over the same AsyncEngine (None:
-    gRPC only). exit_process: once drained, end the process with the code (see exit_now)."""
+    gRPC only). exit_process: once drained, end the process with the code (see exit_now).
+    keyed_clients: API keys are configured (a gRPC call's bearer token names its client)."""
     from jaxserve.engine.engine import Engine
 
     stop = asyncio.Event()
     install_stop_signals(stop)
-    handle = await GrpcServer.start(host, port, keyed_clients=http is not None
-                                    and http.api_key is not None)
+    handle = await GrpcServer.start(host, port, keyed_clients=keyed_clients)
     log.info("jaxserve gRPC server listening on %s (health NOT_SERVING until the engine is "
              "ready)", handle.address)
     fronts = [handle]
@@ -391,9 +391,9 @@ async def _drain(fronts, async_engine: AsyncEngine, timeout: float, why: str,
 
 def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 50051,
                shutdown_timeout: float = 30.0, loaded=None, metrics_port: int | None = None,
-               http=None) -> int:
+               http=None, keyed_clients: bool = False) -> int:
     """The server process: serve until SIGTERM/SIGINT, drain, then end the process with exit
     code 0 (1 when the engine failed); it returns only when loading fails or a stop signal came
     during loading. http: HttpSettings to serve the OpenAI HTTP API too (None: off)."""
-    return asyncio.run(serve(engine_config, host, port, shutdown_timeout, loaded=loaded,
-                             metrics_port=metrics_port, http=http, exit_process=True))
+    return asyncio.run(serve(engine_config, host, port, shutdown_timeout, loaded, metrics_port,
+                             http, exit_process=True, keyed_clients=keyed_clients))
