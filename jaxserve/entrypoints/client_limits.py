@@ -4,8 +4,8 @@ flight, and the refusal of one more past `max_queued_requests_per_key`.
 A client is its API key when keys are configured (the token of `Authorization: Bearer K`, an
 HTTP header or gRPC metadata), else its address (the HTTP peer's host; the gRPC peer's host
 without its port, so one client's many connections are one client). A request counts from its
-admission until it ends, however it ends (finished, refused later, failed, its client gone or
-cancelled, its deadline passed): each front end calls `acquire` once it admits a call and
+admission until it ends, however it ends (finished, refused as invalid, failed, its client gone
+or cancelled, its deadline passed): each front end calls `acquire` once it admits a call and
 `release` in a `finally` around the whole call. Both front ends share one ClientLimits
 (AsyncEngine.clients), so a client's HTTP and gRPC requests count together.
 
@@ -109,8 +109,8 @@ class ClientLimits:
             if limit is not None and num >= limit:
                 raise ClientLimitError(
                     f"{describe(client)} has {num} requests in flight, the limit "
-                    f"(max_queued_requests_per_key={limit}): retry after one of them "
-                    f"finishes (retry after {RETRY_AFTER_S} s)")
+                    f"max_queued_requests_per_key={limit}: retry once one of them has "
+                    f"finished (retry after {RETRY_AFTER_S} s)")
             self._num_in_flight[client] = num + 1
 
     def release(self, client: str) -> None:
