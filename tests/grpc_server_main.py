@@ -33,7 +33,7 @@ from conftest import SMALL_ENGINE  # noqa: E402  (needs the path set above)
 from tiny_models import tiny_loaded  # noqa: E402
 
 from jaxserve.config import EngineConfig  # noqa: E402
-from jaxserve.entrypoints.grpc.server import run_server  # noqa: E402
+from jaxserve.entrypoints.serve import run_server  # noqa: E402
 
 
 @dataclass

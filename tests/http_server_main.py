@@ -39,7 +39,7 @@ from tiny_models import TinyLoaded, tiny_model  # noqa: E402
 from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.entrypoints.cli_flags import (add_security_flags,  # noqa: E402
                                             security_config_from_args)
-from jaxserve.entrypoints.grpc.server import run_server  # noqa: E402
+from jaxserve.entrypoints.serve import run_server  # noqa: E402
 from jaxserve.entrypoints.openai.http_server import HttpSettings  # noqa: E402
 
 

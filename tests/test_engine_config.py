@@ -34,6 +34,7 @@ CLI_VALUES = {
     "batching": (["--batching", "static"], "static"),
     "async_scheduling": (["--no-async-scheduling"], False),
     "max_queued_requests": (["--max-queued-requests", "3"], 3),
+    "max_queued_requests_per_key": (["--max-queued-requests-per-key", "5"], 5),
     "tensor_parallel_size": (["-tp", "2"], 2),
     "speculative_method": (["--speculative-method", "ngram", "--num-speculative-tokens", "2"],
                            "ngram"),

@@ -305,6 +305,7 @@ def test_engine_finishes_other_than_stop_or_length_end_the_call_with_a_status(se
     can never hold it: RESOURCE_EXHAUSTED. A fake engine yields each outcome for its prompt."""
     from jaxserve.core.intake import RequestError
     from jaxserve.engine.outputs import CompletionOutput, RequestOutput
+    from jaxserve.entrypoints.client_limits import ClientLimits
     from jaxserve.entrypoints.prompt_intake import PromptLimits
     from jaxserve.entrypoints.grpc.background import ServerThread
 
@@ -320,7 +321,7 @@ def test_engine_finishes_other_than_stop_or_length_end_the_call_with_a_status(se
 
     engine = SimpleNamespace(tokenizer=served.engine.tokenizer)
     fake = SimpleNamespace(engine=engine, error=None, generate=generate,
-                           limits=PromptLimits(4096, 1 << 20))
+                           limits=PromptLimits(4096, 1 << 20), clients=ClientLimits())
     expected = {1001: "RESOURCE_EXHAUSTED", 10: "INTERNAL", 7: "ABORTED"}
     with ServerThread(fake) as server, JaxServeClient(server.address, timeout=10) as client:
         for length, code in expected.items():

@@ -148,22 +148,23 @@ def test_a_long_text_prompt_is_tokenized_on_the_text_pool_not_the_event_loop(ser
     assert [name.startswith("jaxserve-text") for _, name in encode_calls] == [True], encode_calls
 
 
-def test_the_text_pool_refuses_work_beyond_its_bound_with_queue_full():
-    from jaxserve.engine.engine import QueueFullError
+def test_the_text_pool_queues_work_beyond_its_workers_instead_of_refusing():
     from jaxserve.entrypoints.prompt_intake import TextPool
 
-    pool, release = TextPool(num_workers=1, max_pending=2), threading.Event()
+    pool, release = TextPool(num_workers=1), threading.Event()
 
     async def scenario():
-        held = [asyncio.ensure_future(pool.run(release.wait)) for _ in range(2)]
-        await asyncio.sleep(0)
-        with pytest.raises(QueueFullError, match="tokenizer queue is full"):
-            await pool.run(len, "x")
+        held = asyncio.ensure_future(pool.run(release.wait))
+        queued = [asyncio.ensure_future(pool.run(len, "x" * i)) for i in range(64)]
+        await asyncio.sleep(0.05)
+        waited = not any(q.done() for q in queued)  # behind the one busy worker
         release.set()
-        await asyncio.gather(*held)
-        return await pool.run(len, "abc")  # room again once the held calls are done
+        await held
+        return waited, await asyncio.gather(*queued)
 
-    assert asyncio.run(scenario()) == 3
+    waited, lengths = asyncio.run(scenario())
+    assert waited, "queued calls ran although the only worker was busy"
+    assert lengths == list(range(64)), "a queued call was refused or lost"
     pool.close()
 
 
@@ -268,6 +269,12 @@ def test_a_write_refused_by_a_call_that_already_ended_sends_no_status_and_frees_
 
         def time_remaining(self):
             return None
+
+        def invocation_metadata(self):
+            return ()
+
+        def peer(self):
+            return "ipv4:127.0.0.1:50000"
 
     call = EndedCall()
     request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7]), sampling=pb.SamplingParams(

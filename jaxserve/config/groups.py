@@ -120,6 +120,11 @@ class SchedulerConfig:
     max_queued_requests: int | None = setting(
         None, "waiting requests beyond which new ones are refused (gRPC RESOURCE_EXHAUSTED, "
         "HTTP 429); unset: no bound", unit="requests")
+    max_queued_requests_per_key: int | None = setting(
+        None, "requests one client may have in flight (queued or running) before its next "
+        "is refused (gRPC RESOURCE_EXHAUSTED, HTTP 429, with a retry-after hint) while other "
+        "clients are still admitted; a client is its API key when one is configured, else its "
+        "address; unset: no bound", unit="requests")
 
     def validate(self) -> None:
         need(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
@@ -131,6 +136,8 @@ class SchedulerConfig:
              f"one of {BATCHING_MODES}")
         need(self.max_queued_requests is None or self.max_queued_requests >= 1,
              "max_queued_requests", self.max_queued_requests, ">= 1")
+        need(self.max_queued_requests_per_key is None or self.max_queued_requests_per_key >= 1,
+             "max_queued_requests_per_key", self.max_queued_requests_per_key, ">= 1")
 
 
 @dataclass(frozen=True)

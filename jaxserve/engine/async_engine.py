@@ -4,9 +4,10 @@ Threading: the engine thread is the only one that touches the Engine's scheduler
 Callers talk to it through an inbox (add, abort: a thread-safe queue) and get their outputs
 through one asyncio.Queue per request, filled with loop.call_soon_threadsafe. Validation runs on
 the caller's thread, so bad input fails fast without waiting for a step; a prompt is checked
-against PromptLimits before any tokenizer work, and a long one is tokenized on the bounded
-TextPool, never on the caller's event loop. When idle, the thread blocks on the inbox (no busy
-wait).
+against PromptLimits before any tokenizer work, and a long one is tokenized on the TextPool,
+never on the caller's event loop (a prompt of token ids never waits for it). The front ends
+count each client's requests in `clients` (entrypoints/client_limits.py). When idle, the thread
+blocks on the inbox (no busy wait).
 
 Before each step the thread drops requests whose deadline has passed (engine.abort: one still
 waiting never uses the device) and, after it, records how long newly admitted requests waited
@@ -29,6 +30,7 @@ from typing import AsyncIterator
 
 from jaxserve.engine.engine import Engine, QueueFullError, frozen_heap
 from jaxserve.engine.outputs import RequestOutput
+from jaxserve.entrypoints.client_limits import ClientLimits
 from jaxserve.entrypoints.prompt_intake import INLINE_MAX_CHARS, PromptLimits, TextPool, encode
 from jaxserve.core.request import RequestStatus, SamplingParams
 
@@ -53,6 +55,10 @@ class AsyncEngine:
         self.engine = engine
         self.limits = PromptLimits.for_engine(engine.max_model_len, engine.tokenizer)
         self.text_pool = text_pool or TextPool()
+        # Requests in flight per client, shared by both front ends (which count and refuse
+        # there); the bound is read per admission, so a changed config applies at once.
+        self.clients = ClientLimits(
+            lambda: self.engine.config.scheduler.max_queued_requests_per_key)
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()

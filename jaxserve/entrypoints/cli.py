@@ -136,11 +136,12 @@ def http_settings_from_args(args):
 
 
 def cmd_serve(args) -> int:
-    from jaxserve.entrypoints.grpc.server import run_server
+    from jaxserve.entrypoints.serve import run_server
     security = security_config_from_args(args)  # refused here, before the model loads
     return run_server(engine_config_from_args(args), host=args.host, port=args.port,
                       shutdown_timeout=args.shutdown_timeout, metrics_port=args.metrics_port,
-                      http=http_settings_from_args(args), security=security)
+                      http=http_settings_from_args(args), security=security,
+                      keyed_clients=bool(security.api_keys))
 
 
 def cmd_convert(args) -> int:

@@ -1,7 +1,7 @@
 """Process-level helpers for run_server: stop signals, a daemon-thread future, and an exit that
 leaves the gRPC sockets for the kernel to close.
 
-Nothing here knows about engines or requests; grpc_server.serve composes them.
+Nothing here knows about engines or requests; entrypoints/serve.py composes them.
 """
 
 from __future__ import annotations

@@ -10,8 +10,10 @@ is core/intake.py's. `max_request_bytes` bounds a whole encoded request
 (no valid prompt is longer, with room for sampling settings and grammars), so a front end can
 refuse a huge message before decoding it: decoding 3 MiB of token ids takes ~30 ms.
 
-TextPool runs tokenizer and template calls on a few worker threads, and refuses work beyond a
-bound with QueueFullError (RESOURCE_EXHAUSTED / 429) rather than queueing it without end.
+TextPool runs tokenizer and template calls on a few worker threads; calls beyond them queue,
+never refused: what can wait there is bounded by the front ends' own limits (request bodies by
+max_request_bytes / --http-max-body-bytes, requests by --max-queued-requests-per-key), and a
+prompt given as token ids never comes here (it is checked inline, which is cheap).
 Hugging Face `tokenizers` holds the GIL in `encode` but releases it in `encode_batch`, so
 `encode` here calls the batch form: a long prompt being tokenized does not stall the loop.
 No engine state, no scheduling, no device work.
@@ -20,12 +22,10 @@ No engine state, no scheduling, no device work.
 from __future__ import annotations
 
 import asyncio
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from jaxserve.core.intake import RequestError
-from jaxserve.engine.engine import QueueFullError
 
 # A tokenizer without a vocabulary to measure (a test's byte tokenizer): assume tokens are at
 # most this many characters long.
@@ -86,26 +86,15 @@ class PromptLimits:
 
 
 class TextPool:
-    """A few worker threads for tokenizer and template work, with at most max_pending calls
-    admitted (running or queued) at once."""
+    """A few worker threads for tokenizer and template work; calls beyond them wait in
+    order."""
 
-    def __init__(self, num_workers: int = 2, max_pending: int = 32):
-        self.max_pending = max_pending
+    def __init__(self, num_workers: int = 2):
+        self.num_workers = num_workers
         self._executor = ThreadPoolExecutor(num_workers, thread_name_prefix="jaxserve-text")
-        self._lock = threading.Lock()
-        self._num_pending = 0
 
     async def run(self, fn, *args):
-        with self._lock:
-            if self._num_pending >= self.max_pending:
-                raise QueueFullError(f"the tokenizer queue is full ({self.max_pending} prompts "
-                                     f"are being tokenized): retry later")
-            self._num_pending += 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-        finally:
-            with self._lock:
-                self._num_pending -= 1
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

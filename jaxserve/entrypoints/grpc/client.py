@@ -23,11 +23,12 @@ from jaxserve.entrypoints.grpc.pb import jaxserve_pb2_grpc as pb_grpc
 
 
 class JaxServeError(RuntimeError):
-    """A call failed; `code` is its grpc.StatusCode, `details` the server's message."""
+    """A call failed; `code` is its grpc.StatusCode, `details` the server's message,
+    `retry_after` the server's retry hint in seconds (a load refusal's), else None."""
 
-    def __init__(self, code: grpc.StatusCode, details: str):
+    def __init__(self, code: grpc.StatusCode, details: str, retry_after: float | None = None):
         super().__init__(f"{code.name}: {details}")
-        self.code, self.details = code, details
+        self.code, self.details, self.retry_after = code, details, retry_after
 
 
 class InvalidRequestError(JaxServeError, ValueError):
@@ -39,9 +40,21 @@ def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
 
+def retry_after(exc: grpc.RpcError) -> float | None:
+    """The `retry-after` trailing metadata of a failed call (seconds), or None."""
+    trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+    for key, value in trailing or ():
+        if key == "retry-after":
+            try:
+                return float(value)
+            except ValueError:
+                return None
+    return None
+
+
 def _error(exc: grpc.RpcError) -> JaxServeError:
     cls = InvalidRequestError if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else JaxServeError
-    return cls(exc.code(), exc.details() or "")
+    return cls(exc.code(), exc.details() or "", retry_after(exc))
 
 
 @dataclass

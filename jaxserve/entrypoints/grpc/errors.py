@@ -6,7 +6,9 @@ the JaxServe handlers with a decoder that never raises: it hands the handler an 
 which is refused with INVALID_ARGUMENT and protobuf's message; a message over the servicer's
 max_request_bytes is not decoded at all (RESOURCE_EXHAUSTED naming the limit), so a huge one
 costs the event loop nothing. `status_for_exception` is the one
-table from engine exceptions to status codes. No engine calls, no sampling, no device work.
+table from engine exceptions to status codes; a load refusal (the waiting queue or one client's
+requests at their bound) is RESOURCE_EXHAUSTED with a retry hint in the trailing metadata
+`retry-after` (seconds, as HTTP's Retry-After). No engine calls, no sampling, no device work.
 """
 
 from __future__ import annotations
@@ -19,10 +21,13 @@ from google.protobuf.message import DecodeError
 from jaxserve.core.intake import RequestError
 from jaxserve.engine.async_engine import DeadlineExceededError, EngineDeadError, EngineFailedError
 from jaxserve.engine.engine import QueueFullError
+from jaxserve.entrypoints.client_limits import RETRY_AFTER_S
 from jaxserve.entrypoints.grpc.pb import jaxserve_pb2 as pb
 
 log = logging.getLogger(__name__)
-StatusError = tuple[grpc.StatusCode, str]
+# (code, details) or (code, details, trailing metadata): context.abort(*error) takes either.
+StatusError = tuple[grpc.StatusCode, str] | tuple[grpc.StatusCode, str, tuple]
+RETRY_AFTER = (("retry-after", str(RETRY_AFTER_S)),)
 
 
 class Undecodable:
@@ -88,7 +93,7 @@ def status_for_exception(exc: Exception, validating: bool) -> StatusError:
     if isinstance(exc, DeadlineExceededError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
     if isinstance(exc, QueueFullError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), RETRY_AFTER
     if validating and isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     log.error("request failed", exc_info=exc)

@@ -6,27 +6,25 @@ fixed engine facts (config, tokenizer, model config, page size) and talk to the 
 through AsyncEngine.generate, whose iterator is always closed when a handler ends, so a
 cancelled call or a passed deadline aborts the request in the engine and frees its pages.
 Prompt size limits are checked before tokenizing; chat templating and long prompts are
-tokenized on AsyncEngine's bounded text pool, never on the loop. A call's gRPC deadline goes
-with its request: one still queued when it passes is dropped before it uses the device.
+tokenized on AsyncEngine's text pool, never on the loop (token ids never wait for it). A call's
+gRPC deadline goes with its request: one still queued when it passes is dropped before it uses
+the device. A Generate or Tokenize call counts against its client (client_limits.py) until its
+handler ends, however it ends.
 
-Lifecycle (run_server): listen first with health NOT_SERVING, build the engine (load + compile)
-on a worker thread while health checks are answered, then SERVING. On SIGTERM/SIGINT: health
-NOT_SERVING and every new call UNAVAILABLE (answered by the handlers, which keep running),
-in-flight calls drained for up to shutdown_timeout seconds, the rest ended UNAVAILABLE and
-aborted in the engine; then the process exits 0, its exit closing the listener (never a
-grpc stop that would CANCEL racing calls: process.exit_now). If the engine fails: every
-in-flight call INTERNAL, health NOT_SERVING, new calls UNAVAILABLE, exit 1.
+The process around it (listen, load, serve, drain, exit) is entrypoints/serve.py's.
 
 Status codes (grpc/errors.py): an undecodable request, a RequestError (core/intake.py: every
 check on a request) or another ValueError before the first token -> INVALID_ARGUMENT; a full
-queue, or a request the KV page pool can never hold (RequestError.exceeds_kv_pool) ->
-RESOURCE_EXHAUSTED; starting, draining or a dead engine -> UNAVAILABLE; a failed engine, or any
-other failure of one request -> INTERNAL (the server goes on unless the engine failed). This
-module does no sampling, scheduling or device work.
+queue or a client at its bound (both with trailing metadata `retry-after`), or a request the KV
+page pool can never hold (RequestError.exceeds_kv_pool) -> RESOURCE_EXHAUSTED; starting,
+draining or a dead engine -> UNAVAILABLE; a failed engine, or any other failure of one request
+-> INTERNAL (the server goes on unless the engine failed). This module does no sampling,
+scheduling or device work.
 
 Security (grpc/auth.py): with API keys an interceptor ends calls without one UNAUTHENTICATED
-before any handler runs; with TLS files the port serves only TLS (and, with client CAs, only
-clients holding a certificate they signed). One Security serves this port and the HTTP one.
+before any handler runs (so a call's bearer token, a checked key, names its client for the
+per-client bound); with TLS files the port serves only TLS (and, with client CAs, only clients
+holding a certificate they signed). One Security serves this port and the HTTP one.
 """
 
 from __future__ import annotations
@@ -41,22 +39,18 @@ from grpc._cython import cygrpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError
-from jaxserve.config import EngineConfig, SecurityConfig
+from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.entrypoints.client_limits import ClientLimitError, grpc_client
 from jaxserve.entrypoints.prompt_intake import encode
 from jaxserve.entrypoints.grpc import convert
 from jaxserve.entrypoints.grpc.auth import interceptors, server_credentials
 from jaxserve.entrypoints.grpc.errors import StatusError, add_servicer, status_for_exception
 from jaxserve.entrypoints.grpc.pb import jaxserve_pb2 as pb
-from jaxserve.entrypoints.process import exit_now, in_daemon_thread, install_stop_signals
 from jaxserve.entrypoints.security import ApiKeys, Security
 from jaxserve.entrypoints.grpc.pb import jaxserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JaxServe"].full_name  # "jaxserve.v1.JaxServe"
-# After an engine failure, health probes get this long to see NOT_SERVING (and load balancers
-# to route away) before the port closes and the process exits 1.
-DEAD_LINGER_S = 1.0
 
 
 def _host_port(host: str, port: int) -> str:
@@ -83,10 +77,12 @@ def _deadline(context) -> float | None:
 
 
 class JaxServeServicer(pb_grpc.JaxServeServicer):
-    """The JaxServe handlers; async_engine is None until the engine is ready."""
+    """The JaxServe handlers; async_engine is None until the engine is ready. keyed_clients:
+    API keys are configured, so a call's bearer token names its client (else its address)."""
 
-    def __init__(self, async_engine: AsyncEngine | None = None):
+    def __init__(self, async_engine: AsyncEngine | None = None, keyed_clients: bool = False):
         self.async_engine = async_engine
+        self.keyed_clients = keyed_clients
         self.draining = False
         self.num_in_flight = 0     # Generate calls past the readiness check, not yet ended
         self.max_request_bytes = 4 << 20  # grpc's own default, until an engine sets its limit
@@ -102,6 +98,16 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
                                 f"engine stopped: {self.async_engine.error!r}")
         return self.async_engine
 
+    async def _admit(self, async_engine: AsyncEngine, context) -> str:
+        """Count the call against its client, or end it RESOURCE_EXHAUSTED with retry-after;
+        the caller releases the returned client once the call ends."""
+        client = grpc_client(context, self.keyed_clients)
+        try:
+            async_engine.clients.acquire(client)
+        except ClientLimitError as exc:
+            await context.abort(*status_for_exception(exc, validating=True))
+        return client
+
     async def _prompt(self, async_engine: AsyncEngine, request: pb.GenerateRequest):
         """(text, token ids) as prompt_from_proto gives them; a chat is size-checked, then
         templated and tokenized on the text pool."""
@@ -116,11 +122,13 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context):
         async_engine = await self._engine(context)
+        client = await self._admit(async_engine, context)
         self.num_in_flight += 1
         try:
             await self._generate(async_engine, request, context)
-        finally:
+        finally:  # also when the call is cancelled or its deadline passes
             self.num_in_flight -= 1
+            async_engine.clients.release(client)
 
     async def _generate(self, async_engine: AsyncEngine, request, context) -> None:
         try:
@@ -164,10 +172,13 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         async_engine = await self._engine(context)
+        client = await self._admit(async_engine, context)
         try:
             text, token_ids = await self._tokenize(async_engine, request)
         except Exception as exc:
             await context.abort(*status_for_exception(exc, validating=True))
+        finally:
+            async_engine.clients.release(client)
         return pb.TokenizeResponse(token_ids=[int(t) for t in token_ids], prompt_text=text)
 
     @staticmethod
@@ -226,7 +237,7 @@ class GrpcServer:
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)],
                                  interceptors=interceptors(security.keys,
                                                            security.grpc_open_health))
-        servicer = JaxServeServicer()
+        servicer = JaxServeServicer(keyed_clients=len(security.keys) > 0)
         health_servicer = health.aio.HealthServicer()
         add_servicer(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -288,108 +299,3 @@ class GrpcServer:
         await self.begin_drain()
         await self.wait_idle(time.monotonic() + timeout)
         await self.stop(grace=0.5)
-
-
-async def serve(engine_config: EngineConfig, host: str, port: int, shutdown_timeout: float,
-                loaded=None, metrics_port: int | None = None, http=None,
-                exit_process: bool = False, security: SecurityConfig | None = None) -> int:
-    """run_server's body, on the running event loop; returns the exit code. http: an
-    http_server.HttpSettings to serve the OpenAI HTTP API too, over the same AsyncEngine (None:
-    gRPC only). exit_process: once drained, end the process with the code (see exit_now).
-    security: API keys and TLS files for both ports, read and checked before either listens."""
-    from jaxserve.engine.engine import Engine
-
-    guard = Security.load(security)
-    if (warning := guard.exposure_warning(host)) is not None:
-        log.warning(warning)
-    stop = asyncio.Event()
-    install_stop_signals(stop)
-    handle = await GrpcServer.start(host, port, security=guard)
-    log.info("jaxserve gRPC server listening on %s (%s; health NOT_SERVING until the engine "
-             "is ready)", handle.address, guard.describe())
-    fronts = [handle]
-    if http is not None:
-        from jaxserve.entrypoints.openai.http_server import HttpServer
-        try:
-            fronts.append(await HttpServer.start(host, http, guard))
-        except BaseException:
-            await handle.server.stop(0)
-            raise
-        log.info("jaxserve HTTP (OpenAI API) server listening on %s (/health 503 until the "
-                 "engine is ready)", fronts[1].url)
-    loading = in_daemon_thread(lambda: Engine(engine_config, loaded=loaded))
-    stopping = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    if not loading.done():
-        log.info("stop signal during loading: exiting without serving")
-        await asyncio.gather(*(front.shutdown(0) for front in fronts))
-        return 0
-    try:
-        engine = loading.result()
-    except BaseException:
-        stopping.cancel()
-        await handle.server.stop(0)
-        await asyncio.gather(*(front.shutdown(0) for front in fronts[1:]))
-        raise
-    async_engine = AsyncEngine(engine)
-    async_engine.start()
-    metrics_http = None
-    if metrics_port is not None:
-        metrics_http, _ = engine.metrics.serve_http(metrics_port, host)
-        log.info("Prometheus metrics on http://%s:%d/metrics", host, metrics_http.server_port)
-    await handle.attach(async_engine)
-    for front in fronts[1:]:
-        front.attach(async_engine)
-    log.info("serving %s on %s: max_model_len %d, %d KV pages of %d tokens (health SERVING)",
-             engine.info.model_name, handle.address, engine.info.max_model_len,
-             engine.info.num_pages, engine.info.page_size)
-    dead = asyncio.ensure_future(handle.engine_dead.wait())
-    await asyncio.wait({stopping, dead}, return_when=asyncio.FIRST_COMPLETED)
-    if not stopping.done():  # every open stream has failed: let the handlers say so, exit 1
-        stopping.cancel()
-        await _drain(fronts, async_engine, 5.0, "engine failed", DEAD_LINGER_S, exit_process)
-        async_engine.stop(timeout=10.0)
-        return exit_now(1) if exit_process else 1
-    dead.cancel()
-    await _drain(fronts, async_engine, shutdown_timeout, "stop signal", 0.0, exit_process)
-    async_engine.stop(timeout=10.0)
-    if metrics_http is not None:
-        metrics_http.shutdown()
-    log.info("shutdown complete")
-    return exit_now(0) if exit_process else 0
-
-
-async def _drain(fronts, async_engine: AsyncEngine, timeout: float, why: str,
-                 linger: float = 0.0, exiting: bool = False) -> None:
-    """Every front refuses new calls (UNAVAILABLE / 503) at once; in-flight ones get timeout
-    seconds to finish, then end UNAVAILABLE / 503 (their requests aborted in the engine); then,
-    after linger seconds more of refusing, the listeners close. exiting: the process ends next,
-    so the gRPC listener is left open for exit_now to close."""
-    for front in fronts:
-        await front.begin_drain()
-    log.info("%s: draining %d in-flight request(s) for up to %.1f s", why,
-             async_engine.num_in_flight, timeout)
-    idle = await asyncio.gather(*(front.wait_idle(time.monotonic() + timeout)
-                                  for front in fronts))
-    if not all(idle):
-        num = async_engine.abort_all(EngineDeadError(
-            f"the server shut down before this request finished (shutdown timeout "
-            f"{timeout:g} s)"))
-        log.info("shutdown timeout: %d request(s) aborted", num)
-        await asyncio.gather(*(front.wait_idle(time.monotonic() + 5.0) for front in fronts))
-    await asyncio.sleep(linger)
-    await asyncio.gather(*(front.stop() for front in fronts
-                           if not (exiting and isinstance(front, GrpcServer))))
-
-
-def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 50051,
-               shutdown_timeout: float = 30.0, loaded=None, metrics_port: int | None = None,
-               http=None, security: SecurityConfig | None = None) -> int:
-    """The server process: serve until SIGTERM/SIGINT, drain, then end the process with exit
-    code 0 (1 when the engine failed); it returns only when loading fails or a stop signal came
-    during loading, and raises ValueError before listening when security's files are bad.
-    http: HttpSettings to serve the OpenAI HTTP API too (None: off); security: API keys and
-    TLS for both (None: neither)."""
-    return asyncio.run(serve(engine_config, host, port, shutdown_timeout, loaded=loaded,
-                             metrics_port=metrics_port, http=http, exit_process=True,
-                             security=security))

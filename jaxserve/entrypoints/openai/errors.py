@@ -2,10 +2,11 @@
 
 A RequestError (core/intake.py: every check on a request) is a 400 whose param is its field.
 Engine failures: a stopped engine is 503, one that failed under the request 500, a passed
-`timeout` 408. An OpenAIError carries the HTTP status, a message naming the field and its
-limit, the field itself and OpenAI's error type; `body()` is {"error": {message, type, param,
-code}}. UNSUPPORTED lists the parameters the engine cannot honour yet: each is refused with a
-400 naming it, never accepted and ignored; `check_supported` also refuses what OpenAI refuses
+`timeout` 408; a load refusal (the waiting queue, or the client's bound) is 429 with
+Retry-After. An OpenAIError carries the HTTP status, a message naming the field and its limit,
+the field itself and OpenAI's error type; `body()` is {"error": {message, type, param, code}}.
+UNSUPPORTED lists the parameters the engine cannot honour yet: each is refused with a 400
+naming it, never accepted and ignored; `check_supported` also refuses what OpenAI refuses
 (stream_options without stream: true) and store=true (nothing is stored). Plain data and pure
 functions: no engine calls, no routing.
 """
@@ -18,6 +19,7 @@ from typing import Callable
 from jaxserve.core.intake import RequestError
 from jaxserve.engine.async_engine import DeadlineExceededError, EngineDeadError, EngineFailedError
 from jaxserve.engine.engine import QueueFullError
+from jaxserve.entrypoints.client_limits import RETRY_AFTER_S
 
 # Parameters the engine cannot honour, each with a test for the values it does honour: best_of
 # > 1 (the best of several samples by cumulative logprob) and suffix (insertion) are not planned.
@@ -25,7 +27,6 @@ UNSUPPORTED: dict[str, Callable[[object], bool]] = {
     "best_of": lambda v: v in (None, 1),
     "suffix": lambda v: v is None,
 }
-RETRY_AFTER_S = 1
 _FIELD_IN_MESSAGE = re.compile(r"^(\w+)[=\s]")
 _ENGINE_FIELD_NAMES = {"prompt_token_ids": "prompt"}
 

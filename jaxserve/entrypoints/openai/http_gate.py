@@ -1,11 +1,14 @@
 """The HTTP front end's gate: ASGI middleware that checks every request before any route runs.
 
 In order: the API key (401 when keys are set, one message for a missing and a wrong key;
-entrypoints/security.py's ApiKeys compares in constant time against every key), the body size (413: Content-Length against the
-limit, or a chunked body read here up to it), a JSON Content-Type on the generation, tokenize
-and detokenize routes (415), and readiness (503 while starting, draining or after the engine
-died). It also counts the requests in flight, which shutdown waits on. Probes, scrapers and the
-schema (/health, /metrics, /version, /openapi.json, /docs) pass without any check. No routes,
+entrypoints/security.py's ApiKeys compares in constant time against every key), the body size
+(413: Content-Length against the limit, or a chunked body read here up to it), a JSON Content-Type on the generation, tokenize
+and detokenize routes (415), readiness (503 while starting, draining or after the engine
+died), and the client's bound (429 with Retry-After once the client, its API key when one is
+set or else its address, has max_queued_requests_per_key requests on those routes in flight;
+entrypoints/client_limits.py). It counts the requests in flight, which shutdown waits on, and
+each client's until its request ends, however it ends (a streamed response included).
+Probes, scrapers and the schema (/health, /metrics, /version, /openapi.json, /docs) pass without any check. No routes,
 no engine calls: it reads only the state that http_server.py gives it.
 """
 
@@ -15,7 +18,8 @@ import time
 
 from fastapi.responses import JSONResponse
 
-from jaxserve.entrypoints.openai.errors import OpenAIError
+from jaxserve.entrypoints.client_limits import ClientLimitError, http_client
+from jaxserve.entrypoints.openai.errors import OpenAIError, error_for_exception
 from jaxserve.entrypoints.security import UNAUTHENTICATED_MESSAGE, ApiKeys
 
 # Paths served whatever the state and without the API key (probes, scrapers, the schema).
@@ -47,8 +51,8 @@ async def send_error(error: OpenAIError, scope, receive, send) -> None:
 
 
 class Gate:
-    """ASGI middleware before any route: API key, body size, content type, readiness, and the
-    in-flight count."""
+    """ASGI middleware before any route: API key, body size, content type, readiness, the
+    client's bound, and the in-flight counts."""
 
     def __init__(self, app, settings: HttpSettings, state: GateState, keys: ApiKeys):
         self.app, self.settings, self.state, self.keys = app, settings, state, keys
@@ -81,6 +85,22 @@ class Gate:
         if reason is not None:
             return await send_error(OpenAIError(503, reason, None, "service_unavailable"),
                                      scope, receive, send)
+        if scope["path"] not in _JSON_PATHS:
+            return await self._counted(scope, receive, send, headers, limit)
+        # The routes that do work count against their client until they end.
+        clients = self.state.serving.async_engine.clients
+        client = http_client(scope, headers, keyed=len(self.keys) > 0)  # (a checked key)
+        try:
+            clients.acquire(client)
+        except ClientLimitError as exc:
+            return await send_error(error_for_exception(exc), scope, receive, send)
+        try:
+            await self._counted(scope, receive, send, headers, limit)
+        finally:  # however it ended: answered, failed, its client gone, cancelled
+            clients.release(client)
+
+    async def _counted(self, scope, receive, send, headers: dict, limit: int) -> None:
+        """The route, counted in flight; a chunked body is read first, up to the limit."""
         if b"content-length" not in headers and scope["method"] == "POST":
             # A chunked body has no length to check first: read it here, up to the limit.
             messages, received, more = [], 0, True

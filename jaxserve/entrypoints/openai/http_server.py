@@ -7,12 +7,13 @@ this module only routes, gates, reports the request fields it ignored (one warni
 and the X-Jaxserve-Ignored-Fields header on its answer, stream and error included: ignored.py),
 and shapes errors as OpenAI does ({"error": {message, type, param, code}}): 400 bad value
 (pydantic's and the engine's messages, naming the field), 404 unknown model or path, 405 wrong
-method, 429 full queue (Retry-After), 503 while starting, draining or after the engine died;
-never a 500 for bad input. The API key (401), body size (413), JSON content type (415) and
-readiness are checked before any route (http_gate.py); with TLS files uvicorn serves only TLS
-(with client CAs, only to clients holding a certificate they signed). A client that
-disconnects aborts its request: a stream's response closes its engine stream, and a
-non-streaming request's work is cancelled the moment the disconnect arrives.
+method, 429 full queue or a client at its bound (Retry-After), 503 while starting, draining or
+after the engine died; never a 500 for bad input. The API key (401), body size (413), JSON
+content type (415), readiness and the client's bound are checked before any route
+(http_gate.py); with TLS files uvicorn serves only TLS (with client CAs, only to clients
+holding a certificate they signed). A client that disconnects aborts its request: a stream's
+response closes its engine stream, and a non-streaming request's work is cancelled the moment
+the disconnect arrives.
 
 Threading and lifecycle: uvicorn serves the app on the caller's asyncio loop (the one the gRPC
 server runs on), from a socket bound at `start` (port 0: any free one); health is 503 until

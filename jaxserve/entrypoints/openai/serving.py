@@ -5,8 +5,9 @@ engine's frozen facts (`engine.info`), its tokenizer, and talks to the engine th
 AsyncEngine.generate (whose iterator is always closed, so a request whose client went away is
 aborted); it never touches the scheduler, the page manager or the runner, and knows nothing of
 routing, auth or health (http_server.py). Prompt sizes are checked against AsyncEngine's
-PromptLimits before any tokenizer work; tokenizing, chat templating and detokenizing run on its
-bounded text pool, never on the event loop. A request's `timeout` becomes its deadline. Every
+PromptLimits before any tokenizer work; a prompt of token ids is checked inline and never waits
+for the text pool; long prompts, chat templating and detokenizing run on the text pool, never on
+the event loop. A request's `timeout` becomes its deadline. Every
 check on a request's content is core/intake.py's: its length against max_model_len and the KV
 pool here (the default max_tokens depends on it), the rest as AsyncEngine.generate makes the
 request. Every refusal is an OpenAIError with the HTTP status, a message naming the field and
@@ -28,7 +29,7 @@ from jaxserve import __version__
 from jaxserve.core import intake
 from jaxserve.core.intake import RequestError
 from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.entrypoints.prompt_intake import encode
+from jaxserve.entrypoints.prompt_intake import INLINE_MAX_CHARS, encode
 from jaxserve.core.request import SamplingParams
 from jaxserve.entrypoints.openai import protocol as api
 from jaxserve.entrypoints.openai.chat_prompt import render_chat, with_chat_template
@@ -119,21 +120,31 @@ class OpenAIServing:
             raise error_for_exception(exc) from None
 
     # ---- prompts -----------------------------------------------------------------------------
-    def _completion_prompts(self, prompt) -> tuple[list[list[int]], list[str | None]]:
-        """Token ids per prompt, and each prompt's text when it was given as text."""
+    async def _completion_prompts(self, prompt) -> tuple[list[list[int]], list[str | None]]:
+        """Token ids per prompt, and each prompt's text when it was given as text. Token ids
+        are checked here and never wait for the text pool; texts are size-checked first, then
+        tokenized here when short (as AsyncEngine does), else on the text pool."""
         if isinstance(prompt, str):
             prompt = [prompt]
         if isinstance(prompt[0], int):
             prompt = [prompt]
         limits = self.async_engine.limits
-        if isinstance(prompt[0], str):
-            for text in prompt:
-                limits.check_text(text)
-            return [encode(self.tokenizer, p) for p in prompt], list(prompt)
-        for ids in prompt:
-            limits.check_num_tokens(len(ids), "prompt")
-            intake.check_prompt(self.info, ids, "prompt")
-        return [list(ids) for ids in prompt], [None] * len(prompt)
+        try:
+            if isinstance(prompt[0], str):
+                for text in prompt:
+                    limits.check_text(text)
+            else:
+                for ids in prompt:
+                    limits.check_num_tokens(len(ids), "prompt")
+                    intake.check_prompt(self.info, ids, "prompt")
+        except RequestError as exc:
+            raise error_for_exception(exc) from None
+        if not isinstance(prompt[0], str):
+            return [list(ids) for ids in prompt], [None] * len(prompt)
+        if sum(len(text) for text in prompt) <= INLINE_MAX_CHARS:
+            return [encode(self.tokenizer, text) for text in prompt], list(prompt)
+        ids = await self._in_thread(lambda: [encode(self.tokenizer, text) for text in prompt])
+        return ids, list(prompt)
 
     def chat_prompt(self, request) -> list[int]:
         try:
@@ -177,7 +188,7 @@ class OpenAIServing:
         self.check_model(request.model)
         check_supported(request)
         constraint, constraint_field = self.constraint(request)
-        prompts, texts = await self._in_thread(self._completion_prompts, request.prompt)
+        prompts, texts = await self._completion_prompts(request.prompt)
         num_prompt_lps = request.prompt_logprobs
         if num_prompt_lps is None and request.echo:
             num_prompt_lps = request.logprobs  # as vLLM: an echoed prompt gets logprobs' k
