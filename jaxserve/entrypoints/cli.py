@@ -140,8 +140,7 @@ def cmd_serve(args) -> int:
     security = security_config_from_args(args)  # refused here, before the model loads
     return run_server(engine_config_from_args(args), host=args.host, port=args.port,
                       shutdown_timeout=args.shutdown_timeout, metrics_port=args.metrics_port,
-                      http=http_settings_from_args(args), security=security,
-                      keyed_clients=bool(security.api_keys))
+                      http=http_settings_from_args(args), security=security)
 
 
 def cmd_convert(args) -> int:
