@@ -20,22 +20,10 @@ import grpc
 import pytest
 
 from jaxserve import SamplingParams
-from jaxserve.entrypoints.grpc.client import JaxServeClient, JaxServeError
+from jaxserve.entrypoints.grpc.client import JaxServeError
 from jaxserve.entrypoints.grpc.pb import jaxserve_pb2 as pb
 
-GREEDY = dict(temperature=0.0, ignore_eos=True)
-
-
-from test_grpc import served  # noqa: E402,F401  (the same served tiny engine fixture)
-
-
-def wait_until_idle(engine, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    stats = engine.pages.stats
-    while time.monotonic() < deadline and (engine.has_unfinished()
-                                           or stats().num_free != stats().num_pages):
-        time.sleep(0.01)
-    assert not engine.has_unfinished() and stats().num_free == stats().num_pages, stats()
+from grpc_fixtures import GREEDY, served, wait_until_idle  # noqa: E402,F401  (one engine)
 
 
 def raw_call(served, method: str, data: bytes, streaming: bool = True):
