@@ -227,13 +227,28 @@ def test_without_a_reasoning_parser_replies_are_as_the_model_writes_them(served)
     jsonschema.validate(json.loads(constrained["message"]["content"]), SCHEMA)
 
 
-def test_a_reserved_chat_template_kwarg_is_a_400_naming_the_field(served):
-    r = httpx.post(served.urls["deepseek_r1"] + "/v1/chat/completions", timeout=60,
-                   json={"model": "tiny", "messages": HELLO,
-                         "chat_template_kwargs": {"add_generation_prompt": False}})
+@pytest.mark.parametrize("kwargs,named", [({"add_generation_prompt": False},
+                                             "add_generation_prompt"),
+                                            ({"self": 1}, "self")])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+def test_a_chat_template_kwarg_the_server_cannot_take_is_a_400_naming_the_field(
+        served, kwargs, named, path):
+    r = httpx.post(served.urls["deepseek_r1"] + path, timeout=60,
+                   json={"model": "tiny", "messages": HELLO, "chat_template_kwargs": kwargs})
     error = r.json()["error"]
     assert (r.status_code, error["param"]) == (400, "chat_template_kwargs"), r.text
-    assert "add_generation_prompt" in error["message"], r.text
+    assert named in error["message"], r.text
+
+
+def test_grpc_refuses_a_chat_template_kwarg_it_cannot_take(served):
+    import grpc
+
+    from jaxserve.entrypoints.grpc.client import JaxServeError
+
+    with pytest.raises(JaxServeError) as error:
+        served.client.generate_text(messages=HELLO, chat_template_kwargs={"messages": []})
+    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "chat_template_kwargs" in error.value.details
 
 
 def test_grpc_chat_carries_the_reasoning_apart(served):

@@ -73,6 +73,9 @@ def test_the_constraint_starts_after_the_end_tag_while_the_prompt_leaves_reasoni
     assert request.constrain(unconstrained) is unconstrained
     # a template that opens nothing: the reply may still open <think> and close it
     assert not fmt.for_request(prompt(tokenizer, ""), None).starts_in_content
+    # an earlier turn's closed section does not close the one the prompt opens now
+    history = tokenizer.encode("<think>a</think>b", add_special_tokens=False)
+    assert not fmt.for_request(history + prompt(tokenizer, "<think>\n"), None).starts_in_content
 
 
 @pytest.mark.parametrize("name,generation_prompt,kwargs", [
@@ -139,3 +142,17 @@ def test_structured_outputs_after_needs_a_constraint_and_ids_in_the_vocabulary()
                                                      structured_outputs_after=[100]))
     intake.check_sampling(limits, SamplingParams(structured_outputs=JSON,
                                                  structured_outputs_after=[99]))
+
+
+def test_a_start_the_caller_gave_is_kept(tokenizer, tags):
+    request = ReasoningFormat.load("deepseek_r1", tokenizer).for_request(
+        prompt(tokenizer, "<think>\n"), None)
+    own = SamplingParams(structured_outputs=JSON, structured_outputs_after=(5, 6))
+    assert request.constrain(own) is own
+
+
+def test_structured_outputs_after_crosses_the_grpc_wire():
+    from jaxserve.entrypoints.grpc import convert
+
+    deferred = SamplingParams(structured_outputs=JSON, structured_outputs_after=(7, 8))
+    assert convert.sampling_from_proto(convert.sampling_to_proto(deferred)) == deferred

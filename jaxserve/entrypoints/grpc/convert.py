@@ -15,7 +15,7 @@ import json
 from jaxserve.core.request import SamplingParams
 from jaxserve.structured.params import StructuredOutputs
 from jaxserve.entrypoints.grpc.pb import jaxserve_pb2 as pb
-from jaxserve.entrypoints.openai.chat_prompt import template_kwargs
+from jaxserve.entrypoints.openai.chat_prompt import apply_template
 from jaxserve.entrypoints.openai.reasoning import ReasoningFormat, StepSplitter
 
 _OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
@@ -42,6 +42,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         kwargs["structured_outputs"] = _structured_from_proto(msg.structured_outputs)
     return SamplingParams(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
                           logit_bias=dict(msg.logit_bias), bad_words=tuple(msg.bad_words),
+                          structured_outputs_after=tuple(msg.structured_outputs_after),
                           **kwargs)
 
 
@@ -88,8 +89,7 @@ def chat_prompt(tokenizer, chat: pb.Chat) -> tuple[str, list[int]]:
     if not chat.messages:
         raise ValueError("chat.messages is empty: must hold at least one message")
     messages = [{"role": m.role, "content": m.content} for m in chat.messages]
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                         **template_kwargs(chat_template_kwargs(chat)))
+    text = apply_template(tokenizer, messages, True, chat_template_kwargs(chat))
     return text, list(tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -189,6 +189,7 @@ def sampling_to_proto(params: SamplingParams | None) -> pb.SamplingParams:
         msg.prompt_logprobs = params.prompt_logprobs
     if params.structured_outputs is not None:
         _structured_to_proto(params.structured_outputs, msg.structured_outputs)
+        msg.structured_outputs_after.extend(params.structured_outputs_after)
     if params.seed is not None:
         msg.seed = params.seed
     if params.allowed_token_ids is not None:

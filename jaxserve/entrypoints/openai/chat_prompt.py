@@ -66,6 +66,21 @@ def template_kwargs(kwargs: dict | None) -> dict:
     return kwargs
 
 
+def apply_template(tokenizer, dicts: list[dict], add_generation_prompt: bool,
+                   chat_template_kwargs: dict | None) -> str:
+    """The template's text for message dicts, with the request's extra variables (checked:
+    ValueError naming chat_template_kwargs when the template cannot take them)."""
+    extra = template_kwargs(chat_template_kwargs)
+    try:
+        return tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt,
+                                             **extra)
+    except TypeError as exc:  # a variable the template (or its renderer) cannot take as given
+        if not extra:
+            raise
+        raise ValueError(f"chat_template_kwargs could not be used by the chat template: "
+                         f"{exc}") from None
+
+
 def render_chat(tokenizer, messages, add_generation_prompt: bool = True,
                 continue_final_message: bool = False,
                 chat_template_kwargs: dict | None = None) -> tuple[str, list[int]]:
@@ -75,10 +90,8 @@ def render_chat(tokenizer, messages, add_generation_prompt: bool = True,
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message=true cannot be combined with "
                          "add_generation_prompt=true: set add_generation_prompt to false")
-    extra = template_kwargs(chat_template_kwargs)
     dicts = message_dicts(messages)
-    text = tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt,
-                                         **extra)
+    text = apply_template(tokenizer, dicts, add_generation_prompt, chat_template_kwargs)
     if continue_final_message:
         text = _cut_after_final_message(text, dicts[-1]["content"])
     return text, list(tokenizer.encode(text, add_special_tokens=False))

@@ -21,6 +21,7 @@ jax, and it never talks to the engine.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -28,6 +29,8 @@ from jaxserve.core.request import SamplingParams
 from jaxserve.entrypoints.openai.reasoning_parsers import (ReasoningDelta, ThinkReasoningParser,
                                                            reasoning_parser_class)
 from jaxserve.entrypoints.openai.reasoning_parsers.base import END, START
+
+log = logging.getLogger(__name__)
 
 
 class Tokens(NamedTuple):
@@ -37,13 +40,21 @@ class Tokens(NamedTuple):
     top_logprobs: list
 
 
-def _last(ids: list[int], tag: tuple[int, ...]) -> int:
-    """Where the last occurrence of tag starts in ids (-1: none)."""
-    k = len(tag)
-    for i in range(len(ids) - k, -1, -1):
-        if tuple(ids[i:i + k]) == tag:
-            return i
-    return -1
+def _ends_with(ids: list[int], i: int, tag: tuple[int, ...]) -> bool:
+    """Whether tag ends at ids[i]."""
+    return i + 1 >= len(tag) and tuple(ids[i + 1 - len(tag):i + 1]) == tag
+
+
+def _closes_reasoning(ids: list[int], start: tuple[int, ...], end: tuple[int, ...]) -> bool:
+    """Whether the last think tag in ids is the end tag (scanned from the end: a template that
+    opens or closes the section does it in the generation prompt, so this stops early)."""
+    for i in range(len(ids) - 1, -1, -1):
+        token = ids[i]
+        if token == end[-1] and _ends_with(ids, i, end):
+            return True
+        if token == start[-1] and _ends_with(ids, i, start):
+            return False
+    return False
 
 
 @dataclass(frozen=True)
@@ -62,13 +73,17 @@ class ReasoningFormat:
         parser_class = reasoning_parser_class(name)
         start, end = (tuple(tokenizer.encode(tag, add_special_tokens=False))
                       for tag in (START, END))
+        if len(end) != 1:
+            log.warning("--reasoning-parser %s: this tokenizer writes %s as %d tokens, not one "
+                        "added token; an output constraint starts only after exactly those",
+                        name, END, len(end))
         return cls(parser_class, start, end)
 
     def for_request(self, prompt_ids: list[int], chat_template_kwargs: dict | None,
                     include_reasoning: bool = True) -> "RequestReasoning":
         kwargs = dict(chat_template_kwargs or {})
         thinking = not self.parser_class(kwargs).reasoning_ended
-        closed = _last(prompt_ids, self.end_ids) > _last(prompt_ids, self.start_ids)
+        closed = _closes_reasoning(prompt_ids, self.start_ids, self.end_ids)
         return RequestReasoning(self, kwargs, not thinking or closed, include_reasoning)
 
 
@@ -83,8 +98,9 @@ class RequestReasoning:
 
     def constrain(self, params: SamplingParams) -> SamplingParams:
         """params, with an output constraint starting after </think> unless the reply starts
-        in its content."""
-        if params.structured_outputs is None or self.starts_in_content:
+        in its content (or the caller said where it starts)."""
+        if (params.structured_outputs is None or self.starts_in_content
+                or params.structured_outputs_after):
             return params
         return dataclasses.replace(params, structured_outputs_after=self.format.end_ids)
 

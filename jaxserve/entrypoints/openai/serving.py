@@ -149,7 +149,7 @@ class OpenAIServing:
                                  request.chat_template_kwargs)
         except ValueError as exc:
             param = next((p for p in ("continue_final_message", "chat_template_kwargs")
-                          if str(exc).startswith(p)), "messages")
+                          if p in str(exc)), "messages")
             raise bad_request(str(exc), param) from None
         return ids
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0ejaxserve.proto\x12\x0bjaxserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"P\n\x04\x43hat\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.jaxserve.v1.ChatMessage\x12\x1c\n\x14\x63hat_template_kwargs\x18\x05 \x01(\t\"\xfd\x07\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x17\n\nignore_eos\x18\t \x01(\x08H\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\x08H\x07\x88\x01\x01\x12\x19\n\x0ctop_logprobs\x18\x0b \x01(\x05H\x08\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x01H\t\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x01H\n\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x01H\x0b\x88\x01\x01\x12>\n\nlogit_bias\x18\x0f \x03(\x0b\x32*.jaxserve.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x10 \x01(\x05H\x0c\x88\x01\x01\x12\x30\n\x11\x61llowed_token_ids\x18\x11 \x01(\x0b\x32\x15.jaxserve.v1.TokenIds\x12\x11\n\tbad_words\x18\x12 \x03(\t\x12\x0e\n\x01n\x18\x13 \x01(\x05H\r\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x14 \x01(\x08H\x0e\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x15 \x01(\x08H\x0f\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x16 \x01(\x05H\x10\x88\x01\x01\x12:\n\x12structured_outputs\x18\x17 \x01(\x0b\x32\x1e.jaxserve.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x0f\n\r_top_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x04\n\x02_nB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobs\"\x94\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x13.jaxserve.v1.ChoiceH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x42\x06\n\x04kind\"\x19\n\x06\x43hoice\x12\x0f\n\x07options\x18\x01 \x03(\t\"\xcf\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.jaxserve.v1.TokenIdsH\x00\x12!\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x11.jaxserve.v1.ChatH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.jaxserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x42\x08\n\x06prompt\"\x95\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\x12\"\n\x15time_to_first_token_s\x18\x04 \x01(\x01H\x00\x88\x01\x01\x42\x18\n\x16_time_to_first_token_s\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xb8\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.jaxserve.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.jaxserve.v1.Usage\x12.\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x18.jaxserve.v1.TopLogprobs\x12\r\n\x05index\x18\x08 \x01(\x05\x12\x31\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x18.jaxserve.v1.TopLogprobs\x12\x16\n\x0ereasoning_text\x18\x0c \x01(\t\"\x85\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12!\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x11.jaxserve.v1.ChatH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\":\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x13\n\x0bprompt_text\x18\x02 \x01(\t\"\x12\n\x10ModelInfoRequest\"\x91\x02\n\x11ModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x11\n\tpage_size\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x11\n\tnum_pages\x18\x06 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\x05\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\x14\n\x0cquantization\x18\t \x01(\t\x12\x14\n\x0cweight_bytes\x18\n \x01(\x03\x12/\n\rweight_groups\x18\x0b \x03(\x0b\x32\x18.jaxserve.v1.WeightGroup\";\n\x0bWeightGroup\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xea\x01\n\x08JaxServe\x12I\n\x08Generate\x12\x1c.jaxserve.v1.GenerateRequest\x1a\x1d.jaxserve.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.jaxserve.v1.TokenizeRequest\x1a\x1d.jaxserve.v1.TokenizeResponse\x12J\n\tModelInfo\x12\x1d.jaxserve.v1.ModelInfoRequest\x1a\x1e.jaxserve.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0ejaxserve.proto\x12\x0bjaxserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"P\n\x04\x43hat\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.jaxserve.v1.ChatMessage\x12\x1c\n\x14\x63hat_template_kwargs\x18\x05 \x01(\t\"\x9f\x08\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x17\n\nignore_eos\x18\t \x01(\x08H\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\x08H\x07\x88\x01\x01\x12\x19\n\x0ctop_logprobs\x18\x0b \x01(\x05H\x08\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x01H\t\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x01H\n\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x01H\x0b\x88\x01\x01\x12>\n\nlogit_bias\x18\x0f \x03(\x0b\x32*.jaxserve.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x10 \x01(\x05H\x0c\x88\x01\x01\x12\x30\n\x11\x61llowed_token_ids\x18\x11 \x01(\x0b\x32\x15.jaxserve.v1.TokenIds\x12\x11\n\tbad_words\x18\x12 \x03(\t\x12\x0e\n\x01n\x18\x13 \x01(\x05H\r\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x14 \x01(\x08H\x0e\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x15 \x01(\x08H\x0f\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x16 \x01(\x05H\x10\x88\x01\x01\x12:\n\x12structured_outputs\x18\x17 \x01(\x0b\x32\x1e.jaxserve.v1.StructuredOutputs\x12 \n\x18structured_outputs_after\x18\x18 \x03(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x0f\n\r_top_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x04\n\x02_nB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobs\"\x94\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x13.jaxserve.v1.ChoiceH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x42\x06\n\x04kind\"\x19\n\x06\x43hoice\x12\x0f\n\x07options\x18\x01 \x03(\t\"\xcf\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.jaxserve.v1.TokenIdsH\x00\x12!\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x11.jaxserve.v1.ChatH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.jaxserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x42\x08\n\x06prompt\"\x95\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\x12\"\n\x15time_to_first_token_s\x18\x04 \x01(\x01H\x00\x88\x01\x01\x42\x18\n\x16_time_to_first_token_s\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xb8\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.jaxserve.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.jaxserve.v1.Usage\x12.\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x18.jaxserve.v1.TopLogprobs\x12\r\n\x05index\x18\x08 \x01(\x05\x12\x31\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x18.jaxserve.v1.TopLogprobs\x12\x16\n\x0ereasoning_text\x18\x0c \x01(\t\"\x85\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12!\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x11.jaxserve.v1.ChatH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\":\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x13\n\x0bprompt_text\x18\x02 \x01(\t\"\x12\n\x10ModelInfoRequest\"\x91\x02\n\x11ModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x11\n\tpage_size\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x11\n\tnum_pages\x18\x06 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\x05\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\x14\n\x0cquantization\x18\t \x01(\t\x12\x14\n\x0cweight_bytes\x18\n \x01(\x03\x12/\n\rweight_groups\x18\x0b \x03(\x0b\x32\x18.jaxserve.v1.WeightGroup\";\n\x0bWeightGroup\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xea\x01\n\x08JaxServe\x12I\n\x08Generate\x12\x1c.jaxserve.v1.GenerateRequest\x1a\x1d.jaxserve.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.jaxserve.v1.TokenizeRequest\x1a\x1d.jaxserve.v1.TokenizeResponse\x12J\n\tModelInfo\x12\x1d.jaxserve.v1.ModelInfoRequest\x1a\x1e.jaxserve.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2668
-  _globals['_FINISHREASON']._serialized_end=2763
+  _globals['_FINISHREASON']._serialized_start=2702
+  _globals['_FINISHREASON']._serialized_end=2797
   _globals['_TOKENIDS']._serialized_start=31
   _globals['_TOKENIDS']._serialized_end=54
   _globals['_CHATMESSAGE']._serialized_start=56
@@ -42,31 +42,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHAT']._serialized_start=102
   _globals['_CHAT']._serialized_end=182
   _globals['_SAMPLINGPARAMS']._serialized_start=185
-  _globals['_SAMPLINGPARAMS']._serialized_end=1206
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=881
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=929
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1209
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1357
-  _globals['_CHOICE']._serialized_start=1359
-  _globals['_CHOICE']._serialized_end=1384
-  _globals['_GENERATEREQUEST']._serialized_start=1387
-  _globals['_GENERATEREQUEST']._serialized_end=1594
-  _globals['_USAGE']._serialized_start=1597
-  _globals['_USAGE']._serialized_end=1746
-  _globals['_TOPLOGPROBS']._serialized_start=1748
-  _globals['_TOPLOGPROBS']._serialized_end=1798
-  _globals['_GENERATERESPONSE']._serialized_start=1801
-  _globals['_GENERATERESPONSE']._serialized_end=2113
-  _globals['_TOKENIZEREQUEST']._serialized_start=2116
-  _globals['_TOKENIZEREQUEST']._serialized_end=2249
-  _globals['_TOKENIZERESPONSE']._serialized_start=2251
-  _globals['_TOKENIZERESPONSE']._serialized_end=2309
-  _globals['_MODELINFOREQUEST']._serialized_start=2311
-  _globals['_MODELINFOREQUEST']._serialized_end=2329
-  _globals['_MODELINFORESPONSE']._serialized_start=2332
-  _globals['_MODELINFORESPONSE']._serialized_end=2605
-  _globals['_WEIGHTGROUP']._serialized_start=2607
-  _globals['_WEIGHTGROUP']._serialized_end=2666
-  _globals['_JAXSERVE']._serialized_start=2766
-  _globals['_JAXSERVE']._serialized_end=3000
+  _globals['_SAMPLINGPARAMS']._serialized_end=1240
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=915
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=963
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1243
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1391
+  _globals['_CHOICE']._serialized_start=1393
+  _globals['_CHOICE']._serialized_end=1418
+  _globals['_GENERATEREQUEST']._serialized_start=1421
+  _globals['_GENERATEREQUEST']._serialized_end=1628
+  _globals['_USAGE']._serialized_start=1631
+  _globals['_USAGE']._serialized_end=1780
+  _globals['_TOPLOGPROBS']._serialized_start=1782
+  _globals['_TOPLOGPROBS']._serialized_end=1832
+  _globals['_GENERATERESPONSE']._serialized_start=1835
+  _globals['_GENERATERESPONSE']._serialized_end=2147
+  _globals['_TOKENIZEREQUEST']._serialized_start=2150
+  _globals['_TOKENIZEREQUEST']._serialized_end=2283
+  _globals['_TOKENIZERESPONSE']._serialized_start=2285
+  _globals['_TOKENIZERESPONSE']._serialized_end=2343
+  _globals['_MODELINFOREQUEST']._serialized_start=2345
+  _globals['_MODELINFOREQUEST']._serialized_end=2363
+  _globals['_MODELINFORESPONSE']._serialized_start=2366
+  _globals['_MODELINFORESPONSE']._serialized_end=2639
+  _globals['_WEIGHTGROUP']._serialized_start=2641
+  _globals['_WEIGHTGROUP']._serialized_end=2700
+  _globals['_JAXSERVE']._serialized_start=2800
+  _globals['_JAXSERVE']._serialized_end=3034
 # @@protoc_insertion_point(module_scope)
