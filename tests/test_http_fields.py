@@ -86,8 +86,8 @@ def test_a_stream_names_the_ignored_fields_nested_ones_by_path(http, http_proces
 def test_the_openai_client_extra_body_tool_and_reasoning_fields_are_ignored(client):
     raw = client.chat.completions.with_raw_response.create(
         model=MODEL, messages=M, max_tokens=3, temperature=0.0,
-        extra_body={"chat_template_kwargs": {"enable_thinking": False}, "tool_choice": "none"})
-    assert set(raw.headers[HEADER].split(", ")) == {"chat_template_kwargs", "tool_choice"}
+        extra_body={"reasoning_effort": "low", "tool_choice": "none"})
+    assert set(raw.headers[HEADER].split(", ")) == {"reasoning_effort", "tool_choice"}
     assert raw.parse().usage.completion_tokens <= 3
 
 

@@ -2,8 +2,8 @@
 
 A request is refused here, with a RequestError naming the field, the value and the limit, when
 its prompt is empty, longer than max_model_len allows or holds a token id outside the
-vocabulary; when a token id in logit_bias, allowed_token_ids or stop_token_ids is outside the
-vocabulary; when a sampling setting is out of range (SamplingParams.validate, which raises
+vocabulary; when a token id in logit_bias, allowed_token_ids, stop_token_ids or
+structured_outputs_after is outside the vocabulary; when a sampling setting is out of range (SamplingParams.validate, which raises
 RequestError too); when its structured_outputs is not a StructuredOutputs (whose constructor
 checks its shape, raising a RequestError subclass); or when its prompt plus max_tokens needs
 more KV pages than the whole pool (page 0 excluded): such a request could never run.
@@ -104,6 +104,7 @@ def check_sampling(limits: RequestLimits, params: SamplingParams) -> None:
     check_token_ids(limits, (t for t, _ in params.logit_bias), "logit_bias")
     check_token_ids(limits, params.allowed_token_ids or (), "allowed_token_ids")
     check_token_ids(limits, params.stop_token_ids, "stop_token_ids")
+    check_token_ids(limits, params.structured_outputs_after, "structured_outputs_after")
 
 
 def check_structured_outputs(params: SamplingParams) -> None:

@@ -85,6 +85,10 @@ class SamplingParams:
     skip_special_tokens: bool = True           # special tokens are left out of the text
     # the output must match a JSON schema, regex, choice or grammar (a dict is accepted)
     structured_outputs: StructuredOutputs | None = None
+    # structured_outputs applies only to the output after the first occurrence of this token
+    # sequence (nothing before it is masked; the tokens after it must match); (): from the
+    # first output token
+    structured_outputs_after: tuple[int, ...] = ()
     output_kind: str = "cumulative"             # or "final_only": one output, at the end
 
     def __post_init__(self):
@@ -102,6 +106,8 @@ class SamplingParams:
         if isinstance(self.structured_outputs, dict):
             object.__setattr__(self, "structured_outputs",
                                StructuredOutputs(**self.structured_outputs))
+        object.__setattr__(self, "structured_outputs_after",
+                           tuple(int(t) for t in self.structured_outputs_after))
         if isinstance(self.bad_words, str):
             object.__setattr__(self, "bad_words", (self.bad_words,))
         object.__setattr__(self, "bad_words", tuple(self.bad_words))
@@ -157,6 +163,11 @@ class SamplingParams:
                                                  or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             bad("prompt_logprobs", self.prompt_logprobs,
                 f"None or an integer in [0, {MAX_LOGPROBS}]")
+        if self.structured_outputs_after and (self.structured_outputs is None
+                                              or any(t < 0 for t in self.structured_outputs_after)):
+            bad("structured_outputs_after", self.structured_outputs_after,
+                "token ids >= 0, set only with structured_outputs (it says where that "
+                "constraint starts)")
         if self.structured_outputs is not None and self.ignore_eos:
             bad("ignore_eos", True, "false with structured_outputs (a complete output ends "
                 "with EOS)")
@@ -209,7 +220,8 @@ class Request:
     # sampling.prompt_logprobs: {token id: logprob} for prompt positions 1, 2, ... so far
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
     # sampling.structured_outputs: the request's GrammarMatcher once its grammar compiled
-    # (jaxserve/structured/matcher.py); it has accepted every output token
+    # (jaxserve/structured/matcher.py; with structured_outputs_after, a DeferredMatcher that
+    # masks nothing until that sequence is out); it has accepted every output token
     grammar: object = None
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_seq: int = 0           # tie-break: earlier arrival wins

@@ -210,6 +210,7 @@ class Engine:
     def _attach_grammars(self) -> None:
         """Each sample whose grammar has compiled gets its own matcher, and may be scheduled;
         one whose grammar failed (or timed out) finishes with the error."""
+        from jaxserve.structured.deferred import request_matcher
         waiting = []
         for sample in self._awaiting_grammar:
             if sample.is_finished:
@@ -224,7 +225,8 @@ class Engine:
             if compiled is None:
                 waiting.append(sample)
             else:
-                sample.grammar = compiled.new_matcher()
+                sample.grammar = request_matcher(compiled,
+                                                 sample.sampling.structured_outputs_after)
         self._awaiting_grammar = waiting
 
     def step(self) -> list[RequestOutput]:

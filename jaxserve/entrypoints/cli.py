@@ -16,10 +16,11 @@ import sys
 
 from jaxserve.config import ENV_API_KEY
 from jaxserve.entrypoints import distributed, logging_setup
-from jaxserve.entrypoints.cli_flags import (BoolFlag, add_engine_flags, add_sampling_flags,
-                                            add_security_flags, engine_config_from_args,
-                                            sampling_overrides, security_config_from_args,
-                                            size_type)
+from jaxserve.entrypoints.cli_flags import (BoolFlag, add_engine_flags, add_reasoning_flags,
+                                            add_sampling_flags, add_security_flags,
+                                            engine_config_from_args,
+                                            reasoning_settings_from_args, sampling_overrides,
+                                            security_config_from_args, size_type)
 
 __all__ = ["build_parser", "main", "engine_config_from_args"]
 
@@ -138,9 +139,11 @@ def http_settings_from_args(args):
 def cmd_serve(args) -> int:
     from jaxserve.entrypoints.serve import run_server
     security = security_config_from_args(args)  # refused here, before the model loads
+    reasoning = reasoning_settings_from_args(args)  # (an unknown parser too)
     return run_server(engine_config_from_args(args), host=args.host, port=args.port,
                       shutdown_timeout=args.shutdown_timeout, metrics_port=args.metrics_port,
-                      http=http_settings_from_args(args), security=security)
+                      http=http_settings_from_args(args), security=security,
+                      reasoning=reasoning)
 
 
 def cmd_convert(args) -> int:
@@ -198,6 +201,7 @@ def _add_serve(sub) -> None:
                             "HTTP, no key: docs/security.md); default: off")
     front.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds to drain in-flight requests after SIGTERM; default: 30")
+    add_reasoning_flags(serve)
     add_security_flags(serve)
     serve.set_defaults(func=cmd_serve)
 

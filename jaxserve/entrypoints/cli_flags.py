@@ -173,6 +173,30 @@ def security_config_from_args(args: argparse.Namespace, environ=None) -> Securit
                           ssl_ca_certs=args.ssl_ca_certs).validate()
 
 
+def add_reasoning_flags(parser: argparse.ArgumentParser) -> None:
+    """ReasoningSettings' field as `jaxserve serve`'s --reasoning-parser (vLLM's name)."""
+    from jaxserve.config.reasoning import ReasoningSettings
+
+    group = parser.add_argument_group("reasoning output (both front ends' chat; "
+                                      "ReasoningSettings)")
+    for f in dataclasses.fields(ReasoningSettings):
+        group.add_argument(flag_name(f.name), default=None, dest=f.name, metavar="NAME",
+                           help=_describe(f.metadata, f.default, None))
+
+
+def reasoning_settings_from_args(args: argparse.Namespace):
+    """The ReasoningSettings the flags give; ValueError listing the parsers for an unknown
+    name (before the model loads)."""
+    from jaxserve.config.reasoning import ReasoningSettings
+    from jaxserve.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+
+    name = getattr(args, "reasoning_parser", None)
+    if name is not None and name not in REASONING_PARSERS:
+        raise ValueError(f"--reasoning-parser {name!r} is unknown: choose one of "
+                         f"{', '.join(sorted(REASONING_PARSERS))}")
+    return ReasoningSettings(reasoning_parser=name)
+
+
 # Sampling flags: (SamplingParams field, type, help). Defaults are SamplingParams' own (the
 # Python API's and the servers'), so the CLI, LLM and both front ends sample alike; a model's
 # generation_config.json overrides them unless a flag is given (generation_defaults.py).

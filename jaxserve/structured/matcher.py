@@ -86,6 +86,11 @@ class GrammarMatcher:
         self._eos_at: int | None = None    # num_accepted right after the EOS was accepted
 
     # ---- state ---------------------------------------------------------------------------------
+    def constraining(self) -> GrammarMatcher:
+        """The matcher whose mask applies to the next token: this one (a DeferredMatcher says
+        None until its grammar starts)."""
+        return self
+
     def is_accepting(self) -> bool:
         """The output so far is complete: EOS is allowed now."""
         return self._m.is_accepting()
@@ -197,6 +202,7 @@ def fill_batch(matchers: Sequence[GrammarMatcher | None], out: np.ndarray, *,
 def _fill_rows(matchers, out, has_mask, parallel: bool) -> None:
     if len(matchers) > out.shape[0]:
         raise ValueError(f"{len(matchers)} matchers for {out.shape[0]} bitmask rows")
+    matchers = [m if m is None else m.constraining() for m in matchers]
     live = [(m, i) for i, m in enumerate(matchers) if m is not None]
     # full-width, unfinished rows can be filled by llguidance on its own threads
     threaded = [(m, i) for m, i in live
@@ -229,8 +235,9 @@ def fill_draft_rows(entries: Sequence[tuple[GrammarMatcher, Sequence[int], int]]
                     out: np.ndarray) -> np.ndarray:
     """Speculative verification rows in any layout: for each (matcher, drafts, first_row), row
     first_row + j gets the mask after accepting drafts[:j], for j up to the first draft the
-    grammar rejects (that row's mask refuses it) or len(drafts). Other rows are -1 with
-    has_mask False; returns has_mask bool [R]. Matchers end in the state they started in."""
+    grammar rejects (that row's mask refuses it) or len(drafts). Other rows, and those of a
+    deferred grammar not started yet, are -1 with has_mask False; returns has_mask bool [R].
+    Matchers end in the state they started in."""
     has_mask = np.zeros(out.shape[0], dtype=bool)
     if entries:
         _check_rows(out, entries[0][0].num_words)
@@ -240,10 +247,12 @@ def fill_draft_rows(entries: Sequence[tuple[GrammarMatcher, Sequence[int], int]]
         if first + len(draft) >= out.shape[0]:
             raise ValueError(f"rows {first}..{first + len(draft)} past the {out.shape[0]} rows")
         walk = min(m.num_valid(draft), len(draft))  # drafts up to the first one rejected
-        m.fill_bitmask(out[first])
-        for j in range(walk):
-            m.accept([draft[j]])
-            m.fill_bitmask(out[first + j + 1])
-        has_mask[first:first + walk + 1] = True
+        for j in range(walk + 1):
+            if j:
+                m.accept([draft[j - 1]])
+            active = m.constraining()  # (a deferred grammar may start after a draft)
+            if active is not None:
+                active.fill_bitmask(out[first + j])
+                has_mask[first + j] = True
         m.rollback(walk)
     return has_mask

@@ -61,6 +61,7 @@ def _error(exc: grpc.RpcError) -> JaxServeError:
 class GenerateResult:
     request_id: str
     text: str = ""
+    reasoning_text: str = ""               # a chat's reasoning (server with a reasoning parser)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)  # logprobs = k > 0
@@ -123,11 +124,14 @@ class JaxServeClient:
 
     def generate(self, prompt: str | list[int] | None = None,
                  params: SamplingParams | None = None, *, messages: list[dict] | None = None,
-                 request_id: str = "", priority: int = 0, timeout: float | None = None):
+                 request_id: str = "", priority: int = 0, timeout: float | None = None,
+                 chat_template_kwargs: dict | None = None):
         """The raw call: an iterator of GenerateResponse with .cancel(); it raises
-        grpc.RpcError on failure. Exactly one of prompt (text or token ids) and messages."""
+        grpc.RpcError on failure. Exactly one of prompt (text or token ids) and messages (with
+        their chat_template_kwargs)."""
         request = convert.generate_request(prompt, params, messages=messages,
-                                           request_id=request_id, priority=priority)
+                                           request_id=request_id, priority=priority,
+                                           chat_template_kwargs=chat_template_kwargs)
         return self.stub.Generate(request, timeout=timeout or self.timeout,
                                   metadata=self.metadata)
 
@@ -142,6 +146,7 @@ class JaxServeClient:
                 sample = result.samples.setdefault(
                     response.index, GenerateResult(response.request_id))
                 sample.text += response.text
+                sample.reasoning_text += response.reasoning_text
                 sample.text_deltas.append(response.text)
                 sample.token_ids.extend(response.token_ids)
                 sample.logprobs.extend(response.logprobs)

@@ -2,8 +2,10 @@
 
 Proto SamplingParams -> request.SamplingParams (unset fields keep its defaults; values are
 validated there, never clamped), a GenerateRequest's prompt -> text or token ids (chat rendered
-through the tokenizer's template), RequestOutput -> GenerateResponse, and the reverse direction
-for the client. Pure functions: no engine state, no gRPC calls, no status codes.
+through the tokenizer's template, with its chat_template_kwargs), RequestOutput ->
+GenerateResponse (a chat's reasoning in reasoning_text when the server has a reasoning parser:
+openai/reasoning.py), engine facts -> ModelInfoResponse, and the reverse direction for the
+client. Pure functions: no engine state, no gRPC calls, no status codes.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import json
 from jaxserve.core.request import SamplingParams
 from jaxserve.structured.params import StructuredOutputs
 from jaxserve.entrypoints.grpc.pb import jaxserve_pb2 as pb
+from jaxserve.entrypoints.openai.chat_prompt import apply_template
+from jaxserve.entrypoints.openai.reasoning import ReasoningFormat, StepSplitter
 
 _OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
                              "ignore_eos", "presence_penalty", "frequency_penalty",
@@ -38,6 +42,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         kwargs["structured_outputs"] = _structured_from_proto(msg.structured_outputs)
     return SamplingParams(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
                           logit_bias=dict(msg.logit_bias), bad_words=tuple(msg.bad_words),
+                          structured_outputs_after=tuple(msg.structured_outputs_after),
                           **kwargs)
 
 
@@ -64,14 +69,39 @@ def _structured_to_proto(so: StructuredOutputs, msg: pb.StructuredOutputs) -> No
         setattr(msg, so.kind, getattr(so, so.kind))
 
 
+def chat_template_kwargs(chat: pb.Chat) -> dict:
+    """The chat's extra template variables (a JSON object; empty text: none)."""
+    if not chat.chat_template_kwargs:
+        return {}
+    try:
+        value = json.loads(chat.chat_template_kwargs)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"chat.chat_template_kwargs is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"chat.chat_template_kwargs must be a JSON object, not "
+                         f"{type(value).__name__}")
+    return value
+
+
 def chat_prompt(tokenizer, chat: pb.Chat) -> tuple[str, list[int]]:
     """The rendered chat template and its token ids (no special tokens added: the template
     writes any BOS itself)."""
     if not chat.messages:
         raise ValueError("chat.messages is empty: must hold at least one message")
     messages = [{"role": m.role, "content": m.content} for m in chat.messages]
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    text = apply_template(tokenizer, messages, True, chat_template_kwargs(chat))
     return text, list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def chat_reasoning(reasoning: ReasoningFormat | None, request: pb.GenerateRequest,
+                   token_ids: list[int], params: SamplingParams
+                   ) -> tuple[SamplingParams, StepSplitter | None]:
+    """A chat's params (a constraint starting after its reasoning) and the splitter of its
+    replies, on a server with a reasoning parser; (params, None) otherwise."""
+    if reasoning is None or request.WhichOneof("prompt") != "chat":
+        return params, None
+    per_request = reasoning.for_request(token_ids, chat_template_kwargs(request.chat))
+    return per_request.constrain(params), StepSplitter(per_request, params.n)
 
 
 def prompt_from_proto(request: pb.GenerateRequest,
@@ -87,17 +117,22 @@ def prompt_from_proto(request: pb.GenerateRequest,
     return None, chat_prompt(tokenizer, request.chat)[1]
 
 
-def responses_from_output(out, with_logprobs: bool,
-                          reported: set[int]) -> list[pb.GenerateResponse]:
+def responses_from_output(out, with_logprobs: bool, reported: set[int],
+                          splitter: StepSplitter | None = None) -> list[pb.GenerateResponse]:
     """One RequestOutput snapshot -> one stream message per sample with news (new tokens, or
     its finish, which must be stop or length). reported: the samples whose finish was sent,
-    updated here, so each is sent once. Usage comes with the request's last message."""
+    updated here, so each is sent once. Usage comes with the request's last message.
+    splitter: a chat's reasoning splitter (text then holds the content only)."""
     messages = []
     for c in out.outputs:
         finishing = c.finished and c.index not in reported
         if not (c.new_token_ids or c.new_text or finishing):
             continue
-        response = pb.GenerateResponse(request_id=out.request_id, text=c.new_text,
+        reasoning, text = "", c.new_text
+        if splitter is not None:
+            reasoning, text = splitter.split(c.index, c.new_text, finishing)
+        response = pb.GenerateResponse(request_id=out.request_id, text=text,
+                                       reasoning_text=reasoning,
                                        token_ids=[int(t) for t in c.new_token_ids],
                                        index=c.index)
         if with_logprobs:
@@ -122,6 +157,18 @@ def responses_from_output(out, with_logprobs: bool,
     return messages
 
 
+def model_info_response(info) -> pb.ModelInfoResponse:
+    """The engine's facts (EngineInfo) as ModelInfo's answer."""
+    return pb.ModelInfoResponse(
+        model_name=info.model_name, max_model_len=info.max_model_len,
+        vocab_size=info.vocab_size, page_size=info.page_size, dtype=info.dtype,
+        num_pages=info.num_pages, max_num_seqs=info.max_num_seqs,
+        eos_token_ids=list(info.eos_token_ids), quantization=info.quantization,
+        weight_bytes=info.weight_bytes,
+        weight_groups=[pb.WeightGroup(group=g, format=f, bytes=n)
+                       for g, f, n in info.weight_formats])
+
+
 # ---- client side: Python values -> wire --------------------------------------------------------
 def sampling_to_proto(params: SamplingParams | None) -> pb.SamplingParams:
     """Every field set explicitly (the server's defaults never apply), seed only when given."""
@@ -142,6 +189,7 @@ def sampling_to_proto(params: SamplingParams | None) -> pb.SamplingParams:
         msg.prompt_logprobs = params.prompt_logprobs
     if params.structured_outputs is not None:
         _structured_to_proto(params.structured_outputs, msg.structured_outputs)
+        msg.structured_outputs_after.extend(params.structured_outputs_after)
     if params.seed is not None:
         msg.seed = params.seed
     if params.allowed_token_ids is not None:
@@ -149,15 +197,19 @@ def sampling_to_proto(params: SamplingParams | None) -> pb.SamplingParams:
     return msg
 
 
-def chat_to_proto(messages: list[dict]) -> pb.Chat:
+def chat_to_proto(messages: list[dict], chat_template_kwargs: dict | None = None) -> pb.Chat:
     return pb.Chat(messages=[pb.ChatMessage(role=m["role"], content=m["content"])
-                             for m in messages])
+                             for m in messages],
+                   chat_template_kwargs=json.dumps(chat_template_kwargs)
+                   if chat_template_kwargs else "")
 
 
 def generate_request(prompt: str | list[int] | None = None,
                      params: SamplingParams | None = None, *, messages: list[dict] | None = None,
-                     request_id: str = "", priority: int = 0) -> pb.GenerateRequest:
-    """Exactly one of prompt (text, or a list of token ids) and messages (chat)."""
+                     request_id: str = "", priority: int = 0,
+                     chat_template_kwargs: dict | None = None) -> pb.GenerateRequest:
+    """Exactly one of prompt (text, or a list of token ids) and messages (chat, with its
+    chat_template_kwargs)."""
     if (prompt is None) == (messages is None):
         raise ValueError("exactly one of prompt (text or token ids) and messages must be given")
     request = pb.GenerateRequest(request_id=request_id, priority=priority,
@@ -167,5 +219,5 @@ def generate_request(prompt: str | list[int] | None = None,
     elif prompt is not None:
         request.token_ids.ids.extend(int(t) for t in prompt)
     else:
-        request.chat.CopyFrom(chat_to_proto(messages))
+        request.chat.CopyFrom(chat_to_proto(messages, chat_template_kwargs))
     return request

@@ -6,9 +6,10 @@ the JaxServe handlers with a decoder that never raises: it hands the handler an 
 which is refused with INVALID_ARGUMENT and protobuf's message; a message over the servicer's
 max_request_bytes is not decoded at all (RESOURCE_EXHAUSTED naming the limit), so a huge one
 costs the event loop nothing. `status_for_exception` is the one
-table from engine exceptions to status codes; a load refusal (the waiting queue or one client's
-requests at their bound) is RESOURCE_EXHAUSTED with a retry hint in the trailing metadata
-`retry-after` (seconds, as HTTP's Retry-After). No engine calls, no sampling, no device work.
+table from engine exceptions to status codes, `status_for_finish` that of an output that
+finished with an error; a load refusal (the waiting queue or one client's requests at their
+bound) is RESOURCE_EXHAUSTED with a retry hint in the trailing metadata `retry-after` (seconds,
+as HTTP's Retry-After). No engine calls, no sampling, no device work.
 """
 
 from __future__ import annotations
@@ -98,3 +99,12 @@ def status_for_exception(exc: Exception, validating: bool) -> StatusError:
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     log.error("request failed", exc_info=exc)
     return grpc.StatusCode.INTERNAL, f"internal error: {exc!r}"
+
+
+def status_for_finish(out) -> StatusError:
+    """The status of a request that finished neither by stop nor by length. One refused at
+    intake never gets here (make_request raised RequestError), so an error finish is the
+    engine's failure."""
+    if out.finish_reason == "abort":
+        return grpc.StatusCode.ABORTED, f"request {out.request_id} was aborted by the server"
+    return grpc.StatusCode.INTERNAL, out.error or "request failed in the engine"

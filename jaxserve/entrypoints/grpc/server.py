@@ -44,8 +44,11 @@ from jaxserve.entrypoints.client_limits import ClientLimitError, grpc_client
 from jaxserve.entrypoints.prompt_intake import encode
 from jaxserve.entrypoints.grpc import convert
 from jaxserve.entrypoints.grpc.auth import interceptors, server_credentials
-from jaxserve.entrypoints.grpc.errors import StatusError, add_servicer, status_for_exception
+from jaxserve.entrypoints.grpc.errors import (add_servicer, status_for_exception,
+                                             status_for_finish)
 from jaxserve.entrypoints.grpc.pb import jaxserve_pb2 as pb
+from jaxserve.entrypoints.openai.reasoning import ReasoningFormat
+from jaxserve.entrypoints.openai.reasoning_parsers import reasoning_parser_class
 from jaxserve.entrypoints.security import ApiKeys, Security
 from jaxserve.entrypoints.grpc.pb import jaxserve_pb2_grpc as pb_grpc
 
@@ -80,9 +83,13 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
     """The JaxServe handlers; async_engine is None until the engine is ready. keyed_clients:
     API keys are configured, so a call's bearer token names its client (else its address)."""
 
-    def __init__(self, async_engine: AsyncEngine | None = None, keyed_clients: bool = False):
+    def __init__(self, async_engine: AsyncEngine | None = None, keyed_clients: bool = False,
+                 reasoning_parser: str | None = None):
         self.async_engine = async_engine
         self.keyed_clients = keyed_clients
+        # --reasoning-parser (checked here, before any engine): a ReasoningFormat once attached
+        self.reasoning_parser = reasoning_parser and reasoning_parser_class(reasoning_parser).name
+        self.reasoning = None
         self.draining = False
         self.num_in_flight = 0     # Generate calls past the readiness check, not yet ended
         self.max_request_bytes = 4 << 20  # grpc's own default, until an engine sets its limit
@@ -134,6 +141,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         try:
             params = convert.sampling_from_proto(request.sampling)
             text, token_ids = await self._prompt(async_engine, request)
+            params, splitter = convert.chat_reasoning(self.reasoning, request, token_ids, params)
         except Exception as exc:
             await context.abort(*status_for_exception(exc, validating=True))
         stream = async_engine.generate(text, params, request_id=request.request_id or None,
@@ -147,10 +155,10 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
                 async for out in stream:
                     started = True
                     if out.finished and out.finish_reason not in convert.FINISH_REASONS:
-                        error = self._finish_error(out)
+                        error = status_for_finish(out)
                         break
                     for response in convert.responses_from_output(
-                            out, params.logprobs is not None, reported):
+                            out, params.logprobs is not None, reported, splitter):
                         if not await _write(context, response):
                             return
             except Exception as exc:
@@ -161,14 +169,6 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             await asyncio.sleep((context.time_remaining() or 0.0) + 1.0)
         if error is not None and not context.done():
             await context.abort(*error)
-
-    @staticmethod
-    def _finish_error(out) -> StatusError:
-        """A request refused at intake never gets here (make_request raised RequestError), so
-        an error finish is the engine's failure."""
-        if out.finish_reason == "abort":
-            return grpc.StatusCode.ABORTED, f"request {out.request_id} was aborted by the server"
-        return grpc.StatusCode.INTERNAL, out.error or "request failed in the engine"
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         async_engine = await self._engine(context)
@@ -197,15 +197,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         raise ValueError("input is unset: exactly one of text or chat must be set")
 
     async def ModelInfo(self, request: pb.ModelInfoRequest, context) -> pb.ModelInfoResponse:
-        info = (await self._engine(context)).engine.info
-        return pb.ModelInfoResponse(
-            model_name=info.model_name, max_model_len=info.max_model_len,
-            vocab_size=info.vocab_size, page_size=info.page_size, dtype=info.dtype,
-            num_pages=info.num_pages, max_num_seqs=info.max_num_seqs,
-            eos_token_ids=list(info.eos_token_ids), quantization=info.quantization,
-            weight_bytes=info.weight_bytes,
-            weight_groups=[pb.WeightGroup(group=g, format=f, bytes=n)
-                           for g, f, n in info.weight_formats])
+        return convert.model_info_response((await self._engine(context)).engine.info)
 
 
 class GrpcServer:
@@ -228,16 +220,18 @@ class GrpcServer:
 
     @classmethod
     async def start(cls, host: str = "127.0.0.1", port: int = 0,
-                    async_engine: AsyncEngine | None = None,
-                    security: Security | None = None) -> "GrpcServer":
+                    async_engine: AsyncEngine | None = None, security: Security | None = None,
+                    reasoning_parser: str | None = None) -> "GrpcServer":
         """Listen on host:port (0: a free port); SERVING at once when an engine is given.
-        security: the API keys and TLS files (None: neither)."""
+        security: the API keys and TLS files (None: neither); reasoning_parser: chats'
+        reasoning apart (ValueError listing the parsers for an unknown name)."""
         security = security or Security(ApiKeys())
         # No SO_REUSEPORT: a second server on a busy port must fail, not share its traffic.
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)],
                                  interceptors=interceptors(security.keys,
                                                            security.grpc_open_health))
-        servicer = JaxServeServicer(keyed_clients=len(security.keys) > 0)
+        servicer = JaxServeServicer(keyed_clients=len(security.keys) > 0,
+                                    reasoning_parser=reasoning_parser)
         health_servicer = health.aio.HealthServicer()
         add_servicer(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -263,6 +257,8 @@ class GrpcServer:
     async def attach(self, async_engine: AsyncEngine) -> None:
         """Serve with this (started) engine: health becomes SERVING."""
         self.servicer.async_engine = async_engine
+        self.servicer.reasoning = ReasoningFormat.load(self.servicer.reasoning_parser,
+                                                       async_engine.engine.tokenizer)
         self.servicer.max_request_bytes = async_engine.limits.max_request_bytes
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self._watch = asyncio.ensure_future(self._watch_engine(async_engine))

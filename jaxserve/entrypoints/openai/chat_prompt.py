@@ -2,11 +2,18 @@
 
 What the OpenAI front end adds to Tokenizer.apply_chat_template: content given as a list of text
 parts, the `developer` role (OpenAI's new name for `system`), `continue_final_message` (the
-final assistant message left open, cut exactly as transformers' apply_chat_template cuts it) and
-`--chat-template FILE`. Pure functions over a tokenizer: no engine, no I/O, no HTTP.
+final assistant message left open, cut exactly as transformers' apply_chat_template cuts it),
+`--chat-template FILE` and a request's chat_template_kwargs (more template variables, such as
+Qwen3's enable_thinking; those the server sets itself are refused). Pure functions over a
+tokenizer: no engine, no I/O, no HTTP.
 """
 
 from __future__ import annotations
+
+# Template variables the server sets: chat_template_kwargs may not replace them.
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents",
+                                         "add_generation_prompt", "continue_final_message",
+                                         "chat_template", "tokenize"})
 
 
 def with_chat_template(tokenizer, source: str | None):
@@ -48,15 +55,43 @@ def _cut_after_final_message(text: str, final: str) -> str:
     return text[:loc + len(final.strip())]
 
 
+def template_kwargs(kwargs: dict | None) -> dict:
+    """A request's chat_template_kwargs, checked: ValueError naming a variable the server
+    sets itself."""
+    kwargs = dict(kwargs or {})
+    clash = sorted(RESERVED_TEMPLATE_VARIABLES & kwargs.keys())
+    if clash:
+        raise ValueError(f"chat_template_kwargs sets {', '.join(clash)}, which the server sets "
+                         f"itself: use the request's own fields instead")
+    return kwargs
+
+
+def apply_template(tokenizer, dicts: list[dict], add_generation_prompt: bool,
+                   chat_template_kwargs: dict | None) -> str:
+    """The template's text for message dicts, with the request's extra variables (checked:
+    ValueError naming chat_template_kwargs when the template cannot take them)."""
+    extra = template_kwargs(chat_template_kwargs)
+    try:
+        return tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt,
+                                             **extra)
+    except TypeError as exc:  # a variable the template (or its renderer) cannot take as given
+        if not extra:
+            raise
+        raise ValueError(f"chat_template_kwargs could not be used by the chat template: "
+                         f"{exc}") from None
+
+
 def render_chat(tokenizer, messages, add_generation_prompt: bool = True,
-                continue_final_message: bool = False) -> tuple[str, list[int]]:
+                continue_final_message: bool = False,
+                chat_template_kwargs: dict | None = None) -> tuple[str, list[int]]:
     """(prompt text, token ids); ValueError naming what is wrong (the template's own refusals
-    included). The ids are encoded without special tokens: the template writes any BOS."""
+    included). chat_template_kwargs: more template variables. The ids are encoded without
+    special tokens: the template writes any BOS."""
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message=true cannot be combined with "
                          "add_generation_prompt=true: set add_generation_prompt to false")
     dicts = message_dicts(messages)
-    text = tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt)
+    text = apply_template(tokenizer, dicts, add_generation_prompt, chat_template_kwargs)
     if continue_final_message:
         text = _cut_after_final_message(text, dicts[-1]["content"])
     return text, list(tokenizer.encode(text, add_special_tokens=False))

@@ -63,6 +63,7 @@ class HttpSettings:
     served_model_name: str | None = None  # default: the model's name
     chat_template: str | None = None      # template source overriding the model's own
     max_body_bytes: int = 16 << 20
+    reasoning_parser: str | None = None   # chat replies' reasoning apart (config/reasoning.py)
 
 
 class _EventStream(StreamingResponse):
@@ -321,7 +322,8 @@ class HttpServer:
     def attach(self, async_engine) -> None:
         """Serve with this (started) engine: /health becomes 200."""
         s = self.settings
-        self.state.serving = OpenAIServing(async_engine, s.served_model_name, s.chat_template)
+        self.state.serving = OpenAIServing(async_engine, s.served_model_name, s.chat_template,
+                                           s.reasoning_parser)
 
     @property
     def num_in_flight(self) -> int:

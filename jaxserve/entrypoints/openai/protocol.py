@@ -13,8 +13,9 @@ lists OpenAI's fields accepted and not acted on (no warning); parameters known b
 yet are modelled here and refused in openai/errors.py. Besides OpenAI's parameters, vLLM's extra
 ones (top_k, min_p, min_tokens, repetition_penalty, allowed_token_ids, bad_words,
 include_stop_str_in_output, skip_special_tokens, ignore_eos, stop_token_ids, return_token_ids,
-prompt_logprobs, and the output constraints structured_outputs and guided_json / guided_regex /
-guided_choice / guided_grammar) are accepted, as a vLLM client sends them in `extra_body`.
+prompt_logprobs, chat_template_kwargs, include_reasoning, and the output constraints
+structured_outputs and guided_json / guided_regex / guided_choice / guided_grammar) are
+accepted, as a vLLM client sends them in `extra_body`.
 `constraint_fields` lists the output constraints a request sets and `structured_outputs` makes
 one a StructuredOutputs. Plain data: no engine, no I/O.
 """
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer
 
 from jaxserve.core.request import MAX_LOGPROBS, MAX_N
 from jaxserve.structured.params import StructuredOutputs
@@ -168,6 +169,8 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None  # more chat template variables (and the parser's)
+    include_reasoning: bool = True  # --reasoning-parser: false drops reasoning_content
     # Accepted without effect (ACCEPTED_WITHOUT_EFFECT); store=true is refused
     metadata: Annotated[dict[Annotated[str, Field(max_length=64)],
                              Annotated[str, Field(max_length=512)]],
@@ -216,6 +219,7 @@ class TokenizeChatRequest(_Open):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
 
 
 class DetokenizeRequest(_Open):
@@ -280,8 +284,20 @@ class Completion(BaseModel):
 
 
 class AssistantMessage(BaseModel):
+    """content is None only where a reasoning parser found nothing after the reasoning;
+    reasoning_content is sent only when set (a server with --reasoning-parser always sets it,
+    null when there was none), so a server without one answers as before."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _reasoning_when_set(self, handler):
+        data = handler(self)
+        if "reasoning_content" not in self.model_fields_set:
+            data.pop("reasoning_content", None)
+        return data
 
 
 class TopLogprob(BaseModel):

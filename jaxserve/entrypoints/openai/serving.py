@@ -15,7 +15,9 @@ its limit, and the field itself (openai/errors.py, with the parameters refused u
 learns them); walking engine streams, SSE, usage and logprobs are openai_stream.py's.
 Output constraints (response_format, vLLM's structured_outputs and guided_*: at most one) become
 SamplingParams.structured_outputs; AsyncEngine.generate compiles the grammar before queueing, so
-an invalid one is a 400 naming its field before any work is done.
+an invalid one is a 400 naming its field before any work is done. With a reasoning parser, chat
+replies are split into reasoning_content and content, and a constraint starts after the
+reasoning (openai/reasoning.py); without one they are sent as the model writes them.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from jaxserve.entrypoints.openai import protocol as api
 from jaxserve.entrypoints.openai.chat_prompt import render_chat, with_chat_template
 from jaxserve.entrypoints.openai.errors import (OpenAIError, bad_request, check_supported,
                                            error_for_exception, logit_bias)
+from jaxserve.entrypoints.openai.reasoning import ReasoningFormat, ReasoningStream, plain_deltas
 from jaxserve.entrypoints.openai.stream import (SSE_DONE, EventStream, chat_logprobs,
                                            completion_logprobs, final, finish_reason, merged,
                                            prompt_logprobs, sse, usage)
@@ -45,13 +48,14 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 class OpenAIServing:
     def __init__(self, async_engine: AsyncEngine, served_model_name: str | None = None,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, reasoning_parser: str | None = None):
         self.async_engine = async_engine
         self.info = async_engine.engine.info
         self.tokenizer = async_engine.engine.tokenizer
         self.model_name = served_model_name or self.info.model_name
         self.chat_tokenizer = with_chat_template(self.tokenizer, chat_template)
         self.fingerprint = f"jaxserve-{__version__}-{self.info.dtype}"
+        self.reasoning = ReasoningFormat.load(reasoning_parser, self.tokenizer)  # None: off
 
     # ---- checks ------------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -152,10 +156,11 @@ class OpenAIServing:
                 [m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)
                  for m in request.messages])
             _, ids = render_chat(self.chat_tokenizer, request.messages,
-                                 request.add_generation_prompt, request.continue_final_message)
+                                 request.add_generation_prompt, request.continue_final_message,
+                                 request.chat_template_kwargs)
         except ValueError as exc:
-            param = "continue_final_message" if "continue_final_message" in str(exc) else \
-                "messages"
+            param = next((p for p in ("continue_final_message", "chat_template_kwargs")
+                          if p in str(exc)), "messages")
             raise bad_request(str(exc), param) from None
         return ids
 
@@ -284,16 +289,21 @@ class OpenAIServing:
         params = self._params(request, len(ids), "messages", max_tokens, None,
                               (request.top_logprobs or 0) if request.logprobs else None,
                               request.prompt_logprobs, constraint)
+        reasoning = None if self.reasoning is None else self.reasoning.for_request(
+            ids, request.chat_template_kwargs, request.include_reasoning)
+        if reasoning is not None:
+            params = reasoning.constrain(params)
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         started = await self._start(request_id, [ids], [params], "messages", constraint_field,
                                     request.timeout)
         header = self._header(request_id, "chat.completion", created)
         if request.stream:
             header["object"] = "chat.completion.chunk"
-            return EventStream(self._chat_stream(request, header, started), started)
+            return EventStream(self._chat_stream(request, header, started, reasoning), started)
         out = await final(*started[0])
         choices = [api.ChatChoice(
-            index=sample.index, message=api.AssistantMessage(content=sample.text),
+            index=sample.index, message=api.AssistantMessage(
+                **(reasoning.message(sample.text) if reasoning else {"content": sample.text})),
             finish_reason=finish_reason(sample, out),
             logprobs=self._chat_logprobs(request, sample.token_ids, sample.logprobs,
                                          sample.top_logprobs),
@@ -311,16 +321,18 @@ class OpenAIServing:
         return chat_logprobs(self.tokenizer, token_ids, logprobs or [],
                              tops if request.top_logprobs else None)
 
-    async def _chat_stream(self, request, header, started):
+    async def _chat_stream(self, request, header, started, reasoning=None):
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        split = (ReasoningStream(reasoning, request.n, request.logprobs or
+                                 request.return_token_ids).deltas if reasoning is not None
+                 else lambda sample, finishing: plain_deltas(sample))
 
-        def chunk(index: int, delta: dict, reason=None, sample=None) -> str:
+        def chunk(index: int, delta: dict, reason=None, tokens=None) -> str:
             choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
-            if sample is not None:
-                choice["logprobs"] = self._chat_logprobs(
-                    request, sample.new_token_ids, sample.new_logprobs, sample.new_top_logprobs)
+            if tokens is not None:
+                choice["logprobs"] = self._chat_logprobs(request, *tokens)
             if request.return_token_ids:
-                choice["token_ids"] = sample.new_token_ids if sample is not None else []
+                choice["token_ids"] = list(tokens.ids) if tokens is not None else []
             body = dict(header, choices=[choice])
             if include_usage:
                 body["usage"] = None
@@ -336,8 +348,8 @@ class OpenAIServing:
                         if sample.index in done:
                             continue
                         reason = finish_reason(sample, out)
-                        if sample.new_text or sample.new_token_ids:
-                            yield chunk(sample.index, {"content": sample.new_text}, sample=sample)
+                        for delta, tokens in split(sample, bool(reason)):
+                            yield chunk(sample.index, delta, tokens=tokens)
                         if reason:
                             done.add(sample.index)
                             yield chunk(sample.index, {}, reason)

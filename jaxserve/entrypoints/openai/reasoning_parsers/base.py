@@ -10,6 +10,8 @@ is then the offset in the raw reply just past </think> (0 when the reply is all 
 None before.
 
 The rules:
+* A reply whose prompt closed the reasoning (`start_in_content()`) is all content, as one
+  whose request turned thinking off.
 * An opening <think> at the very start of the reply (after optional whitespace) is dropped and
   opens the reasoning. What a reply without it does is the family's choice
   (`reasoning_without_start_tag`): DeepSeek R1's template opens <think> in the prompt, so its
@@ -78,6 +80,13 @@ class ThinkReasoningParser:
     def thinking_enabled(self, chat_template_kwargs: dict) -> bool:
         """Whether the request lets the model think (a family may read its template switch)."""
         return True
+
+    def start_in_content(self) -> None:
+        """The prompt already closed the reasoning: the whole reply is content (call before
+        the first feed)."""
+        if self._fed or self._eof:
+            raise RuntimeError("start_in_content() needs a fresh parser")
+        self._enter_content(0, strip=False)
 
     @property
     def reasoning_ended(self) -> bool:
