@@ -233,6 +233,24 @@ class ToolParser:
         """Tags that end a tool-call section (consumed); markers also end one (not consumed)."""
         return ()
 
+    def _reply_opens_with(self, opener: str) -> bool | None:
+        """At the start of a reply whose calls come first (no marker): leading whitespace goes
+        out as content; True when the rest opens with `opener` (a section is then open), False
+        when it is text (the content state next), None until there is a character to tell."""
+        stripped = self._buf.lstrip()
+        if len(stripped) < len(self._buf):
+            self._emit_content(self._buf[:len(self._buf) - len(stripped)])
+            self._buf = stripped
+        if not stripped:
+            if self._eof:
+                self._state = self._s_content
+            return None
+        if stripped[0] != opener:
+            self._state = self._s_content
+            return False
+        self._open_section("")
+        return True
+
     def _open_section(self, marker: str) -> None:
         self._section_ws, self._held_ws = self._held_ws, ""
         self._section = []

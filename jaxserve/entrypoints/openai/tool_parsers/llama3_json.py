@@ -38,20 +38,10 @@ class Llama3JsonToolParser(ToolParser):
 
     def _s_start(self) -> bool:
         """The start of the reply: a '{' after optional whitespace opens the tool calls."""
-        stripped = self._buf.lstrip()
-        if len(stripped) < len(self._buf):
-            self._emit_content(self._buf[:len(self._buf) - len(stripped)])
-            self._buf = stripped
-        if not stripped:
-            if self._eof:
-                self._state = self._s_content
-            return False
-        if stripped[0] == "{":
-            self._open_section("")
+        opens = self._reply_opens_with("{")
+        if opens:
             self._begin_call()
-        else:
-            self._state = self._s_content
-        return True
+        return opens is not None
 
     def _s_after_tag(self) -> bool:
         self._skip_whitespace()

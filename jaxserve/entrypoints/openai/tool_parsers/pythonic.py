@@ -72,21 +72,11 @@ class PythonicToolParser(ToolParser):
         return self._s_start
 
     def _s_start(self) -> bool:
-        stripped = self._buf.lstrip()
-        if len(stripped) < len(self._buf):
-            self._emit_content(self._buf[:len(self._buf) - len(stripped)])
-            self._buf = stripped
-        if not stripped:
-            if self._eof:
-                self._state = self._s_content
-            return False
-        if stripped[0] == "[":
-            self._open_section("")
+        opens = self._reply_opens_with("[")
+        if opens:
             self._consume(1)
             self._state = self._s_item
-        else:
-            self._state = self._s_content
-        return True
+        return opens is not None
 
     def _s_item(self) -> bool:
         self._skip_whitespace()
