@@ -16,7 +16,8 @@ import sys
 
 from jaxserve.entrypoints import distributed, logging_setup
 from jaxserve.entrypoints.cli_flags import (BoolFlag, add_engine_flags, add_sampling_flags,
-                                engine_config_from_args, sampling_overrides, size_type)
+                                add_tool_call_flags, engine_config_from_args,
+                                sampling_overrides, size_type, tool_call_settings_from_args)
 
 __all__ = ["build_parser", "main", "engine_config_from_args"]
 
@@ -129,7 +130,8 @@ def cmd_serve(args) -> int:
     from jaxserve.entrypoints.grpc.server import run_server
     return run_server(engine_config_from_args(args), host=args.host, port=args.port,
                       shutdown_timeout=args.shutdown_timeout, metrics_port=args.metrics_port,
-                      http=http_settings_from_args(args))
+                      http=http_settings_from_args(args),
+                      tool_calls=tool_call_settings_from_args(args))
 
 
 def cmd_convert(args) -> int:
@@ -190,6 +192,7 @@ def _add_serve(sub) -> None:
                             "default: off")
     front.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds to drain in-flight requests after SIGTERM; default: 30")
+    add_tool_call_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
 

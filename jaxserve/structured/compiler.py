@@ -15,6 +15,8 @@ request its own.
 from __future__ import annotations
 
 import collections
+import functools
+import json
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -52,6 +54,27 @@ def build_ll_tokenizer(tokenizer, vocab_size: int | None = None) -> tuple["llg.L
     ll_tok = llg.LLTokenizer(tokenizer.backend.to_str(), n_vocab=max(own, vocab_size),
                              eos_token=eos)
     return ll_tok, vocab_size
+
+
+@functools.lru_cache(maxsize=256)
+def _json_schema_problem(schema_text: str) -> str | None:
+    grammar = llg.LLMatcher.grammar_from_json_schema(schema_text)
+    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(
+        grammar, None, limits=llg.LLParserLimits(verbose_errors=False))
+    return messages[0].strip() if is_error else None
+
+
+def check_json_schema(schema: dict | bool) -> None:
+    """InvalidGrammarError naming the problem when `schema` is not a JSON schema the grammar
+    library can enforce (bad types, a $ref to nowhere, an unsatisfiable one...); no tokenizer
+    needed, results cached by the schema's canonical text."""
+    try:
+        text = json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    except (TypeError, ValueError) as e:
+        raise InvalidGrammarError(f"invalid JSON schema: {e}") from None
+    problem = _json_schema_problem(text)
+    if problem is not None:
+        raise InvalidGrammarError(f"invalid JSON schema: {problem}")
 
 
 class GrammarCompiler:

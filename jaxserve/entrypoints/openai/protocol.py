@@ -129,10 +129,53 @@ class TextPart(_Strict):
     text: Text
 
 
+class ToolCallFunction(_Strict):
+    name: NonEmptyText
+    arguments: Text  # JSON text of the arguments, as the model wrote them
+
+
+class MessageToolCall(_Strict):
+    """An assistant message's earlier tool call, sent back in the conversation."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Union[Text, Annotated[list[TextPart], Field(min_length=1)]]
+    """content is required but for an assistant message with tool_calls (null or absent
+    there); a `tool` message answers the call tool_call_id names (openai/tools.py checks
+    both, naming the field)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[Text, Annotated[list[TextPart], Field(min_length=1)], None] = None
     name: Text | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant messages
+    tool_call_id: Text | None = None  # tool messages
+
+
+class FunctionDefinition(_Strict):
+    name: NonEmptyText
+    description: Text | None = None
+    parameters: dict | None = None  # a JSON schema; absent: no parameters ({})
+    strict: bool | None = None  # accepted: tool_choice required / named always enforce
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: NonEmptyText
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -142,6 +185,10 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None  # unset: "auto" with tools, "none" without
+    parallel_tool_calls: bool | None = True  # null: true
+    chat_template_kwargs: dict | None = None  # more variables for the chat template
 
 
 _GUIDED_KINDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -183,6 +230,8 @@ class TokenizeChatRequest(_Strict):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: list[ChatTool] | None = None
+    chat_template_kwargs: dict | None = None
 
 
 class DetokenizeRequest(_Strict):
@@ -246,9 +295,21 @@ class Completion(BaseModel):
     usage: Usage | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -269,7 +330,7 @@ class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
     token_ids: list[int] | None = None
 
 
