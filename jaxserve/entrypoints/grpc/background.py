@@ -15,14 +15,17 @@ from jaxserve.entrypoints.grpc.server import GrpcServer
 
 
 class ServerThread:
-    def __init__(self, async_engine: AsyncEngine, host: str = "127.0.0.1", port: int = 0):
-        """Listen on host:port (0: a free port) and serve async_engine (already started)."""
+    def __init__(self, async_engine: AsyncEngine, host: str = "127.0.0.1", port: int = 0,
+                 tool_calls=None):
+        """Listen on host:port (0: a free port) and serve async_engine (already started);
+        tool_calls: a ToolCallSettings (tool_choice "auto"), None for the defaults."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="jaxserve-grpc",
                                         daemon=True)
         self._thread.start()
         self._stopped = False
-        self.handle: GrpcServer = self.call(GrpcServer.start(host, port, async_engine))
+        self.handle: GrpcServer = self.call(GrpcServer.start(host, port, async_engine,
+                                                           tool_calls))
 
     def call(self, coro, timeout: float | None = None):
         """Run a coroutine on the server's loop and wait for its result."""

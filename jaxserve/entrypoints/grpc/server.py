@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 
@@ -39,10 +40,14 @@ from grpc_reflection.v1alpha import reflection
 
 from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError
 from jaxserve.config import EngineConfig
+from jaxserve.config.tool_calls import ToolCallSettings
+from jaxserve.core.request import SamplingParams
 from jaxserve.entrypoints.prompt_intake import encode
+from jaxserve.entrypoints.grpc import chat as chat_input
 from jaxserve.entrypoints.grpc import convert
 from jaxserve.entrypoints.grpc.errors import StatusError, add_servicer, status_for_exception
 from jaxserve.entrypoints.grpc.pb import jaxserve_pb2 as pb
+from jaxserve.entrypoints.openai.tool_calls import tool_parser_class
 from jaxserve.entrypoints.process import exit_now, in_daemon_thread, install_stop_signals
 from jaxserve.entrypoints.grpc.pb import jaxserve_pb2_grpc as pb_grpc
 
@@ -79,8 +84,10 @@ def _deadline(context) -> float | None:
 class JaxServeServicer(pb_grpc.JaxServeServicer):
     """The JaxServe handlers; async_engine is None until the engine is ready."""
 
-    def __init__(self, async_engine: AsyncEngine | None = None):
+    def __init__(self, async_engine: AsyncEngine | None = None,
+                 tool_calls: ToolCallSettings | None = None):
         self.async_engine = async_engine
+        self.tool_parser = tool_parser_class((tool_calls or ToolCallSettings()).auto_parser)
         self.draining = False
         self.num_in_flight = 0     # Generate calls past the readiness check, not yet ended
         self.max_request_bytes = 4 << 20  # grpc's own default, until an engine sets its limit
@@ -96,17 +103,23 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
                                 f"engine stopped: {self.async_engine.error!r}")
         return self.async_engine
 
-    async def _prompt(self, async_engine: AsyncEngine, request: pb.GenerateRequest):
-        """(text, token ids) as prompt_from_proto gives them; a chat is size-checked, then
-        templated and tokenized on the text pool."""
+    async def _prompt(self, async_engine: AsyncEngine, request: pb.GenerateRequest,
+                      params: SamplingParams):
+        """(text, token ids, params, replies); a chat is size-checked, then planned (tools:
+        grpc/chat.py), templated and tokenized on the text pool."""
         if request.WhichOneof("prompt") == "token_ids":
             async_engine.limits.check_num_tokens(len(request.token_ids.ids))
         if request.WhichOneof("prompt") != "chat":
-            return convert.prompt_from_proto(request, async_engine.engine.tokenizer)
-        async_engine.limits.check_messages([m.content for m in request.chat.messages],
-                                           "chat.messages")
-        return await async_engine.text_pool.run(convert.prompt_from_proto, request,
-                                                async_engine.engine.tokenizer)
+            return (*convert.prompt_from_proto(request, async_engine.engine.tokenizer), params,
+                    None)
+        async_engine.limits.check_messages(
+            [m.content + "".join(c.function.arguments for c in m.tool_calls)
+             for m in request.chat.messages], "chat.messages")
+        ids, plan, params = await async_engine.text_pool.run(
+            chat_input.prompt_and_plan, async_engine.engine.tokenizer, request.chat, params,
+            self.tool_parser)
+        replies = chat_input.Replies(plan, self.tool_parser) if plan.mode != "none" else None
+        return None, ids, params, replies
 
     async def Generate(self, request: pb.GenerateRequest, context):
         async_engine = await self._engine(context)
@@ -119,7 +132,8 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
     async def _generate(self, async_engine: AsyncEngine, request, context) -> None:
         try:
             params = convert.sampling_from_proto(request.sampling)
-            text, token_ids = await self._prompt(async_engine, request)
+            text, token_ids, params, replies = await self._prompt(async_engine, request,
+                                                                  params)
         except Exception as exc:
             await context.abort(*status_for_exception(exc, validating=True))
         stream = async_engine.generate(text, params, request_id=request.request_id or None,
@@ -132,11 +146,11 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             try:
                 async for out in stream:
                     started = True
-                    if out.finished and out.finish_reason not in convert.FINISH_REASONS:
+                    if out.finished and out.finish_reason not in convert.ENGINE_FINISH_REASONS:
                         error = self._finish_error(out)
                         break
                     for response in convert.responses_from_output(
-                            out, params.logprobs is not None, reported):
+                            out, params.logprobs is not None, reported, replies):
                         if not await _write(context, response):
                             return
             except Exception as exc:
@@ -175,7 +189,9 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             limits.check_text(request.text, "text")
             return request.text, await pool.run(encode, tokenizer, request.text, add_special)
         if which == "chat":
-            limits.check_messages([m.content for m in request.chat.messages], "chat.messages")
+            limits.check_messages(
+                [m.content + "".join(c.function.arguments for c in m.tool_calls)
+                 for m in request.chat.messages], "chat.messages")
             return await pool.run(convert.chat_prompt, tokenizer, request.chat)
         raise ValueError("input is unset: exactly one of text or chat must be set")
 
@@ -211,11 +227,13 @@ class GrpcServer:
 
     @classmethod
     async def start(cls, host: str = "127.0.0.1", port: int = 0,
-                    async_engine: AsyncEngine | None = None) -> "GrpcServer":
-        """Listen on host:port (0: a free port); SERVING at once when an engine is given."""
+                    async_engine: AsyncEngine | None = None,
+                    tool_calls: ToolCallSettings | None = None) -> "GrpcServer":
+        """Listen on host:port (0: a free port); SERVING at once when an engine is given.
+        tool_calls: the tool-calling settings (tool_choice "auto")."""
+        servicer = JaxServeServicer(tool_calls=tool_calls)
         # No SO_REUSEPORT: a second server on a busy port must fail, not share its traffic.
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        servicer = JaxServeServicer()
         health_servicer = health.aio.HealthServicer()
         add_servicer(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -279,15 +297,18 @@ class GrpcServer:
 
 async def serve(engine_config: EngineConfig, host: str, port: int, shutdown_timeout: float,
                 loaded=None, metrics_port: int | None = None, http=None,
-                exit_process: bool = False) -> int:
+                exit_process: bool = False, tool_calls: ToolCallSettings | None = None) -> int:
     """run_server's body, on the running event loop; returns the exit code. http: an
     http_server.HttpSettings to serve the OpenAI HTTP API too, over the same AsyncEngine (None:
-    gRPC only). exit_process: once drained, end the process with the code (see exit_now)."""
+    gRPC only). exit_process: once drained, end the process with the code (see exit_now).
+    tool_calls: both front ends' tool-calling settings (None: the defaults)."""
     from jaxserve.engine.engine import Engine
 
+    if tool_calls is not None and http is not None:
+        http = dataclasses.replace(http, tool_calls=tool_calls)
     stop = asyncio.Event()
     install_stop_signals(stop)
-    handle = await GrpcServer.start(host, port)
+    handle = await GrpcServer.start(host, port, tool_calls=tool_calls)
     log.info("jaxserve gRPC server listening on %s (health NOT_SERVING until the engine is "
              "ready)", handle.address)
     fronts = [handle]
@@ -367,9 +388,11 @@ async def _drain(fronts, async_engine: AsyncEngine, timeout: float, why: str,
 
 def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 50051,
                shutdown_timeout: float = 30.0, loaded=None, metrics_port: int | None = None,
-               http=None) -> int:
+               http=None, tool_calls: ToolCallSettings | None = None) -> int:
     """The server process: serve until SIGTERM/SIGINT, drain, then end the process with exit
     code 0 (1 when the engine failed); it returns only when loading fails or a stop signal came
-    during loading. http: HttpSettings to serve the OpenAI HTTP API too (None: off)."""
+    during loading. http: HttpSettings to serve the OpenAI HTTP API too (None: off);
+    tool_calls: both front ends' tool-calling settings."""
     return asyncio.run(serve(engine_config, host, port, shutdown_timeout, loaded=loaded,
-                             metrics_port=metrics_port, http=http, exit_process=True))
+                             metrics_port=metrics_port, http=http, exit_process=True,
+                             tool_calls=tool_calls))

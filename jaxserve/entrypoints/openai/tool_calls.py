@@ -253,11 +253,10 @@ class ParsedOutput:
         for d in deltas:
             if hasattr(d, "text"):
                 out.append({"content": d.text})
-            elif d.id is not None:
-                call = announce(d.index, d.id, d.name)
-                call["function"]["arguments"] = d.arguments
-                out.append({"tool_calls": [call]})
-            else:
+                continue
+            if d.id is not None:
+                out.append({"tool_calls": [announce(d.index, d.id, d.name)]})
+            if d.arguments:
                 out.append({"tool_calls": [arguments_delta(d.index, d.arguments)]})
         return out
 
