@@ -1,5 +1,6 @@
-"""Tool calling on /v1/chat/completions and the gRPC Chat with the real default model
-(SmolLM2-135M-Instruct) and a ChatML template with tools (tests/tool_chat_template.jinja):
+"""Tool calling on /v1/chat/completions with the real default model (SmolLM2-135M-Instruct)
+and a ChatML template with tools (tests/tool_chat_template.jinja), tool_choice none, required
+and named (the server has no auto tool choice: test_tools_auto_grpc.py serves that, and gRPC):
 
 * tool_choice named and "required", greedy and sampled, over six tool schemas
   (tool_fixtures.py): every call's arguments parse and validate against its tool's schema;
@@ -10,19 +11,16 @@
 * tool_choice "none" answers text; an assistant tool_calls + tool message round trip renders
   (tool calls' arguments reach the template as dicts) and answers; chat_template_kwargs reach
   the template;
-* bad input is a 400 naming the field (INVALID_ARGUMENT over gRPC), and the server keeps
-  serving with every KV page free afterwards;
+* bad input is a 400 naming the field, and the server keeps serving with every KV page free
+  afterwards;
 * the official openai client drives tools, plain and streamed.
 
-One engine serves gRPC and HTTP on one event loop thread for the whole module.
+One engine serves the whole module (tool_fixtures.serve_tools).
 """
 
 from __future__ import annotations
 
 import json
-import re
-import time
-from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -31,72 +29,14 @@ pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
-from model_fixtures import real_default_model  # noqa: E402
-from tool_fixtures import (ASKS, CALL_TOKENS, SCHEMAS, TEMPLATE, TOOLS, check_call,  # noqa: E402
-                           named, streamed_calls, user)
+from tool_fixtures import (ASKS, CALL_TOKENS, ROUND_TRIP, SCHEMAS, TOOLS, chat,  # noqa: E402
+                           all_pages_free, chat_ok, chat_stream, check_call, check_choice_calls,
+                           named, serve_tools, streamed_calls, user)
 
 
 @pytest.fixture(scope="module")
 def served():
-    from jaxserve.engine.async_engine import AsyncEngine
-    from jaxserve.entrypoints.grpc.background import ServerThread
-    from jaxserve.entrypoints.llm import LLM
-    from jaxserve.entrypoints.openai.http_server import HttpServer, HttpSettings
-
-    llm = LLM(loaded=real_default_model(), progress=False, max_num_seqs=4,
-              max_num_batched_tokens=128, token_buckets=(8, 128), seq_buckets=(4,),
-              layer_loop="scan", max_model_len=1536)
-    async_engine = AsyncEngine(llm.engine)
-    async_engine.start()
-    grpc_server = ServerThread(async_engine)
-    http = grpc_server.call(HttpServer.start("127.0.0.1", HttpSettings(
-        port=0, chat_template=TEMPLATE)), 60)
-    http.attach(async_engine)
-    yield SimpleNamespace(url=http.url, grpc=grpc_server, http=http, engine=llm.engine,
-                          model=http.state.serving.model_name)
-    grpc_server.call(http.shutdown(timeout=1), 60)
-    grpc_server.stop(timeout=1.0)
-    async_engine.stop(timeout=10.0)
-    llm.close()
-
-
-def chat(served, body: dict) -> httpx.Response:
-    return httpx.post(served.url + "/v1/chat/completions", timeout=600,
-                      json={"model": served.model, **body})
-
-
-def chat_ok(served, body: dict) -> dict:
-    r = chat(served, body)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def chat_stream(served, body: dict) -> list[dict]:
-    chunks = []
-    with httpx.stream("POST", served.url + "/v1/chat/completions", timeout=600,
-                      json={"model": served.model, "stream": True, **body}) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunks.append(json.loads(line[6:]))
-    assert all("error" not in c for c in chunks), chunks
-    return chunks
-
-
-def check_choice_calls(choice: dict, where: str) -> list[dict]:
-    message = choice["message"]
-    assert message["content"] is None, f"{where}: content {message['content']!r} with calls"
-    calls = message["tool_calls"]
-    assert calls, f"{where}: no tool calls"
-    for call in calls:
-        assert call["id"].startswith("call_") and call["type"] == "function", call
-        check_call(call["function"]["name"], call["function"]["arguments"], where)
-    return calls
-
-
-def free_pages(served) -> float:
-    text = httpx.get(served.url + "/metrics").text
-    return float(re.search(r"^jaxserve_kv_cache_free_pages (\S+)$", text, re.M).group(1))
+    yield from serve_tools()
 
 
 # ---- enforced tool choices ---------------------------------------------------------------
@@ -171,16 +111,6 @@ def test_tool_choice_none_answers_text_without_calls(served):
     assert choice["finish_reason"] in ("stop", "length")
 
 
-ROUND_TRIP = [
-    {"role": "user", "content": ASKS["get_weather"]},
-    {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function",
-         "function": {"name": "get_weather",
-                      "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
-    {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
-]
-
-
 def rendered(served, body: dict) -> str:
     r = httpx.post(served.url + "/tokenize", json={"model": served.model, **body}, timeout=60)
     assert r.status_code == 200, r.text
@@ -251,11 +181,7 @@ def test_bad_tool_input_is_a_400_naming_the_field_and_the_server_keeps_serving(s
     ok = chat_ok(served, {"messages": user("Hi"), "max_tokens": CALL_TOKENS, "tools": TOOLS,
                           "tool_choice": named("ping"), "temperature": 0.0})
     check_choice_calls(ok["choices"][0], "after the bad requests")
-    deadline = time.monotonic() + 30
-    all_pages = served.engine.info.num_pages - 1  # page 0 is reserved
-    while free_pages(served) != all_pages and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert free_pages(served) == all_pages, "a KV page leaked"
+    assert all_pages_free(served), "a KV page leaked"
 
 
 # ---- the official openai client --------------------------------------------------------------
@@ -289,78 +215,3 @@ def test_the_openai_client_drives_tools_plain_and_streamed(served):
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(tool_choice=named("nope"), **kwargs)
     assert caught.value.body["param"] == "tool_choice"
-
-
-# ---- gRPC --------------------------------------------------------------------------------------
-def grpc_chat(messages: list[dict], tool_choice=None, parallel: bool | None = None,
-              tools: list[dict] = TOOLS, **sampling):
-    from jaxserve.entrypoints.grpc.pb import jaxserve_pb2 as pb
-
-    chat = pb.Chat(messages=[pb.ChatMessage(role=m["role"], content=m.get("content") or "",
-                                            tool_call_id=m.get("tool_call_id", ""))
-                             for m in messages])
-    for tool in tools:
-        f = tool["function"]
-        chat.tools.add(type=tool["type"], function=pb.FunctionDefinition(
-            name=f["name"], description=f.get("description", ""),
-            parameters=json.dumps(f["parameters"]) if "parameters" in f else ""))
-    if isinstance(tool_choice, str):
-        chat.tool_choice.mode = tool_choice
-    elif tool_choice is not None:
-        chat.tool_choice.function_name = tool_choice["function"]["name"]
-    if parallel is not None:
-        chat.parallel_tool_calls = parallel
-    return pb.GenerateRequest(chat=chat, sampling=pb.SamplingParams(**sampling))
-
-
-def grpc_replies(served, request) -> dict[int, tuple[list, str]]:
-    """Per sample: its calls [(name, arguments)] from its last message, and finish reason."""
-    from jaxserve.entrypoints.grpc.client import JaxServeClient
-    from jaxserve.entrypoints.grpc.convert import FINISH_REASON_NAMES
-
-    out = {}
-    with JaxServeClient(served.grpc.address) as client:
-        for response in client.stub.Generate(request, timeout=600):
-            if response.finish_reason:
-                out[response.index] = ([(c.function.name, c.function.arguments)
-                                        for c in response.tool_calls],
-                                       FINISH_REASON_NAMES[response.finish_reason])
-    return out
-
-
-def test_grpc_chat_with_tools_makes_valid_named_and_required_calls(served):
-    for choice, reason in ((named("create_event"), "stop"), ("required", "tool_calls")):
-        request = grpc_chat(user(ASKS["create_event"]), choice, max_tokens=CALL_TOKENS,
-                            temperature=1.0, seed=5, n=2)
-        replies = grpc_replies(served, request)
-        assert sorted(replies) == [0, 1], replies
-        for index, (calls, finish) in replies.items():
-            assert calls and finish == reason, (choice, replies)
-            for name, arguments in calls:
-                check_call(name, arguments, f"gRPC {choice} sample {index}")
-    one = grpc_replies(served, grpc_chat(user(ASKS["add"]), "required", parallel=False,
-                                         max_tokens=CALL_TOKENS, temperature=0.0))
-    assert len(one[0][0]) == 1 and one[0][1] == "tool_calls", one
-
-
-def test_grpc_bad_tool_input_is_invalid_argument_naming_the_field(served):
-    import grpc
-
-    from jaxserve.entrypoints.grpc.client import JaxServeClient
-
-    bad_schema = {"type": "function", "function": {"name": "b", "parameters": {"type": "x"}}}
-    cases = [
-        (grpc_chat(user("Hi"), named("fly")), "chat.tool_choice"),
-        (grpc_chat(user("Hi"), "required", tools=[]), "chat.tool_choice"),
-        (grpc_chat(user("Hi"), "none", tools=[bad_schema]), "chat.tools[0].function.parameters"),
-        (grpc_chat(user("Hi"), "auto"), "chat.tool_choice"),
-        (grpc_chat([ROUND_TRIP[0], {"role": "tool", "content": "1"}], "none"),
-         "chat.messages[1].tool_call_id"),
-    ]
-    with JaxServeClient(served.grpc.address) as client:
-        for request, field in cases:
-            request.sampling.max_tokens = 4
-            with pytest.raises(grpc.RpcError) as caught:
-                list(client.stub.Generate(request, timeout=60))
-            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
-            assert field in caught.value.details(), (field, caught.value.details())

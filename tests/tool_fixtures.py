@@ -1,7 +1,8 @@
-"""Tool-calling test data: six function tools whose schemas cover nested objects, enums, arrays,
-integers and bounded numbers, strings that must carry quotes, a $ref into $defs and no
-parameters at all; the ChatML template with tools (tool_chat_template.jinja); and the checks
-a reply's calls must pass (every arguments string is JSON that validates against its tool's
+"""Tool-calling test data and helpers: six function tools whose schemas cover nested objects,
+enums, arrays, integers and bounded numbers, strings that must carry quotes, a $ref into $defs
+and no parameters at all; the ChatML template with tools (tool_chat_template.jinja); the server
+a test module shares (serve_tools: the real default model over gRPC and HTTP); and the checks a
+reply's calls must pass (every arguments string is JSON that validates against its tool's
 schema, with `jsonschema`).
 
 Every string and array is bounded, so a constrained call always ends within CALL_TOKENS (the
@@ -11,9 +12,15 @@ test asserts the calls finished, never that a random model chose to stop).
 from __future__ import annotations
 
 import json
+import re
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import httpx
 import jsonschema
+
+from model_fixtures import real_default_model
 
 TEMPLATE = (Path(__file__).resolve().parent / "tool_chat_template.jinja").read_text()
 CALL_TOKENS = 320  # max_tokens of a constrained reply: every schema below ends well before
@@ -75,6 +82,91 @@ ASKS = {
     "set_flags": "Turn dark mode on and the beta off.",
     "ping": "Is the service up?",
 }
+
+
+ROUND_TRIP = [
+    {"role": "user", "content": ASKS["get_weather"]},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather",
+                      "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+]
+
+
+def serve_tools(tool_calls=None):
+    """A module fixture's body: the real default model served over gRPC and HTTP (with the
+    tool template) on one event loop thread; tool_calls: both fronts' ToolCallSettings."""
+    from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.entrypoints.grpc.background import ServerThread
+    from jaxserve.entrypoints.llm import LLM
+    from jaxserve.entrypoints.openai.http_server import HttpServer, HttpSettings
+
+    llm = LLM(loaded=real_default_model(), progress=False, max_num_seqs=4,
+              max_num_batched_tokens=128, token_buckets=(8, 128), seq_buckets=(4,),
+              layer_loop="scan", max_model_len=1536)
+    async_engine = AsyncEngine(llm.engine)
+    async_engine.start()
+    grpc_server = ServerThread(async_engine, tool_calls=tool_calls)
+    settings = HttpSettings(port=0, chat_template=TEMPLATE,
+                            **({"tool_calls": tool_calls} if tool_calls else {}))
+    http = grpc_server.call(HttpServer.start("127.0.0.1", settings), 60)
+    http.attach(async_engine)
+    yield SimpleNamespace(url=http.url, grpc=grpc_server, http=http, engine=llm.engine,
+                          model=http.state.serving.model_name)
+    grpc_server.call(http.shutdown(timeout=1), 60)
+    grpc_server.stop(timeout=1.0)
+    async_engine.stop(timeout=10.0)
+    llm.close()
+
+
+def chat(served, body: dict) -> httpx.Response:
+    return httpx.post(served.url + "/v1/chat/completions", timeout=600,
+                      json={"model": served.model, **body})
+
+
+def chat_ok(served, body: dict) -> dict:
+    r = chat(served, body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def chat_stream(served, body: dict) -> list[dict]:
+    chunks = []
+    with httpx.stream("POST", served.url + "/v1/chat/completions", timeout=600,
+                      json={"model": served.model, "stream": True, **body}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    assert all("error" not in c for c in chunks), chunks
+    return chunks
+
+
+def check_choice_calls(choice: dict, where: str) -> list[dict]:
+    message = choice["message"]
+    assert message["content"] is None, f"{where}: content {message['content']!r} with calls"
+    calls = message["tool_calls"]
+    assert calls, f"{where}: no tool calls"
+    for call in calls:
+        assert call["id"].startswith("call_") and call["type"] == "function", call
+        check_call(call["function"]["name"], call["function"]["arguments"], where)
+    return calls
+
+
+def free_pages(served) -> float:
+    text = httpx.get(served.url + "/metrics").text
+    return float(re.search(r"^jaxserve_kv_cache_free_pages (\S+)$", text, re.M).group(1))
+
+
+def all_pages_free(served, timeout: float = 30.0) -> bool:
+    """Whether every KV page (page 0 is reserved) is free, waiting up to timeout seconds for
+    the engine to release the last request's."""
+    all_pages = served.engine.info.num_pages - 1
+    deadline = time.monotonic() + timeout
+    while free_pages(served) != all_pages and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return free_pages(served) == all_pages
 
 
 def named(name: str) -> dict:
