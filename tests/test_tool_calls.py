@@ -173,6 +173,18 @@ def test_auto_replies_go_through_the_servers_parser_streamed_and_whole():
         tool_parser_class("no-such-format")
 
 
+def test_auto_without_parallel_calls_keeps_only_the_first_call():
+    parser = tool_parser_class("hermes")
+    text = "".join(f'<tool_call>\n{{"name": "{n}", "arguments": {{}}}}\n</tool_call>\n'
+                   for n in ("ping", "add"))
+    whole = ParsedOutput(parser(), single=True)
+    whole.feed(text)
+    assert [c["function"]["name"] for c in whole.message()[1]] == ["ping"]
+    assert streamed(ParsedOutput(parser(), single=True), [text[:30], text[30:]]) == \
+        [("ping", "{}")]
+    assert streamed(ParsedOutput(parser()), [text]) == [("ping", "{}"), ("add", "{}")]
+
+
 # ---- the conversation and the template ---------------------------------------------------------
 CALL = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
 

@@ -7,7 +7,8 @@ holding up the batch. Results (and errors) are cached in a bounded LRU keyed by
 `StructuredOutputs.key`; a key already compiling shares its future. An invalid schema, regex or
 grammar is an `InvalidGrammarError` (a ValueError naming the problem); a compile still running
 `timeout_s` after it was submitted is a `GrammarTimeoutError`, never a wait without end
-(llguidance's parser limits bound the work itself). This module must not import jax, and never
+(llguidance's parser limits bound the work itself). `check_json_schema` validates a schema
+without a tokenizer (tool parameters are checked so). This module must not import jax, and never
 touches a per-request matcher state: `CompiledGrammar.new_matcher` (matcher.py) hands each
 request its own.
 """

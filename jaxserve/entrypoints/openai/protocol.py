@@ -9,7 +9,9 @@ include_stop_str_in_output, skip_special_tokens, ignore_eos, stop_token_ids, ret
 prompt_logprobs, and the output constraints structured_outputs and guided_json / guided_regex /
 guided_choice / guided_grammar) are accepted, as a vLLM client sends them in `extra_body`.
 `constraint_fields` lists the output constraints a request sets and `structured_outputs` makes
-one a StructuredOutputs. Plain data: no engine, no I/O.
+one a StructuredOutputs. Chat requests take OpenAI's tools, tool_choice and
+parallel_tool_calls, vLLM's chat_template_kwargs, assistant messages with tool_calls and `tool`
+messages (what they mean is openai/tools.py's). Plain data: no engine, no I/O.
 """
 
 from __future__ import annotations

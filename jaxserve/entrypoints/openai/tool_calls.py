@@ -224,10 +224,11 @@ class RequiredCallsOutput:
 
 class ParsedOutput:
     """tool_choice "auto": the server's tool-call parser splits the text into content and
-    calls; finish reason "tool_calls" once it found any."""
+    calls; finish reason "tool_calls" once it found any. single (parallel_tool_calls false):
+    calls after the first are dropped, as vLLM drops them."""
 
-    def __init__(self, parser):
-        self.parser = parser
+    def __init__(self, parser, single: bool = False):
+        self.parser, self.max_calls = parser, 1 if single else None
 
     def start(self) -> dict:
         return {"content": ""}
@@ -241,18 +242,20 @@ class ParsedOutput:
     def message(self) -> tuple[str | None, list[dict] | None]:
         self.parser.finish()
         parsed = self.parser.result()
-        calls = [tool_call(c.id, c.name, c.arguments) for c in parsed.tool_calls]
+        calls = [tool_call(c.id, c.name, c.arguments)
+                 for c in parsed.tool_calls[:self.max_calls]]
         return parsed.content, calls or None
 
     def finish_reason(self, reason: str) -> str:
         return "tool_calls" if reason == "stop" and self.parser.has_tool_calls else reason
 
-    @staticmethod
-    def _deltas(deltas) -> list[dict]:
+    def _deltas(self, deltas) -> list[dict]:
         out = []
         for d in deltas:
             if hasattr(d, "text"):
                 out.append({"content": d.text})
+                continue
+            if self.max_calls is not None and d.index >= self.max_calls:
                 continue
             if d.id is not None:
                 out.append({"tool_calls": [announce(d.index, d.id, d.name)]})
@@ -278,5 +281,5 @@ def choice_output(plan, make_parser=None):
     if plan.mode == "required":
         return RequiredCallsOutput()
     if plan.mode == "auto":
-        return ParsedOutput(make_parser())
+        return ParsedOutput(make_parser(), single=not plan.parallel)
     return PlainOutput()

@@ -5,7 +5,8 @@ tool_choice, as OpenAI documents it and vLLM serves it:
 * "none": the tools still reach the chat template; the reply is plain text, never parsed.
 * "auto" (the default when tools are given): the server's tool-call parser reads calls out of
   the reply; it needs the server started with --enable-auto-tool-choice and --tool-call-parser
-  (without them a 400 naming both, as vLLM).
+  (without them a 400 naming both, as vLLM); with parallel_tool_calls false only the first
+  call is kept (as vLLM).
 * "required": the output is constrained to a JSON array of 1..N calls (exactly 1 when
   parallel_tool_calls is false), each {"name": <one of the tools>, "parameters": <that tool's
   parameters schema>}.
@@ -48,6 +49,7 @@ class ToolPlan:
     function_name: str | None = None          # mode "named": the function the output calls
     structured_outputs: StructuredOutputs | None = None  # the enforced modes' constraint
     constraint_field: str | None = None       # the field a failed compile of it names
+    parallel: bool = True                     # parallel_tool_calls: false allows one call
 
     @property
     def enforced(self) -> bool:
@@ -86,7 +88,7 @@ def plan_tools(tools: list[dict] | None, tool_choice, parallel_tool_calls: bool 
                                          f'which this one was not: send tool_choice "none", '
                                          f'"required" or a named function instead')
     if mode in ("none", "auto"):
-        return ToolPlan(mode, template_tools)
+        return ToolPlan(mode, template_tools, parallel=bool(parallel_tool_calls))
     if other_constraint is not None:
         shown = f'"{mode}"' if mode == "required" else "a named function"
         raise RequestError(choice_field, f"{choice_field} {shown} constrains the output to "
@@ -99,7 +101,8 @@ def plan_tools(tools: list[dict] | None, tool_choice, parallel_tool_calls: bool 
     else:
         schema = required_schema(tools, bool(parallel_tool_calls))
         field = f"{prefix}tools"
-    return ToolPlan(mode, template_tools, name, StructuredOutputs(json=schema), field)
+    return ToolPlan(mode, template_tools, name, StructuredOutputs(json=schema), field,
+                    bool(parallel_tool_calls))
 
 
 def _check_tool(tool, i: int, prefix: str) -> None:
