@@ -173,6 +173,29 @@ def security_config_from_args(args: argparse.Namespace, environ=None) -> Securit
                           ssl_ca_certs=args.ssl_ca_certs).validate()
 
 
+def add_tool_call_flags(parser: argparse.ArgumentParser) -> None:
+    """ToolCallSettings' fields as flags of the same names (vLLM's), one help section."""
+    from jaxserve.config.tool_calls import ToolCallSettings
+
+    group = parser.add_argument_group("tool calling (both front ends' chat; ToolCallSettings)")
+    for f in dataclasses.fields(ToolCallSettings):
+        kwargs: dict = {"default": f.default, "dest": f.name,
+                        "help": _describe(f.metadata, f.default, None)}
+        if isinstance(f.default, bool):
+            kwargs["action"] = BoolFlag
+        else:
+            kwargs["metavar"] = "NAME"
+        group.add_argument(flag_name(f.name), **kwargs)
+
+
+def tool_call_settings_from_args(args: argparse.Namespace):
+    """The validated ToolCallSettings the flags give (ValueError naming the flag when not)."""
+    from jaxserve.config.tool_calls import ToolCallSettings
+
+    return ToolCallSettings(**{f.name: getattr(args, f.name)
+                               for f in dataclasses.fields(ToolCallSettings)}).validate()
+
+
 # Sampling flags: (SamplingParams field, type, help). Defaults are SamplingParams' own (the
 # Python API's and the servers'), so the CLI, LLM and both front ends sample alike; a model's
 # generation_config.json overrides them unless a flag is given (generation_defaults.py).

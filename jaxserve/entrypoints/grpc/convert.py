@@ -2,7 +2,8 @@
 
 Proto SamplingParams -> request.SamplingParams (unset fields keep its defaults; values are
 validated there, never clamped), a GenerateRequest's prompt -> text or token ids (chat rendered
-through the tokenizer's template), RequestOutput -> GenerateResponse, and the reverse direction
+through the tokenizer's template: grpc/chat.py, tools included), RequestOutput ->
+GenerateResponse (a chat's tool calls on each sample's last message), and the reverse direction
 for the client. Pure functions: no engine state, no gRPC calls, no status codes.
 """
 
@@ -12,6 +13,7 @@ import json
 
 from jaxserve.core.request import SamplingParams
 from jaxserve.structured.params import StructuredOutputs
+from jaxserve.entrypoints.grpc import chat as chat_input
 from jaxserve.entrypoints.grpc.pb import jaxserve_pb2 as pb
 
 _OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
@@ -19,7 +21,9 @@ _OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min
                              "repetition_penalty", "min_tokens", "n",
                              "include_stop_str_in_output", "skip_special_tokens",
                              "prompt_logprobs")
-FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
+                  "tool_calls": pb.FINISH_REASON_TOOL_CALLS}
+ENGINE_FINISH_REASONS = ("stop", "length")
 FINISH_REASON_NAMES = {value: name for name, value in FINISH_REASONS.items()}
 
 
@@ -65,13 +69,9 @@ def _structured_to_proto(so: StructuredOutputs, msg: pb.StructuredOutputs) -> No
 
 
 def chat_prompt(tokenizer, chat: pb.Chat) -> tuple[str, list[int]]:
-    """The rendered chat template and its token ids (no special tokens added: the template
-    writes any BOS itself)."""
-    if not chat.messages:
-        raise ValueError("chat.messages is empty: must hold at least one message")
-    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    return text, list(tokenizer.encode(text, add_special_tokens=False))
+    """The rendered chat template (the chat's tools included) and its token ids (no special
+    tokens added: the template writes any BOS itself)."""
+    return chat_input.render(tokenizer, chat)
 
 
 def prompt_from_proto(request: pb.GenerateRequest,
@@ -87,16 +87,21 @@ def prompt_from_proto(request: pb.GenerateRequest,
     return None, chat_prompt(tokenizer, request.chat)[1]
 
 
-def responses_from_output(out, with_logprobs: bool,
-                          reported: set[int]) -> list[pb.GenerateResponse]:
+def responses_from_output(out, with_logprobs: bool, reported: set[int],
+                          replies: chat_input.Replies | None = None
+                          ) -> list[pb.GenerateResponse]:
     """One RequestOutput snapshot -> one stream message per sample with news (new tokens, or
     its finish, which must be stop or length). reported: the samples whose finish was sent,
-    updated here, so each is sent once. Usage comes with the request's last message."""
+    updated here, so each is sent once. replies: a chat with tools: each sample's reply is read
+    as it comes, and its calls go on its last message. Usage comes with the request's last
+    message."""
     messages = []
     for c in out.outputs:
         finishing = c.finished and c.index not in reported
         if not (c.new_token_ids or c.new_text or finishing):
             continue
+        if replies is not None:
+            replies.feed(c.index, c.new_text)
         response = pb.GenerateResponse(request_id=out.request_id, text=c.new_text,
                                        token_ids=[int(t) for t in c.new_token_ids],
                                        index=c.index)
@@ -105,7 +110,10 @@ def responses_from_output(out, with_logprobs: bool,
         for top in c.new_top_logprobs:
             response.top_logprobs.add(token_ids=list(top), logprobs=list(top.values()))
         if finishing:
-            response.finish_reason = FINISH_REASONS[c.finish_reason]
+            reason = c.finish_reason
+            if replies is not None:
+                reason = replies.complete(c.index, reason, response)
+            response.finish_reason = FINISH_REASONS[reason]
             reported.add(c.index)
         if out.prompt_logprobs is not None and -1 not in reported:
             reported.add(-1)  # -1: the prompt's logprobs were sent

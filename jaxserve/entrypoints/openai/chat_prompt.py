@@ -2,11 +2,14 @@
 
 What the OpenAI front end adds to Tokenizer.apply_chat_template: content given as a list of text
 parts, the `developer` role (OpenAI's new name for `system`), `continue_final_message` (the
-final assistant message left open, cut exactly as transformers' apply_chat_template cuts it) and
-`--chat-template FILE`. Pure functions over a tokenizer: no engine, no I/O, no HTTP.
+final assistant message left open, cut exactly as transformers' apply_chat_template cuts it),
+`--chat-template FILE`, the request's tools (the template's `tools`), assistant tool calls and
+tool messages (as transformers' templates read them) and chat_template_kwargs. Pure functions over a tokenizer: no engine, no I/O, no HTTP.
 """
 
 from __future__ import annotations
+
+import json
 
 
 def with_chat_template(tokenizer, source: str | None):
@@ -23,17 +26,35 @@ def with_chat_template(tokenizer, source: str | None):
                      pad_token_id=tokenizer.pad_token_id)
 
 
+def request_messages(messages) -> list[dict]:
+    """Pydantic ChatMessages (or dicts) -> OpenAI message dicts, unset fields left out."""
+    return [m if isinstance(m, dict) else m.model_dump(exclude_none=True) for m in messages]
+
+
 def message_dicts(messages) -> list[dict]:
-    """Pydantic ChatMessages (or dicts) -> the {role, content[, name]} dicts templates read."""
+    """Pydantic ChatMessages (or OpenAI message dicts, checked by tools.check_messages) -> the
+    dicts templates read: {role, content[, name][, tool_calls][, tool_call_id]}. An assistant
+    message's tool calls keep their id and type, and their arguments become a dict (as
+    transformers' templates expect and vLLM gives them); its absent content is ""."""
     out = []
-    for m in messages:
-        m = m if isinstance(m, dict) else m.model_dump(exclude_none=True)
-        content = m["content"]
-        if not isinstance(content, str):  # text parts, as vLLM joins them
+    for m in request_messages(messages):
+        content = m.get("content")
+        if content is None:
+            content = ""
+        elif not isinstance(content, str):  # text parts, as vLLM joins them
             content = "\n".join(part["text"] for part in content)
         role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": content,
-                    **({"name": m["name"]} if m.get("name") is not None else {})})
+        message = {"role": role, "content": content}
+        for key in ("name", "tool_call_id"):
+            if m.get(key) is not None:
+                message[key] = m[key]
+        if m.get("tool_calls"):
+            message["tool_calls"] = [
+                {"id": c.get("id", ""), "type": c.get("type", "function"),
+                 "function": {"name": c["function"]["name"],
+                              "arguments": json.loads(c["function"]["arguments"])}}
+                for c in m["tool_calls"]]
+        out.append(message)
     return out
 
 
@@ -49,14 +70,21 @@ def _cut_after_final_message(text: str, final: str) -> str:
 
 
 def render_chat(tokenizer, messages, add_generation_prompt: bool = True,
-                continue_final_message: bool = False) -> tuple[str, list[int]]:
+                continue_final_message: bool = False, tools: list[dict] | None = None,
+                template_kwargs: dict | None = None) -> tuple[str, list[int]]:
     """(prompt text, token ids); ValueError naming what is wrong (the template's own refusals
-    included). The ids are encoded without special tokens: the template writes any BOS."""
+    included). tools: the request's tools as the template gets them (`tools`); template_kwargs:
+    more template variables. The ids are encoded without special tokens: the template writes
+    any BOS."""
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message=true cannot be combined with "
                          "add_generation_prompt=true: set add_generation_prompt to false")
     dicts = message_dicts(messages)
-    text = tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt)
+    extra = dict(template_kwargs or {})
+    if tools:
+        extra["tools"] = tools
+    text = tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt,
+                                         **extra)
     if continue_final_message:
         text = _cut_after_final_message(text, dicts[-1]["content"])
     return text, list(tokenizer.encode(text, add_special_tokens=False))

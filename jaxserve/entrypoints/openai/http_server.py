@@ -46,6 +46,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxserve import __version__
+from jaxserve.config.tool_calls import ToolCallSettings
 from jaxserve.entrypoints.openai import protocol as api
 from jaxserve.entrypoints.openai.http_gate import Gate, GateState
 from jaxserve.entrypoints.openai.errors import OpenAIError, bad_request
@@ -66,6 +67,7 @@ class HttpSettings:
     served_model_name: str | None = None  # default: the model's name
     chat_template: str | None = None      # template source overriding the model's own
     max_body_bytes: int = 16 << 20
+    tool_calls: ToolCallSettings = ToolCallSettings()  # tool_choice "auto": flags and parser
 
 
 class _EventStream(StreamingResponse):
@@ -328,7 +330,8 @@ class HttpServer:
     def attach(self, async_engine) -> None:
         """Serve with this (started) engine: /health becomes 200."""
         s = self.settings
-        self.state.serving = OpenAIServing(async_engine, s.served_model_name, s.chat_template)
+        self.state.serving = OpenAIServing(async_engine, s.served_model_name, s.chat_template,
+                                           s.tool_calls)
 
     @property
     def num_in_flight(self) -> int:

@@ -13,10 +13,13 @@ lists OpenAI's fields accepted and not acted on (no warning); parameters known b
 yet are modelled here and refused in openai/errors.py. Besides OpenAI's parameters, vLLM's extra
 ones (top_k, min_p, min_tokens, repetition_penalty, allowed_token_ids, bad_words,
 include_stop_str_in_output, skip_special_tokens, ignore_eos, stop_token_ids, return_token_ids,
-prompt_logprobs, and the output constraints structured_outputs and guided_json / guided_regex /
+prompt_logprobs, chat_template_kwargs, and the output constraints structured_outputs and
+guided_json / guided_regex /
 guided_choice / guided_grammar) are accepted, as a vLLM client sends them in `extra_body`.
 `constraint_fields` lists the output constraints a request sets and `structured_outputs` makes
-one a StructuredOutputs. Plain data: no engine, no I/O.
+one a StructuredOutputs. Chat requests take OpenAI's tools, tool_choice and
+parallel_tool_calls, vLLM's chat_template_kwargs, assistant messages with tool_calls and `tool`
+messages (what they mean is openai/tools.py's). Plain data: no engine, no I/O.
 """
 
 from __future__ import annotations
@@ -65,7 +68,6 @@ ACCEPTED_WITHOUT_EFFECT = {
     "metadata": ("chat",),
     "store": ("chat",),
     "service_tier": ("chat",),
-    "parallel_tool_calls": ("chat",),  # no tool calling yet: nothing to run in parallel
 }
 
 
@@ -155,10 +157,53 @@ class TextPart(_Open):
     text: Text
 
 
+class ToolCallFunction(_Open):
+    name: NonEmptyText
+    arguments: Text  # JSON text of the arguments, as the model wrote them
+
+
+class MessageToolCall(_Open):
+    """An assistant message's earlier tool call, sent back in the conversation."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Open):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Union[Text, Annotated[list[TextPart], Field(min_length=1)]]
+    """content is required but for an assistant message with tool_calls (null or absent
+    there); a `tool` message answers the call tool_call_id names (openai/tools.py checks
+    both, naming the field)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[Text, Annotated[list[TextPart], Field(min_length=1)], None] = None
     name: Text | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant messages
+    tool_call_id: Text | None = None  # tool messages
+
+
+class FunctionDefinition(_Open):
+    name: NonEmptyText
+    description: Text | None = None
+    parameters: dict | None = None  # a JSON schema; absent: no parameters ({})
+    strict: bool | None = None  # accepted: tool_choice required / named always enforce
+
+
+class ChatTool(_Open):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Open):
+    name: NonEmptyText
+
+
+class NamedToolChoice(_Open):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -168,13 +213,16 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None  # unset: "auto" with tools, "none" without
+    parallel_tool_calls: bool | None = True  # null: true
+    chat_template_kwargs: dict | None = None  # more variables for the chat template
     # Accepted without effect (ACCEPTED_WITHOUT_EFFECT); store=true is refused
     metadata: Annotated[dict[Annotated[str, Field(max_length=64)],
                              Annotated[str, Field(max_length=512)]],
                         Field(max_length=16)] | None = None
     store: bool | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
-    parallel_tool_calls: bool | None = None
 
 
 _GUIDED_KINDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -216,6 +264,8 @@ class TokenizeChatRequest(_Open):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: list[ChatTool] | None = None
+    chat_template_kwargs: dict | None = None
 
 
 class DetokenizeRequest(_Open):
@@ -279,9 +329,21 @@ class Completion(BaseModel):
     usage: Usage | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -302,7 +364,7 @@ class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
     token_ids: list[int] | None = None
 
 
