@@ -5,60 +5,36 @@ integer, a number an integer or a float: never a string) and ranges (the limits 
 schema, so /openapi.json documents them and a bad value is a 400 naming the field and its
 limit). A field the server does not know is kept aside rather than refused, as vLLM does: a
 request and the objects in it that a client may send with extra keys (messages, their text
-parts, stream_options) derive from `_Open`, whose unknown keys `ignored.py` reports (a warning
-and a response header); the output constraints (response_format, structured_outputs) derive
-from `_Closed`, whose unknown keys are a 400, since a constraint read in part would let through
-output the client meant to forbid. Knowing a field is declaring it here. ACCEPTED_WITHOUT_EFFECT
-lists OpenAI's fields accepted and not acted on (no warning); parameters known but not honoured
-yet are modelled here and refused in openai/errors.py. Besides OpenAI's parameters, vLLM's extra
-ones (top_k, min_p, min_tokens, repetition_penalty, allowed_token_ids, bad_words,
-include_stop_str_in_output, skip_special_tokens, ignore_eos, stop_token_ids, return_token_ids,
-prompt_logprobs, chat_template_kwargs, and the output constraints structured_outputs and
-guided_json / guided_regex /
-guided_choice / guided_grammar) are accepted, as a vLLM client sends them in `extra_body`.
-`constraint_fields` lists the output constraints a request sets and `structured_outputs` makes
-one a StructuredOutputs. Chat requests take OpenAI's tools, tool_choice and
-parallel_tool_calls, vLLM's chat_template_kwargs, assistant messages with tool_calls and `tool`
-messages (what they mean is openai/tools.py's). Plain data: no engine, no I/O.
+parts, stream_options) derive from `_Open` (protocol_base.OpenModel), whose unknown keys
+`ignored.py` reports (a warning and a response header); the output constraints (response_format,
+structured_outputs) derive from `_Closed`, whose unknown keys are a 400, since a constraint read
+in part would let through output the client meant to forbid. Knowing a field is declaring it
+here. ACCEPTED_WITHOUT_EFFECT lists OpenAI's fields accepted and not acted on (no warning);
+parameters known but not honoured yet are modelled here and refused in openai/errors.py. Besides
+OpenAI's parameters, vLLM's extra ones (top_k, min_p, min_tokens, repetition_penalty,
+allowed_token_ids, bad_words, include_stop_str_in_output, skip_special_tokens, ignore_eos,
+stop_token_ids, return_token_ids, prompt_logprobs, chat_template_kwargs, and the output
+constraints structured_outputs and guided_json / guided_regex / guided_choice / guided_grammar)
+are accepted, as a vLLM client sends them in `extra_body`. `constraint_fields` lists the output
+constraints a request sets and `structured_outputs` makes one a StructuredOutputs. Chat requests
+take OpenAI's tools, tool_choice and parallel_tool_calls, vLLM's chat_template_kwargs, assistant
+messages with tool_calls and `tool` messages (their models: tool_protocol.py; what they mean:
+openai/tools.py). Plain data: no engine, no I/O.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from jaxserve.core.request import MAX_LOGPROBS, MAX_N
+from jaxserve.entrypoints.openai.protocol_base import ClosedModel as _Closed
+from jaxserve.entrypoints.openai.protocol_base import OpenModel as _Open
+from jaxserve.entrypoints.openai.protocol_base import (NonEmptyText, NonNegativeInt,
+                                                      StopStrings, Text, TokenIds)
+from jaxserve.entrypoints.openai.tool_protocol import ChatTool, MessageToolCall, ToolChoice
 from jaxserve.structured.params import StructuredOutputs
-
-
-def _unicode(value: str) -> str:
-    """JSON may escape a lone surrogate ("\\ud800"); no tokenizer can encode one."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"must be valid Unicode text: a lone surrogate "
-                         f"{value[exc.start]!r} at position {exc.start}") from None
-    return value
-
-
-Text = Annotated[str, AfterValidator(_unicode)]  # every string that reaches the tokenizer
-NonEmptyText = Annotated[Text, Field(min_length=1)]
-NonNegativeInt = Annotated[int, Field(ge=0)]
-TokenIds = Annotated[list[NonNegativeInt], Field(min_length=1)]
-StopStrings = Union[NonEmptyText, list[NonEmptyText]]
-
-
-class _Open(BaseModel):
-    """Strict types; unknown keys kept in model_extra, reported and otherwise ignored."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-
-
-class _Closed(BaseModel):
-    """Strict types; an unknown key is a 400 naming it."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 # OpenAI's fields that are accepted and have no effect here (docs/openai_api.md lists them):
@@ -157,19 +133,6 @@ class TextPart(_Open):
     text: Text
 
 
-class ToolCallFunction(_Open):
-    name: NonEmptyText
-    arguments: Text  # JSON text of the arguments, as the model wrote them
-
-
-class MessageToolCall(_Open):
-    """An assistant message's earlier tool call, sent back in the conversation."""
-
-    id: Text
-    type: Literal["function"] = "function"
-    function: ToolCallFunction
-
-
 class ChatMessage(_Open):
     """content is required but for an assistant message with tool_calls (null or absent
     there); a `tool` message answers the call tool_call_id names (openai/tools.py checks
@@ -180,30 +143,6 @@ class ChatMessage(_Open):
     name: Text | None = None
     tool_calls: list[MessageToolCall] | None = None  # assistant messages
     tool_call_id: Text | None = None  # tool messages
-
-
-class FunctionDefinition(_Open):
-    name: NonEmptyText
-    description: Text | None = None
-    parameters: dict | None = None  # a JSON schema; absent: no parameters ({})
-    strict: bool | None = None  # accepted: tool_choice required / named always enforce
-
-
-class ChatTool(_Open):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(_Open):
-    name: NonEmptyText
-
-
-class NamedToolChoice(_Open):
-    type: Literal["function"]
-    function: NamedFunction
-
-
-ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -1,9 +1,9 @@
 """Pydantic models of OpenAI's Responses API (POST /v1/responses) as jaxserve serves it: the
 request, its input items and tools, and the response object with its output items.
 
-The request takes OpenAI's types strictly, as protocol.py's chat request does (the same _Open
-base: a key the server does not know is kept aside, reported in a warning and the
-X-Jaxserve-Ignored-Fields header; the output constraint `text.format` derives from _Closed and
+The request takes OpenAI's types strictly, as protocol.py's chat request does (the same
+OpenModel base: a key the server does not know is kept aside, reported in a warning and the
+X-Jaxserve-Ignored-Fields header; the output constraint `text.format` derives from ClosedModel and
 refuses unknown keys). `input` is a string or a list of items, each told apart by its `type`
 (a message may leave it out); tool_choice and each message's content likewise by their JSON
 type, so a bad value is a 400 naming exactly the field (input[2].content[0].type), never a list
@@ -28,11 +28,13 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, Discriminator, Field, Tag
 
-from jaxserve.entrypoints.openai.protocol import NonEmptyText, Text, _Closed, _Open
+from jaxserve.entrypoints.openai.protocol_base import ClosedModel as _Closed
+from jaxserve.entrypoints.openai.protocol_base import NonEmptyText, Text
+from jaxserve.entrypoints.openai.protocol_base import OpenModel as _Open
 
 # Responses request fields accepted and not acted on (docs/openai_api.md lists them).
 RESPONSES_ACCEPTED_WITHOUT_EFFECT = ("user", "metadata", "store", "reasoning", "text.verbosity",
-                                     "tools[].strict")
+                                     "tools.strict")
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
 
