@@ -1,6 +1,6 @@
 """POST /v1/responses: OpenAI's Responses API, stateless, as a translation over the chat path.
 
-A Responses request becomes one chat completion request (`chat_request`), served by
+A Responses request becomes one chat completion request (responses_request.py), served by
 OpenAIServing.chat exactly as /v1/chat/completions serves it (template, limits, output
 constraints, tool calling and reasoning are all the chat path's), and the chat reply becomes
 the Responses output (responses_output.py). The mapping:
