@@ -84,11 +84,11 @@ async def create_response(serving, request: ResponsesRequest):
         return ResponseEventStream(_events(serving, header, result, names), result)
     choice = result.choices[0]
     message = choice.message
+    # reasoning_content: only a chat path with a reasoning parser has the field
     delta = {"reasoning_content": getattr(message, "reasoning_content", None),
              "content": message.content,
-             "tool_calls": [{"index": i, "id": call["id"], "function": call["function"]}
-                            for i, call in enumerate(_dicts(getattr(message, "tool_calls",
-                                                                    None)))]}
+             "tool_calls": [{"index": i, "id": call.id, "function": call.function.model_dump()}
+                            for i, call in enumerate(message.tool_calls or ())]}
     assembler = OutputAssembler()
     assembler.feed(delta)
     assembler.finish(choice.finish_reason)
@@ -96,10 +96,6 @@ async def create_response(serving, request: ResponsesRequest):
     return ResponseObject.model_validate(response_object(
         header, assembler.items, _status(choice.finish_reason),
         usage(result.usage.model_dump(), reasoning_tokens)))
-
-
-def _dicts(calls) -> list[dict]:
-    return [c.model_dump() if hasattr(c, "model_dump") else c for c in calls or ()]
 
 
 def _status(finish_reason: str | None) -> str:

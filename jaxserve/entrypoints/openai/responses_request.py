@@ -4,10 +4,8 @@
 `chat_request` checks what the chat request cannot say (a function_call_output answering no
 earlier call, a tool_choice naming no tool, a json_schema format without its schema, input
 with nothing to answer) and builds the api.ChatCompletionRequest; `chat_tools` is the one place
-Responses' flat function tools become chat's nested ones. Function tools, tool choices and
-function_call items need a chat path that serves tools (ChatCompletionRequest has `tools`):
-without one they are a 400 naming the field. `check_stateless` refuses what needs stored
-responses. FieldNames renames a chat refusal's field and message: messages[3] -> the input
+Responses' flat function tools become chat's nested ones. `check_stateless` refuses what
+needs stored responses. FieldNames renames a chat refusal's field and message: messages[3] -> the input
 item it came from (or instructions), an assistant message's tool_calls[1] -> its function_call
 item, max_completion_tokens -> max_output_tokens, response_format -> text.format,
 tools[0].function -> tools[0]. Pure functions over validated models: no engine, no I/O.
@@ -53,7 +51,7 @@ def chat_tools(tools) -> list[dict]:
 
 
 def chat_tool_choice(choice, tool_names: list[str]):
-    """"none" / "auto" / "required", or {type: function, name} -> chat's
+    """tool_choice "none", "auto" or "required" as it is; {type: function, name} -> chat's
     {type: function, function: {name}}; a name that is not one of the tools is a 400."""
     if isinstance(choice, str):
         if choice == "required" and not tool_names:
@@ -91,7 +89,6 @@ def chat_messages(request: ResponsesRequest) -> tuple[list[dict], "FieldNames"]:
             messages.append({"role": item.role, "content": _chat_content(item.content)})
             names.sources.append((where, []))
         elif item.type == "function_call":
-            names.tool_items.append(where)
             call_ids.add(item.call_id)
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
@@ -102,7 +99,6 @@ def chat_messages(request: ResponsesRequest) -> tuple[list[dict], "FieldNames"]:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
                 names.sources.append((where, [where]))
         elif item.type == "function_call_output":
-            names.tool_items.append(where)
             if item.call_id not in call_ids:
                 raise bad_request(f"{where}.call_id={item.call_id!r} answers no call: no "
                                   f"function_call item before it has that call_id",
@@ -131,22 +127,10 @@ def _response_format(request: ResponsesRequest) -> dict | None:
             "json_schema": {k: v for k, v in spec.items() if v is not None}}
 
 
-def chat_serves_tools() -> bool:
-    return "tools" in api.ChatCompletionRequest.model_fields
-
-
 def chat_request(request: ResponsesRequest
                  ) -> tuple[api.ChatCompletionRequest, "FieldNames"]:
     """The chat request that serves this Responses request, and how to name its fields."""
     messages, names = chat_messages(request)
-    uses_tools = [f for f, used in (("tools", request.tools),
-                                    ("tool_choice", request.tool_choice not in (None, "none",
-                                                                                "auto")))
-                  if used] + names.tool_items
-    if uses_tools and not chat_serves_tools():
-        raise bad_request(f"{uses_tools[0]} cannot be served: this server's chat path has no "
-                          f"tool calling, so function tools, tool choices and function_call "
-                          f"items are not available", uses_tools[0])
     body = {"model": request.model, "messages": messages, "stream": request.stream}
     if request.stream:
         body["stream_options"] = {"include_usage": True}
@@ -186,7 +170,6 @@ class FieldNames:
 
     def __init__(self):
         self.sources: list[tuple[str, list[str]]] = []
-        self.tool_items: list[str] = []  # the function_call(_output) items' fields
 
     def _replace(self, match: re.Match) -> str:
         text = match.group(0)
