@@ -25,6 +25,13 @@ from jaxserve.entrypoints.openai.tools import (ToolPlan, check_messages, check_t
 PREFIX = "chat."
 
 
+def texts(chat: pb.Chat) -> list[str]:
+    """Every text of the conversation (contents and earlier calls' arguments), uncopied, for
+    the size limit."""
+    return [m.content for m in chat.messages] + [c.function.arguments for m in chat.messages
+                                                 for c in m.tool_calls]
+
+
 def messages(chat: pb.Chat) -> list[dict]:
     """The conversation as OpenAI message dicts."""
     out = []

@@ -123,9 +123,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         if request.WhichOneof("prompt") != "chat":
             return (*convert.prompt_from_proto(request, async_engine.engine.tokenizer), params,
                     None)
-        async_engine.limits.check_messages(
-            [m.content + "".join(c.function.arguments for c in m.tool_calls)
-             for m in request.chat.messages], "chat.messages")
+        async_engine.limits.check_messages(chat_input.texts(request.chat), "chat.messages")
         ids, plan, params = await async_engine.text_pool.run(
             chat_input.prompt_and_plan, async_engine.engine.tokenizer, request.chat, params,
             self.tool_parser)
@@ -205,9 +203,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             limits.check_text(request.text, "text")
             return request.text, await pool.run(encode, tokenizer, request.text, add_special)
         if which == "chat":
-            limits.check_messages(
-                [m.content + "".join(c.function.arguments for c in m.tool_calls)
-                 for m in request.chat.messages], "chat.messages")
+            limits.check_messages(chat_input.texts(request.chat), "chat.messages")
             return await pool.run(convert.chat_prompt, tokenizer, request.chat)
         raise ValueError("input is unset: exactly one of text or chat must be set")
 

@@ -4,7 +4,8 @@ What the OpenAI front end adds to Tokenizer.apply_chat_template: content given a
 parts, the `developer` role (OpenAI's new name for `system`), `continue_final_message` (the
 final assistant message left open, cut exactly as transformers' apply_chat_template cuts it),
 `--chat-template FILE`, the request's tools (the template's `tools`), assistant tool calls and
-tool messages (as transformers' templates read them) and chat_template_kwargs. Pure functions over a tokenizer: no engine, no I/O, no HTTP.
+tool messages (as transformers' templates read them) and chat_template_kwargs. Pure functions
+over a tokenizer: no engine, no I/O, no HTTP.
 """
 
 from __future__ import annotations

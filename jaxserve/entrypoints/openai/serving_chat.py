@@ -51,9 +51,8 @@ class ChatServing:
             messages = request_messages(request.messages)
             check_messages(messages)
             self.async_engine.limits.check_messages(
-                [_text(m.get("content")) + "".join(c["function"]["arguments"]
-                                                   for c in m.get("tool_calls") or ())
-                 for m in messages])
+                [_text(m.get("content")) for m in messages] +
+                [c["function"]["arguments"] for m in messages for c in m.get("tool_calls") or ()])
             kwargs = check_template_kwargs(request.chat_template_kwargs)
             tools = (plan.template_tools if plan is not None else
                      [t.model_dump(exclude_none=True) for t in request.tools or ()])
