@@ -1,7 +1,8 @@
 """Run `run_server` (gRPC + OpenAI HTTP) with a tiny model that has a real tokenizer, for tests.
 
     python tests/http_server_main.py [--api-key KEY] [--max-queued-requests N]
-        [--step-delay-ms MS] [--model tiny-bpe|fixtures] [engine overrides]
+        [--step-delay-ms MS] [--model tiny-bpe|fixtures] [--chat-template FILE]
+        [engine overrides]
         [security flags: --ssl-certfile FILE --ssl-keyfile FILE --ssl-ca-certs FILE ...]
 
 The model is the tiny random Llama with the tiny byte-level BPE vocabulary and ChatML template
@@ -146,6 +147,8 @@ def main() -> int:
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--seq-buckets", type=int, nargs="+", default=None)
     parser.add_argument("--model", choices=("tiny-bpe", "fixtures"), default="tiny-bpe")
+    parser.add_argument("--chat-template", default=None, metavar="FILE",
+                        help="a chat template file overriding the model's (as jaxserve serve)")
     parser.add_argument("--step-delay-ms", type=float, default=0.0,
                         help="sleep before every engine step (keeps requests in flight long "
                              "enough for drain and disconnect tests)")
@@ -161,8 +164,9 @@ def main() -> int:
                                    ("max_num_seqs", args.max_num_seqs),
                                    ("seq_buckets", args.seq_buckets)) if v is not None}
     config = EngineConfig.from_kwargs(**{**SMALL_ENGINE, **overrides})
+    template = Path(args.chat_template).read_text() if args.chat_template else None
     http = HttpSettings(port=0, served_model_name=args.served_model_name,
-                        max_body_bytes=args.max_body_bytes)
+                        max_body_bytes=args.max_body_bytes, chat_template=template)
     return run_server(config, host="127.0.0.1", port=0, shutdown_timeout=args.shutdown_timeout,
                       loaded=fixtures_loaded() if args.model == "fixtures" else tiny_bpe_loaded(),
                       http=http, security=security_config_from_args(args))

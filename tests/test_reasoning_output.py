@@ -16,7 +16,7 @@ from jaxserve.config.reasoning import REASONING_PARSER_NAMES
 from jaxserve.core import intake
 from jaxserve.core.errors import RequestError
 from jaxserve.core.request import SamplingParams
-from jaxserve.entrypoints.openai.reasoning import ReasoningFormat, ReasoningStream, StepSplitter
+from jaxserve.entrypoints.openai.reasoning import ReasoningFormat, StepSplitter
 from jaxserve.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from jaxserve.structured.params import StructuredOutputs
 
@@ -102,24 +102,6 @@ def test_a_whole_reply_splits_and_include_reasoning_false_drops_the_reasoning(to
         "content": "so", "reasoning_content": None}
     assert fmt.for_request(ids, None).message("") == {"content": None,
                                                       "reasoning_content": None}
-
-
-def test_stream_deltas_hold_the_tokens_of_steps_that_decided_nothing(tokenizer):
-    request = ReasoningFormat.load("deepseek_r1", tokenizer).for_request(
-        prompt(tokenizer, "<think>\n"), None)
-    stream = ReasoningStream(request, n=2, with_tokens=True)
-    assert stream.deltas(sample("why</th", [1, 2]), False) == [
-        ({"reasoning_content": "why"}, ([1, 2], [-1.0, -1.0], []))]
-    assert stream.deltas(sample("ink>", [3]), False) == [], "the tag alone decides no delta"
-    assert stream.deltas(sample("\n", [4]), False) == [], "whitespace after the tag is dropped"
-    [(delta, tokens)] = stream.deltas(sample("so", [5]), False)
-    assert delta == {"content": "so"} and tokens.ids == [3, 4, 5], "held tokens were lost"
-    # a choice of its own parser; its last held tokens go out when it finishes
-    assert stream.deltas(sample("x</think>", [6, 7], index=1), False) == [
-        ({"reasoning_content": "x"}, ([6, 7], [-1.0, -1.0], []))]
-    assert stream.deltas(sample("", [8], index=1), True) == [({}, ([8], [-1.0], []))]
-    quiet = ReasoningStream(request, n=1, with_tokens=False)
-    assert quiet.deltas(sample("</think>", [9]), True) == []
 
 
 def test_step_splitter_splits_each_steps_text(tokenizer):

@@ -18,9 +18,10 @@ from jaxserve.config import ENV_API_KEY
 from jaxserve.entrypoints import distributed, logging_setup
 from jaxserve.entrypoints.cli_flags import (BoolFlag, add_engine_flags, add_reasoning_flags,
                                             add_sampling_flags, add_security_flags,
-                                            engine_config_from_args,
+                                            add_tool_call_flags, engine_config_from_args,
                                             reasoning_settings_from_args, sampling_overrides,
-                                            security_config_from_args, size_type)
+                                            security_config_from_args, size_type,
+                                            tool_call_settings_from_args)
 
 __all__ = ["build_parser", "main", "engine_config_from_args"]
 
@@ -143,7 +144,7 @@ def cmd_serve(args) -> int:
     return run_server(engine_config_from_args(args), host=args.host, port=args.port,
                       shutdown_timeout=args.shutdown_timeout, metrics_port=args.metrics_port,
                       http=http_settings_from_args(args), security=security,
-                      reasoning=reasoning)
+                      reasoning=reasoning, tool_calls=tool_call_settings_from_args(args))
 
 
 def cmd_convert(args) -> int:
@@ -203,6 +204,7 @@ def _add_serve(sub) -> None:
                        help="seconds to drain in-flight requests after SIGTERM; default: 30")
     add_reasoning_flags(serve)
     add_security_flags(serve)
+    add_tool_call_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
 

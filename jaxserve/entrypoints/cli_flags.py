@@ -195,6 +195,27 @@ def reasoning_settings_from_args(args: argparse.Namespace):
         raise ValueError(f"--reasoning-parser {name!r} is unknown: choose one of "
                          f"{', '.join(sorted(REASONING_PARSERS))}")
     return ReasoningSettings(reasoning_parser=name)
+def add_tool_call_flags(parser: argparse.ArgumentParser) -> None:
+    """ToolCallSettings' fields as flags of the same names (vLLM's), one help section."""
+    from jaxserve.config.tool_calls import ToolCallSettings
+
+    group = parser.add_argument_group("tool calling (both front ends' chat; ToolCallSettings)")
+    for f in dataclasses.fields(ToolCallSettings):
+        kwargs: dict = {"default": f.default, "dest": f.name,
+                        "help": _describe(f.metadata, f.default, None)}
+        if isinstance(f.default, bool):
+            kwargs["action"] = BoolFlag
+        else:
+            kwargs["metavar"] = "NAME"
+        group.add_argument(flag_name(f.name), **kwargs)
+
+
+def tool_call_settings_from_args(args: argparse.Namespace):
+    """The validated ToolCallSettings the flags give (ValueError naming the flag when not)."""
+    from jaxserve.config.tool_calls import ToolCallSettings
+
+    return ToolCallSettings(**{f.name: getattr(args, f.name)
+                               for f in dataclasses.fields(ToolCallSettings)}).validate()
 
 
 # Sampling flags: (SamplingParams field, type, help). Defaults are SamplingParams' own (the

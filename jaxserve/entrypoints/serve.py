@@ -21,6 +21,7 @@ import time
 
 from jaxserve.config import EngineConfig, SecurityConfig
 from jaxserve.config.reasoning import ReasoningSettings
+from jaxserve.config.tool_calls import ToolCallSettings
 from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError
 from jaxserve.entrypoints.grpc.server import GrpcServer
 from jaxserve.entrypoints.process import exit_now, in_daemon_thread, install_stop_signals
@@ -35,24 +36,29 @@ DEAD_LINGER_S = 1.0
 async def serve(engine_config: EngineConfig, host: str, port: int, shutdown_timeout: float,
                 loaded=None, metrics_port: int | None = None, http=None,
                 exit_process: bool = False, security: SecurityConfig | None = None,
-                reasoning: ReasoningSettings | None = None) -> int:
+                reasoning: ReasoningSettings | None = None,
+                tool_calls: ToolCallSettings | None = None) -> int:
     """run_server's body, on the running event loop; returns the exit code. http: an
     http_server.HttpSettings to serve the OpenAI HTTP API too, over the same AsyncEngine (None:
     gRPC only). exit_process: once drained, end the process with the code (see exit_now).
     security: API keys and TLS files for both ports, read and checked before either listens;
-    reasoning: both ports' reasoning parser (None: http's own, none on gRPC)."""
+    reasoning: both ports' reasoning parser (None: http's own, none on gRPC); tool_calls: both
+    front ends' tool-calling settings (None: the defaults)."""
     from jaxserve.engine.engine import Engine
 
     parser = None if reasoning is None else reasoning.reasoning_parser
     if reasoning is not None and http is not None:
         http = dataclasses.replace(http, reasoning_parser=parser)
+    if tool_calls is not None and http is not None:
+        http = dataclasses.replace(http, tool_calls=tool_calls)
 
     guard = Security.load(security)
     if (warning := guard.exposure_warning(host)) is not None:
         log.warning(warning)
     stop = asyncio.Event()
     install_stop_signals(stop)
-    handle = await GrpcServer.start(host, port, security=guard, reasoning_parser=parser)
+    handle = await GrpcServer.start(host, port, security=guard, reasoning_parser=parser,
+                                    tool_calls=tool_calls)
     log.info("jaxserve gRPC server listening on %s (%s; health NOT_SERVING until the engine "
              "is ready)", handle.address, guard.describe())
     fronts = [handle]
@@ -133,12 +139,14 @@ async def _drain(fronts, async_engine: AsyncEngine, timeout: float, why: str,
 def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 50051,
                shutdown_timeout: float = 30.0, loaded=None, metrics_port: int | None = None,
                http=None, security: SecurityConfig | None = None,
-               reasoning: ReasoningSettings | None = None) -> int:
+               reasoning: ReasoningSettings | None = None,
+               tool_calls: ToolCallSettings | None = None) -> int:
     """The server process: serve until SIGTERM/SIGINT, drain, then end the process with exit
     code 0 (1 when the engine failed); it returns only when loading fails or a stop signal came
     during loading, and raises ValueError before listening when security's files are bad.
     http: HttpSettings to serve the OpenAI HTTP API too (None: off); security: API keys and
-    TLS for both (None: neither); reasoning: both ports' reasoning parser."""
+    TLS for both (None: neither); reasoning: both ports' reasoning parser; tool_calls: both
+    front ends' tool-calling settings."""
     return asyncio.run(serve(engine_config, host, port, shutdown_timeout, loaded=loaded,
                              metrics_port=metrics_port, http=http, exit_process=True,
-                             security=security, reasoning=reasoning))
+                             security=security, reasoning=reasoning, tool_calls=tool_calls))

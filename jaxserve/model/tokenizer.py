@@ -185,19 +185,25 @@ class Tokenizer:
         return self._template_cache[1]
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:
+                            tools: list[dict] | None = None, **kwargs: Any) -> str:
         """The prompt text for a conversation (encode it with add_special_tokens=False: the
-        template writes any BOS itself, as transformers does)."""
+        template writes any BOS itself, as transformers does). tools: the function tools as
+        JSON schema dicts ({"type": "function", "function": {...}}), given to the template as
+        `tools` (None when there are none, as transformers gives it); kwargs: more template
+        variables (a request's chat_template_kwargs)."""
         token = lambda i: "" if i is None else self.backend.id_to_token(i)
         context = dict(bos_token=token(self.bos_token_id),
                        eos_token=token(self.eos_token_ids[0] if self.eos_token_ids else None),
-                       pad_token=token(self.pad_token_id))
+                       pad_token=token(self.pad_token_id), documents=None)
         context.update(kwargs)
         try:
-            return self._compiled_template().render(messages=messages,
+            return self._compiled_template().render(messages=messages, tools=tools,
                                                   add_generation_prompt=add_generation_prompt,
                                                   **context)
         except ChatTemplateError:
             raise
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from e
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:
+            # the template's own expression failed on this conversation (e.g. `+` on a None)
+            raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from e

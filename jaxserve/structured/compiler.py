@@ -7,7 +7,8 @@ holding up the batch. Results (and errors) are cached in a bounded LRU keyed by
 `StructuredOutputs.key`; a key already compiling shares its future. An invalid schema, regex or
 grammar is an `InvalidGrammarError` (a ValueError naming the problem); a compile still running
 `timeout_s` after it was submitted is a `GrammarTimeoutError`, never a wait without end
-(llguidance's parser limits bound the work itself). This module must not import jax, and never
+(llguidance's parser limits bound the work itself). `check_json_schema` validates a schema
+without a tokenizer (tool parameters are checked so). This module must not import jax, and never
 touches a per-request matcher state: `CompiledGrammar.new_matcher` (matcher.py) hands each
 request its own.
 """
@@ -15,6 +16,8 @@ request its own.
 from __future__ import annotations
 
 import collections
+import functools
+import json
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -52,6 +55,27 @@ def build_ll_tokenizer(tokenizer, vocab_size: int | None = None) -> tuple["llg.L
     ll_tok = llg.LLTokenizer(tokenizer.backend.to_str(), n_vocab=max(own, vocab_size),
                              eos_token=eos)
     return ll_tok, vocab_size
+
+
+@functools.lru_cache(maxsize=256)
+def _json_schema_problem(schema_text: str) -> str | None:
+    grammar = llg.LLMatcher.grammar_from_json_schema(schema_text)
+    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(
+        grammar, None, limits=llg.LLParserLimits(verbose_errors=False))
+    return messages[0].strip() if is_error else None
+
+
+def check_json_schema(schema: dict | bool) -> None:
+    """InvalidGrammarError naming the problem when `schema` is not a JSON schema the grammar
+    library can enforce (bad types, a $ref to nowhere, an unsatisfiable one...); no tokenizer
+    needed, results cached by the schema's canonical text."""
+    try:
+        text = json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    except (TypeError, ValueError) as e:
+        raise InvalidGrammarError(f"invalid JSON schema: {e}") from None
+    problem = _json_schema_problem(text)
+    if problem is not None:
+        raise InvalidGrammarError(f"invalid JSON schema: {problem}")
 
 
 class GrammarCompiler:

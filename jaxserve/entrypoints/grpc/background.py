@@ -17,16 +17,17 @@ from jaxserve.entrypoints.security import Security
 
 class ServerThread:
     def __init__(self, async_engine: AsyncEngine, host: str = "127.0.0.1", port: int = 0,
-                 security: Security | None = None):
+                 security: Security | None = None, tool_calls=None):
         """Listen on host:port (0: a free port) and serve async_engine (already started);
-        security: API keys and TLS (Security.load(SecurityConfig(...)); None: neither)."""
+        security: API keys and TLS (Security.load(SecurityConfig(...)); None: neither);
+        tool_calls: a ToolCallSettings (tool_choice "auto"), None for the defaults."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="jaxserve-grpc",
                                         daemon=True)
         self._thread.start()
         self._stopped = False
         self.handle: GrpcServer = self.call(GrpcServer.start(host, port, async_engine,
-                                                               security))
+                                                               security, tool_calls))
 
     def call(self, coro, timeout: float | None = None):
         """Run a coroutine on the server's loop and wait for its result."""

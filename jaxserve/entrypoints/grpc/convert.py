@@ -2,10 +2,11 @@
 
 Proto SamplingParams -> request.SamplingParams (unset fields keep its defaults; values are
 validated there, never clamped), a GenerateRequest's prompt -> text or token ids (chat rendered
-through the tokenizer's template, with its chat_template_kwargs), RequestOutput ->
-GenerateResponse (a chat's reasoning in reasoning_text when the server has a reasoning parser:
-openai/reasoning.py), engine facts -> ModelInfoResponse, and the reverse direction for the
-client. Pure functions: no engine state, no gRPC calls, no status codes.
+through the tokenizer's template: grpc/chat.py, tools and chat_template_kwargs included),
+RequestOutput -> GenerateResponse (a chat's reasoning in reasoning_text when the server has a
+reasoning parser: openai/reasoning.py; its tool calls on each sample's last message), engine
+facts -> ModelInfoResponse, and the reverse direction for the client. Pure functions: no engine
+state, no gRPC calls, no status codes.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import json
 
 from jaxserve.core.request import SamplingParams
 from jaxserve.structured.params import StructuredOutputs
+from jaxserve.entrypoints.grpc import chat as chat_input
 from jaxserve.entrypoints.grpc.pb import jaxserve_pb2 as pb
-from jaxserve.entrypoints.openai.chat_prompt import apply_template
 from jaxserve.entrypoints.openai.reasoning import ReasoningFormat, StepSplitter
 
 _OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
@@ -23,7 +24,9 @@ _OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min
                              "repetition_penalty", "min_tokens", "n",
                              "include_stop_str_in_output", "skip_special_tokens",
                              "prompt_logprobs")
-FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
+                  "tool_calls": pb.FINISH_REASON_TOOL_CALLS}
+ENGINE_FINISH_REASONS = ("stop", "length")
 FINISH_REASON_NAMES = {value: name for name, value in FINISH_REASONS.items()}
 
 
@@ -69,28 +72,10 @@ def _structured_to_proto(so: StructuredOutputs, msg: pb.StructuredOutputs) -> No
         setattr(msg, so.kind, getattr(so, so.kind))
 
 
-def chat_template_kwargs(chat: pb.Chat) -> dict:
-    """The chat's extra template variables (a JSON object; empty text: none)."""
-    if not chat.chat_template_kwargs:
-        return {}
-    try:
-        value = json.loads(chat.chat_template_kwargs)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"chat.chat_template_kwargs is not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"chat.chat_template_kwargs must be a JSON object, not "
-                         f"{type(value).__name__}")
-    return value
-
-
 def chat_prompt(tokenizer, chat: pb.Chat) -> tuple[str, list[int]]:
-    """The rendered chat template and its token ids (no special tokens added: the template
-    writes any BOS itself)."""
-    if not chat.messages:
-        raise ValueError("chat.messages is empty: must hold at least one message")
-    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
-    text = apply_template(tokenizer, messages, True, chat_template_kwargs(chat))
-    return text, list(tokenizer.encode(text, add_special_tokens=False))
+    """The rendered chat template (the chat's tools included) and its token ids (no special
+    tokens added: the template writes any BOS itself)."""
+    return chat_input.render(tokenizer, chat)
 
 
 def chat_reasoning(reasoning: ReasoningFormat | None, request: pb.GenerateRequest,
@@ -100,7 +85,7 @@ def chat_reasoning(reasoning: ReasoningFormat | None, request: pb.GenerateReques
     replies, on a server with a reasoning parser; (params, None) otherwise."""
     if reasoning is None or request.WhichOneof("prompt") != "chat":
         return params, None
-    per_request = reasoning.for_request(token_ids, chat_template_kwargs(request.chat))
+    per_request = reasoning.for_request(token_ids, chat_input.template_kwargs(request.chat))
     return per_request.constrain(params), StepSplitter(per_request, params.n)
 
 
@@ -118,11 +103,15 @@ def prompt_from_proto(request: pb.GenerateRequest,
 
 
 def responses_from_output(out, with_logprobs: bool, reported: set[int],
-                          splitter: StepSplitter | None = None) -> list[pb.GenerateResponse]:
+                          splitter: StepSplitter | None = None,
+                          replies: chat_input.Replies | None = None
+                          ) -> list[pb.GenerateResponse]:
     """One RequestOutput snapshot -> one stream message per sample with news (new tokens, or
     its finish, which must be stop or length). reported: the samples whose finish was sent,
-    updated here, so each is sent once. Usage comes with the request's last message.
-    splitter: a chat's reasoning splitter (text then holds the content only)."""
+    updated here, so each is sent once. splitter: a chat's reasoning splitter (text then holds
+    the content only); replies: a chat with tools: each sample's reply (its content, after any
+    reasoning) is read as it comes, and its calls go on its last message. Usage comes with the
+    request's last message."""
     messages = []
     for c in out.outputs:
         finishing = c.finished and c.index not in reported
@@ -131,6 +120,8 @@ def responses_from_output(out, with_logprobs: bool, reported: set[int],
         reasoning, text = "", c.new_text
         if splitter is not None:
             reasoning, text = splitter.split(c.index, c.new_text, finishing)
+        if replies is not None:
+            replies.feed(c.index, text)
         response = pb.GenerateResponse(request_id=out.request_id, text=text,
                                        reasoning_text=reasoning,
                                        token_ids=[int(t) for t in c.new_token_ids],
@@ -140,7 +131,10 @@ def responses_from_output(out, with_logprobs: bool, reported: set[int],
         for top in c.new_top_logprobs:
             response.top_logprobs.add(token_ids=list(top), logprobs=list(top.values()))
         if finishing:
-            response.finish_reason = FINISH_REASONS[c.finish_reason]
+            reason = c.finish_reason
+            if replies is not None:
+                reason = replies.complete(c.index, reason, response)
+            response.finish_reason = FINISH_REASONS[reason]
             reported.add(c.index)
         if out.prompt_logprobs is not None and -1 not in reported:
             reported.add(-1)  # -1: the prompt's logprobs were sent

@@ -39,9 +39,12 @@ from grpc._cython import cygrpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from jaxserve.config.tool_calls import ToolCallSettings
+from jaxserve.core.request import SamplingParams
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.entrypoints.client_limits import ClientLimitError, grpc_client
 from jaxserve.entrypoints.prompt_intake import encode
+from jaxserve.entrypoints.grpc import chat as chat_input
 from jaxserve.entrypoints.grpc import convert
 from jaxserve.entrypoints.grpc.auth import interceptors, server_credentials
 from jaxserve.entrypoints.grpc.errors import (add_servicer, status_for_exception,
@@ -50,6 +53,7 @@ from jaxserve.entrypoints.grpc.pb import jaxserve_pb2 as pb
 from jaxserve.entrypoints.openai.reasoning import ReasoningFormat
 from jaxserve.entrypoints.openai.reasoning_parsers import reasoning_parser_class
 from jaxserve.entrypoints.security import ApiKeys, Security
+from jaxserve.entrypoints.openai.tool_calls import tool_parser_class
 from jaxserve.entrypoints.grpc.pb import jaxserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
@@ -84,12 +88,14 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
     API keys are configured, so a call's bearer token names its client (else its address)."""
 
     def __init__(self, async_engine: AsyncEngine | None = None, keyed_clients: bool = False,
-                 reasoning_parser: str | None = None):
+                 reasoning_parser: str | None = None,
+                 tool_calls: ToolCallSettings | None = None):
         self.async_engine = async_engine
         self.keyed_clients = keyed_clients
         # --reasoning-parser (checked here, before any engine): a ReasoningFormat once attached
         self.reasoning_parser = reasoning_parser and reasoning_parser_class(reasoning_parser).name
         self.reasoning = None
+        self.tool_parser = tool_parser_class((tool_calls or ToolCallSettings()).auto_parser)
         self.draining = False
         self.num_in_flight = 0     # Generate calls past the readiness check, not yet ended
         self.max_request_bytes = 4 << 20  # grpc's own default, until an engine sets its limit
@@ -115,17 +121,21 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             await context.abort(*status_for_exception(exc, validating=True))
         return client
 
-    async def _prompt(self, async_engine: AsyncEngine, request: pb.GenerateRequest):
-        """(text, token ids) as prompt_from_proto gives them; a chat is size-checked, then
-        templated and tokenized on the text pool."""
+    async def _prompt(self, async_engine: AsyncEngine, request: pb.GenerateRequest,
+                      params: SamplingParams):
+        """(text, token ids, params, replies); a chat is size-checked, then planned (tools:
+        grpc/chat.py), templated and tokenized on the text pool."""
         if request.WhichOneof("prompt") == "token_ids":
             async_engine.limits.check_num_tokens(len(request.token_ids.ids))
         if request.WhichOneof("prompt") != "chat":
-            return convert.prompt_from_proto(request, async_engine.engine.tokenizer)
-        async_engine.limits.check_messages([m.content for m in request.chat.messages],
-                                           "chat.messages")
-        return await async_engine.text_pool.run(convert.prompt_from_proto, request,
-                                                async_engine.engine.tokenizer)
+            return (*convert.prompt_from_proto(request, async_engine.engine.tokenizer), params,
+                    None)
+        async_engine.limits.check_messages(chat_input.texts(request.chat), "chat.messages")
+        ids, plan, params = await async_engine.text_pool.run(
+            chat_input.prompt_and_plan, async_engine.engine.tokenizer, request.chat, params,
+            self.tool_parser)
+        replies = chat_input.Replies(plan, self.tool_parser) if plan.mode != "none" else None
+        return None, ids, params, replies
 
     async def Generate(self, request: pb.GenerateRequest, context):
         async_engine = await self._engine(context)
@@ -140,7 +150,8 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
     async def _generate(self, async_engine: AsyncEngine, request, context) -> None:
         try:
             params = convert.sampling_from_proto(request.sampling)
-            text, token_ids = await self._prompt(async_engine, request)
+            text, token_ids, params, replies = await self._prompt(async_engine, request,
+                                                                  params)
             params, splitter = convert.chat_reasoning(self.reasoning, request, token_ids, params)
         except Exception as exc:
             await context.abort(*status_for_exception(exc, validating=True))
@@ -154,11 +165,11 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             try:
                 async for out in stream:
                     started = True
-                    if out.finished and out.finish_reason not in convert.FINISH_REASONS:
+                    if out.finished and out.finish_reason not in convert.ENGINE_FINISH_REASONS:
                         error = status_for_finish(out)
                         break
                     for response in convert.responses_from_output(
-                            out, params.logprobs is not None, reported, splitter):
+                            out, params.logprobs is not None, reported, splitter, replies):
                         if not await _write(context, response):
                             return
             except Exception as exc:
@@ -192,7 +203,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             limits.check_text(request.text, "text")
             return request.text, await pool.run(encode, tokenizer, request.text, add_special)
         if which == "chat":
-            limits.check_messages([m.content for m in request.chat.messages], "chat.messages")
+            limits.check_messages(chat_input.texts(request.chat), "chat.messages")
             return await pool.run(convert.chat_prompt, tokenizer, request.chat)
         raise ValueError("input is unset: exactly one of text or chat must be set")
 
@@ -221,17 +232,19 @@ class GrpcServer:
     @classmethod
     async def start(cls, host: str = "127.0.0.1", port: int = 0,
                     async_engine: AsyncEngine | None = None, security: Security | None = None,
-                    reasoning_parser: str | None = None) -> "GrpcServer":
+                    reasoning_parser: str | None = None,
+                    tool_calls: ToolCallSettings | None = None) -> "GrpcServer":
         """Listen on host:port (0: a free port); SERVING at once when an engine is given.
         security: the API keys and TLS files (None: neither); reasoning_parser: chats'
-        reasoning apart (ValueError listing the parsers for an unknown name)."""
+        reasoning apart (ValueError listing the parsers for an unknown name); tool_calls: the
+        tool-calling settings (tool_choice "auto")."""
         security = security or Security(ApiKeys())
         # No SO_REUSEPORT: a second server on a busy port must fail, not share its traffic.
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)],
                                  interceptors=interceptors(security.keys,
                                                            security.grpc_open_health))
         servicer = JaxServeServicer(keyed_clients=len(security.keys) > 0,
-                                    reasoning_parser=reasoning_parser)
+                                    reasoning_parser=reasoning_parser, tool_calls=tool_calls)
         health_servicer = health.aio.HealthServicer()
         add_servicer(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -25,7 +25,8 @@ from jaxserve.entrypoints.security import UNAUTHENTICATED_MESSAGE, ApiKeys
 # Paths served whatever the state and without the API key (probes, scrapers, the schema).
 _OPEN_PATHS = {"/health", "/metrics", "/version", "/openapi.json", "/docs", "/redoc",
                "/docs/oauth2-redirect"}
-_JSON_PATHS = {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
+_JSON_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize",
+               "/detokenize"}
 
 
 class GateState:

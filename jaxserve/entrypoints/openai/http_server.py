@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP front end: FastAPI routes, auth, error shapes, health, and its server.
 
-Routes: POST /v1/completions, /v1/chat/completions, GET /v1/models, /health, /metrics,
+Routes: POST /v1/completions, /v1/chat/completions, /v1/responses (stateless, over the chat
+path: responses.py), GET /v1/models, /health, /metrics,
 /version, POST /tokenize, /detokenize (vLLM's shapes). Request bodies are pydantic models
 (openai_protocol.py); the translation to engine calls is OpenAIServing's (openai_serving.py);
 this module only routes, gates, reports the request fields it ignored (one warning per request
@@ -45,10 +46,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxserve import __version__
+from jaxserve.config.tool_calls import ToolCallSettings
 from jaxserve.entrypoints.openai import protocol as api
 from jaxserve.entrypoints.openai.http_gate import Gate, GateState
 from jaxserve.entrypoints.openai.errors import OpenAIError, bad_request
 from jaxserve.entrypoints.openai.ignored import IGNORED_FIELDS_HEADER, describe, ignored_fields
+from jaxserve.entrypoints.openai.responses import create_response
+from jaxserve.entrypoints.openai.responses_protocol import ResponseObject, ResponsesRequest
 from jaxserve.entrypoints.openai.serving import OpenAIServing
 from jaxserve.entrypoints.security import ApiKeys, Security, TlsFiles
 
@@ -63,6 +67,7 @@ class HttpSettings:
     served_model_name: str | None = None  # default: the model's name
     chat_template: str | None = None      # template source overriding the model's own
     max_body_bytes: int = 16 << 20
+    tool_calls: ToolCallSettings = ToolCallSettings()  # tool_choice "auto": flags and parser
     reasoning_parser: str | None = None   # chat replies' reasoning apart (config/reasoning.py)
 
 
@@ -189,6 +194,10 @@ def build_app(settings: HttpSettings, state: GateState,
     async def chat_completions(request: api.ChatCompletionRequest, raw: Request,
                                response: Response):
         return await answer(request, raw, response, lambda s: s.chat(request))
+
+    @app.post("/v1/responses", response_model=ResponseObject, responses=_ERRORS)
+    async def responses(request: ResponsesRequest, raw: Request, response: Response):
+        return await answer(request, raw, response, lambda s: create_response(s, request))
 
     @app.get("/v1/models", response_model=api.ModelList, responses=_ERRORS)
     async def models():
@@ -323,7 +332,7 @@ class HttpServer:
         """Serve with this (started) engine: /health becomes 200."""
         s = self.settings
         self.state.serving = OpenAIServing(async_engine, s.served_model_name, s.chat_template,
-                                           s.reasoning_parser)
+                                           s.tool_calls, s.reasoning_parser)
 
     @property
     def num_in_flight(self) -> int:

@@ -5,58 +5,36 @@ integer, a number an integer or a float: never a string) and ranges (the limits 
 schema, so /openapi.json documents them and a bad value is a 400 naming the field and its
 limit). A field the server does not know is kept aside rather than refused, as vLLM does: a
 request and the objects in it that a client may send with extra keys (messages, their text
-parts, stream_options) derive from `_Open`, whose unknown keys `ignored.py` reports (a warning
-and a response header); the output constraints (response_format, structured_outputs) derive
-from `_Closed`, whose unknown keys are a 400, since a constraint read in part would let through
-output the client meant to forbid. Knowing a field is declaring it here. ACCEPTED_WITHOUT_EFFECT
-lists OpenAI's fields accepted and not acted on (no warning); parameters known but not honoured
-yet are modelled here and refused in openai/errors.py. Besides OpenAI's parameters, vLLM's extra
-ones (top_k, min_p, min_tokens, repetition_penalty, allowed_token_ids, bad_words,
-include_stop_str_in_output, skip_special_tokens, ignore_eos, stop_token_ids, return_token_ids,
-prompt_logprobs, chat_template_kwargs, include_reasoning, and the output constraints
-structured_outputs and guided_json / guided_regex / guided_choice / guided_grammar) are
-accepted, as a vLLM client sends them in `extra_body`.
-`constraint_fields` lists the output constraints a request sets and `structured_outputs` makes
-one a StructuredOutputs. Plain data: no engine, no I/O.
+parts, stream_options) derive from `_Open` (protocol_base.OpenModel), whose unknown keys
+`ignored.py` reports (a warning and a response header); the output constraints (response_format,
+structured_outputs) derive from `_Closed`, whose unknown keys are a 400, since a constraint read
+in part would let through output the client meant to forbid. Knowing a field is declaring it
+here. ACCEPTED_WITHOUT_EFFECT lists OpenAI's fields accepted and not acted on (no warning);
+parameters known but not honoured yet are modelled here and refused in openai/errors.py. Besides
+OpenAI's parameters, vLLM's extra ones (top_k, min_p, min_tokens, repetition_penalty,
+allowed_token_ids, bad_words, include_stop_str_in_output, skip_special_tokens, ignore_eos,
+stop_token_ids, return_token_ids, prompt_logprobs, chat_template_kwargs, include_reasoning, and
+the output constraints structured_outputs and guided_json / guided_regex / guided_choice /
+guided_grammar) are accepted, as a vLLM client sends them in `extra_body`. `constraint_fields`
+lists the output constraints a request sets and `structured_outputs` makes one a
+StructuredOutputs. Chat requests take OpenAI's tools, tool_choice and parallel_tool_calls,
+vLLM's chat_template_kwargs, assistant messages with tool_calls and `tool` messages (their
+models: tool_protocol.py; what they mean: openai/tools.py). Plain data: no engine, no I/O.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, Field, model_serializer
 
 from jaxserve.core.request import MAX_LOGPROBS, MAX_N
+from jaxserve.entrypoints.openai.protocol_base import ClosedModel as _Closed
+from jaxserve.entrypoints.openai.protocol_base import OpenModel as _Open
+from jaxserve.entrypoints.openai.protocol_base import (NonEmptyText, NonNegativeInt,
+                                                      StopStrings, Text, TokenIds)
+from jaxserve.entrypoints.openai.tool_protocol import ChatTool, MessageToolCall, ToolChoice
 from jaxserve.structured.params import StructuredOutputs
-
-
-def _unicode(value: str) -> str:
-    """JSON may escape a lone surrogate ("\\ud800"); no tokenizer can encode one."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"must be valid Unicode text: a lone surrogate "
-                         f"{value[exc.start]!r} at position {exc.start}") from None
-    return value
-
-
-Text = Annotated[str, AfterValidator(_unicode)]  # every string that reaches the tokenizer
-NonEmptyText = Annotated[Text, Field(min_length=1)]
-NonNegativeInt = Annotated[int, Field(ge=0)]
-TokenIds = Annotated[list[NonNegativeInt], Field(min_length=1)]
-StopStrings = Union[NonEmptyText, list[NonEmptyText]]
-
-
-class _Open(BaseModel):
-    """Strict types; unknown keys kept in model_extra, reported and otherwise ignored."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-
-
-class _Closed(BaseModel):
-    """Strict types; an unknown key is a 400 naming it."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 # OpenAI's fields that are accepted and have no effect here (docs/openai_api.md lists them):
@@ -66,7 +44,6 @@ ACCEPTED_WITHOUT_EFFECT = {
     "metadata": ("chat",),
     "store": ("chat",),
     "service_tier": ("chat",),
-    "parallel_tool_calls": ("chat",),  # no tool calling yet: nothing to run in parallel
 }
 
 
@@ -157,9 +134,15 @@ class TextPart(_Open):
 
 
 class ChatMessage(_Open):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Union[Text, Annotated[list[TextPart], Field(min_length=1)]]
+    """content is required but for an assistant message with tool_calls (null or absent
+    there); a `tool` message answers the call tool_call_id names (openai/tools.py checks
+    both, naming the field)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[Text, Annotated[list[TextPart], Field(min_length=1)], None] = None
     name: Text | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant messages
+    tool_call_id: Text | None = None  # tool messages
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -169,6 +152,9 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None  # unset: "auto" with tools, "none" without
+    parallel_tool_calls: bool | None = True  # null: true
     chat_template_kwargs: dict | None = None  # more chat template variables (and the parser's)
     include_reasoning: bool = True  # --reasoning-parser: false drops reasoning_content
     # Accepted without effect (ACCEPTED_WITHOUT_EFFECT); store=true is refused
@@ -177,7 +163,6 @@ class ChatCompletionRequest(_SamplingFields):
                         Field(max_length=16)] | None = None
     store: bool | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
-    parallel_tool_calls: bool | None = None
 
 
 _GUIDED_KINDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -219,6 +204,7 @@ class TokenizeChatRequest(_Open):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: list[ChatTool] | None = None
     chat_template_kwargs: dict | None = None
 
 
@@ -283,6 +269,17 @@ class Completion(BaseModel):
     usage: Usage | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     """content is None only where a reasoning parser found nothing after the reasoning;
     reasoning_content is sent only when set (a server with --reasoning-parser always sets it,
@@ -290,6 +287,7 @@ class AssistantMessage(BaseModel):
 
     role: Literal["assistant"] = "assistant"
     content: str | None
+    tool_calls: list[ToolCall] | None = None
     reasoning_content: str | None = None
 
     @model_serializer(mode="wrap")
@@ -318,7 +316,7 @@ class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
     token_ids: list[int] | None = None
 
 

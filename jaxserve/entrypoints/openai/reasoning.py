@@ -8,9 +8,8 @@ chat_template_kwargs. The reply starts in its content, with no reasoning to skip
 request turns thinking off (Qwen3's enable_thinking=false) or when the prompt's last think tag
 is </think> (the template closed the section, as vLLM reads it); otherwise an output constraint
 starts after </think> (SamplingParams.structured_outputs_after: the engine masks nothing before
-it). `message` splits a whole reply; ReasoningStream gives each step's deltas, holding the
-tokens of steps whose text decided nothing yet so that their logprobs and ids go with the next
-delta; StepSplitter splits each step's text for the gRPC stream. The tags are matched on text
+it). `message` splits a whole reply; StepSplitter splits each step's text of a stream (both
+front ends; the chat stream holds the tokens of steps whose text decided no delta yet). The tags are matched on text
 here and on token ids by the engine: a model whose </think> is one token (every reasoning
 model's tokenizer has it as an added token) agrees on both.
 
@@ -23,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from jaxserve.core.request import SamplingParams
 from jaxserve.entrypoints.openai.reasoning_parsers import (ReasoningDelta, ThinkReasoningParser,
@@ -31,13 +29,6 @@ from jaxserve.entrypoints.openai.reasoning_parsers import (ReasoningDelta, Think
 from jaxserve.entrypoints.openai.reasoning_parsers.base import END, START
 
 log = logging.getLogger(__name__)
-
-
-class Tokens(NamedTuple):
-    """A run of a choice's output tokens: ids, their logprobs, their alternatives."""
-    ids: list
-    logprobs: list
-    top_logprobs: list
 
 
 def _ends_with(ids: list[int], i: int, tag: tuple[int, ...]) -> bool:
@@ -117,50 +108,10 @@ class RequestReasoning:
         return {"content": parsed.content,
                 "reasoning_content": parsed.reasoning_content if self.include_reasoning else None}
 
-    def delta(self, split: ReasoningDelta) -> dict:
-        """A stream delta's fields for a piece of split text ({}: nothing to send)."""
-        delta = {}
-        if split.reasoning and self.include_reasoning:
-            delta["reasoning_content"] = split.reasoning
-        if split.content:
-            delta["content"] = split.content
-        return delta
-
-
-class ReasoningStream:
-    """Each step's stream deltas of a request's choices. Per choice: its parser, and the tokens
-    of steps whose text decided no delta yet (a tag may be starting), sent with the next one.
-    with_tokens: the request reports tokens (logprobs or token ids), so tokens left held when
-    the choice finishes go out in a delta of their own."""
-
-    def __init__(self, reasoning: RequestReasoning, n: int, with_tokens: bool):
-        self.reasoning, self.with_tokens = reasoning, with_tokens
-        self._parsers = [reasoning.parser() for _ in range(n)]
-        self._held = [Tokens([], [], []) for _ in range(n)]
-
-    def deltas(self, sample, finishing: bool) -> list[tuple[dict, Tokens]]:
-        """(delta fields, the tokens it carries) to send for this step of `sample` (a
-        CompletionOutput); finishing: its last step, which flushes what the parser held."""
-        i = sample.index
-        held = self._held[i]
-        held.ids.extend(sample.new_token_ids)
-        held.logprobs.extend(sample.new_logprobs or ())
-        held.top_logprobs.extend(sample.new_top_logprobs or ())
-        parser = self._parsers[i]
-        split = parser.feed(sample.new_text) if sample.new_text else ReasoningDelta()
-        if finishing:
-            rest = parser.finish()
-            split = ReasoningDelta(split.reasoning + rest.reasoning, split.content + rest.content)
-        delta = self.reasoning.delta(split)
-        if not delta and not (finishing and held.ids and self.with_tokens):
-            return []
-        self._held[i] = Tokens([], [], [])
-        return [(delta, held)]
-
 
 class StepSplitter:
-    """Each step's text of a request's choices -> (reasoning, content), for a front end that
-    sends every step's tokens as they come (gRPC): no tokens are held, only text."""
+    """Each step's text of a request's choices -> (reasoning, content): text only (a tag cut
+    across steps is held until it is whole; which tokens go with which delta is the caller's)."""
 
     def __init__(self, reasoning: RequestReasoning, n: int):
         self.reasoning = reasoning
@@ -174,11 +125,3 @@ class StepSplitter:
             rest = parser.finish()
             split = ReasoningDelta(split.reasoning + rest.reasoning, split.content + rest.content)
         return split.reasoning if self.reasoning.include_reasoning else "", split.content
-
-
-def plain_deltas(sample) -> list[tuple[dict, Tokens]]:
-    """A step's delta without a reasoning parser: its text as content, with its tokens."""
-    if not (sample.new_text or sample.new_token_ids):
-        return []
-    return [({"content": sample.new_text},
-             Tokens(sample.new_token_ids, sample.new_logprobs, sample.new_top_logprobs))]

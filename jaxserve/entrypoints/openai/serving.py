@@ -12,7 +12,8 @@ check on a request's content is core/intake.py's: its length against max_model_l
 pool here (the default max_tokens depends on it), the rest as AsyncEngine.generate makes the
 request. Every refusal is an OpenAIError with the HTTP status, a message naming the field and
 its limit, and the field itself (openai/errors.py, with the parameters refused until the engine
-learns them); walking engine streams, SSE, usage and logprobs are openai_stream.py's.
+learns them); walking engine streams, SSE, usage and logprobs are stream.py's; chat, tools
+and tool calls are serving_chat.py's (ChatServing, mixed in here).
 Output constraints (response_format, vLLM's structured_outputs and guided_*: at most one) become
 SamplingParams.structured_outputs; AsyncEngine.generate compiles the grammar before queueing, so
 an invalid one is a 400 naming its field before any work is done. With a reasoning parser, chat
@@ -34,21 +35,30 @@ from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.entrypoints.prompt_intake import INLINE_MAX_CHARS, encode
 from jaxserve.core.request import SamplingParams
 from jaxserve.entrypoints.openai import protocol as api
-from jaxserve.entrypoints.openai.chat_prompt import render_chat, with_chat_template
+from jaxserve.config.tool_calls import ToolCallSettings
+from jaxserve.entrypoints.openai.chat_prompt import with_chat_template
 from jaxserve.entrypoints.openai.errors import (OpenAIError, bad_request, check_supported,
                                            error_for_exception, logit_bias)
-from jaxserve.entrypoints.openai.reasoning import ReasoningFormat, ReasoningStream, plain_deltas
-from jaxserve.entrypoints.openai.stream import (SSE_DONE, EventStream, chat_logprobs,
-                                           completion_logprobs, final, finish_reason, merged,
-                                           prompt_logprobs, sse, usage)
+from jaxserve.entrypoints.openai.reasoning import ReasoningFormat
+from jaxserve.entrypoints.openai.serving_chat import ChatServing
+from jaxserve.entrypoints.openai.stream import (SSE_DONE, EventStream, completion_logprobs,
+                                           final, finish_reason, merged, prompt_logprobs, sse,
+                                           usage)
+from jaxserve.entrypoints.openai.tool_calls import tool_parser_class
 from jaxserve.structured.params import StructuredOutputs, StructuredOutputsError
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
-class OpenAIServing:
+class OpenAIServing(ChatServing):
+    """Completions, chat (ChatServing, serving_chat.py), tokenize and detokenize over one
+    AsyncEngine. tool_calls: the server's tool-calling settings (tool_choice "auto" needs its
+    parser; an unknown parser name is a ValueError here, at start-up)."""
+
     def __init__(self, async_engine: AsyncEngine, served_model_name: str | None = None,
-                 chat_template: str | None = None, reasoning_parser: str | None = None):
+                 chat_template: str | None = None, tool_calls: ToolCallSettings | None = None,
+                 reasoning_parser: str | None = None):
+        self.tool_parser = tool_parser_class((tool_calls or ToolCallSettings()).auto_parser)
         self.async_engine = async_engine
         self.info = async_engine.engine.info
         self.tokenizer = async_engine.engine.tokenizer
@@ -149,20 +159,6 @@ class OpenAIServing:
             return [encode(self.tokenizer, text) for text in prompt], list(prompt)
         ids = await self._in_thread(lambda: [encode(self.tokenizer, text) for text in prompt])
         return ids, list(prompt)
-
-    def chat_prompt(self, request) -> list[int]:
-        try:
-            self.async_engine.limits.check_messages(
-                [m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)
-                 for m in request.messages])
-            _, ids = render_chat(self.chat_tokenizer, request.messages,
-                                 request.add_generation_prompt, request.continue_final_message,
-                                 request.chat_template_kwargs)
-        except ValueError as exc:
-            param = next((p for p in ("continue_final_message", "chat_template_kwargs")
-                          if p in str(exc)), "messages")
-            raise bad_request(str(exc), param) from None
-        return ids
 
     # ---- engine ------------------------------------------------------------------------------
     async def _start(self, request_id: str, prompts: list[list[int]],
@@ -276,90 +272,6 @@ class OpenAIServing:
         else:
             if include_usage:
                 yield sse(dict(header, choices=[], usage=usage(finals)))
-        yield SSE_DONE
-
-    # ---- /v1/chat/completions ------------------------------------------------------------------
-    async def chat(self, request: api.ChatCompletionRequest):
-        """An api.ChatCompletion, or (streaming) an async iterator of SSE event strings."""
-        self.check_model(request.model)
-        check_supported(request)
-        constraint, constraint_field = self.constraint(request)
-        ids = await self._in_thread(self.chat_prompt, request)
-        max_tokens = request.max_completion_tokens or request.max_tokens
-        params = self._params(request, len(ids), "messages", max_tokens, None,
-                              (request.top_logprobs or 0) if request.logprobs else None,
-                              request.prompt_logprobs, constraint)
-        reasoning = None if self.reasoning is None else self.reasoning.for_request(
-            ids, request.chat_template_kwargs, request.include_reasoning)
-        if reasoning is not None:
-            params = reasoning.constrain(params)
-        request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        started = await self._start(request_id, [ids], [params], "messages", constraint_field,
-                                    request.timeout)
-        header = self._header(request_id, "chat.completion", created)
-        if request.stream:
-            header["object"] = "chat.completion.chunk"
-            return EventStream(self._chat_stream(request, header, started, reasoning), started)
-        out = await final(*started[0])
-        choices = [api.ChatChoice(
-            index=sample.index, message=api.AssistantMessage(
-                **(reasoning.message(sample.text) if reasoning else {"content": sample.text})),
-            finish_reason=finish_reason(sample, out),
-            logprobs=self._chat_logprobs(request, sample.token_ids, sample.logprobs,
-                                         sample.top_logprobs),
-            token_ids=sample.token_ids if request.return_token_ids else None)
-            for sample in out.outputs]
-        return api.ChatCompletion(
-            **header, choices=choices, usage=usage([out]),
-            prompt_token_ids=ids if request.return_token_ids else None,
-            prompt_logprobs=prompt_logprobs(self.tokenizer, ids, out.prompt_logprobs,
-                                            request.prompt_logprobs))
-
-    def _chat_logprobs(self, request, token_ids, logprobs, tops) -> dict | None:
-        if not request.logprobs:
-            return None
-        return chat_logprobs(self.tokenizer, token_ids, logprobs or [],
-                             tops if request.top_logprobs else None)
-
-    async def _chat_stream(self, request, header, started, reasoning=None):
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        split = (ReasoningStream(reasoning, request.n, request.logprobs or
-                                 request.return_token_ids).deltas if reasoning is not None
-                 else lambda sample, finishing: plain_deltas(sample))
-
-        def chunk(index: int, delta: dict, reason=None, tokens=None) -> str:
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
-            if tokens is not None:
-                choice["logprobs"] = self._chat_logprobs(request, *tokens)
-            if request.return_token_ids:
-                choice["token_ids"] = list(tokens.ids) if tokens is not None else []
-            body = dict(header, choices=[choice])
-            if include_usage:
-                body["usage"] = None
-            return sse(body)
-
-        for index in range(request.n):
-            yield chunk(index, {"role": "assistant", "content": ""})
-        last, done = None, set()
-        try:
-            async with contextlib.aclosing(merged(started)) as outs:
-                async for _, out in outs:
-                    for sample in out.outputs:
-                        if sample.index in done:
-                            continue
-                        reason = finish_reason(sample, out)
-                        for delta, tokens in split(sample, bool(reason)):
-                            yield chunk(sample.index, delta, tokens=tokens)
-                        if reason:
-                            done.add(sample.index)
-                            yield chunk(sample.index, {}, reason)
-                    if out.finished:
-                        last = out
-        except Exception as exc:
-            yield sse(error_for_exception(exc).body())
-        else:
-            if include_usage:
-                yield sse(dict(header, choices=[], usage=usage([last])))
         yield SSE_DONE
 
     # ---- /tokenize, /detokenize --------------------------------------------------------------
