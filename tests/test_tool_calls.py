@@ -221,7 +221,7 @@ def test_tools_and_tool_calls_reach_the_template_as_transformers_gives_them():
                 {"role": "assistant", "content": None, "tool_calls": [CALL]},
                 {"role": "tool", "tool_call_id": "c1", "content": "2"}]
     text, _ = render_chat(tokenizer, messages, False, tools=TOOLS[:1],
-                          template_kwargs={"x": "!"})
+                          chat_template_kwargs={"x": "!"})
     assert text == (f"False|user:hi;assistant:1c1;tool:c12;{json.dumps(TOOLS[:1])}!"), text
     text, _ = render_chat(tokenizer, messages[:1], False)
     assert text.startswith("True|"), text  # no tools: None, as transformers passes it

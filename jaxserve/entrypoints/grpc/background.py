@@ -27,7 +27,7 @@ class ServerThread:
         self._thread.start()
         self._stopped = False
         self.handle: GrpcServer = self.call(GrpcServer.start(host, port, async_engine,
-                                                               security, tool_calls))
+                                                               security, tool_calls=tool_calls))
 
     def call(self, coro, timeout: float | None = None):
         """Run a coroutine on the server's loop and wait for its result."""

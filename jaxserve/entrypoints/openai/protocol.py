@@ -291,10 +291,13 @@ class AssistantMessage(BaseModel):
     reasoning_content: str | None = None
 
     @model_serializer(mode="wrap")
-    def _reasoning_when_set(self, handler):
+    def _optional_parts_when_set(self, handler):
+        """reasoning_content only from a reasoning parser, tool_calls only when made."""
         data = handler(self)
         if "reasoning_content" not in self.model_fields_set:
             data.pop("reasoning_content", None)
+        if self.tool_calls is None:
+            data.pop("tool_calls", None)
         return data
 
 

@@ -64,8 +64,8 @@ class ChatServing:
         except RequestError as exc:
             raise bad_request(str(exc), exc.field) from None
         except ValueError as exc:
-            param = "continue_final_message" if "continue_final_message" in str(exc) else \
-                "messages"
+            param = next((p for p in ("continue_final_message", "chat_template_kwargs")
+                          if p in str(exc)), "messages")
             raise bad_request(str(exc), param) from None
         return ids
 
