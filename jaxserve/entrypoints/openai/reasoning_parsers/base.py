@@ -30,6 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from jaxserve.entrypoints.openai.text_edges import EdgeWhitespace
+
 START = "<think>"
 END = "</think>"
 
@@ -54,7 +56,7 @@ def _held_suffix(text: str, tag: str) -> int:
     return 0
 
 
-class ThinkReasoningParser:
+class ThinkReasoningParser(EdgeWhitespace):
     """Splits <think>reasoning</think>content. Subclasses set the family's registry name and
     whether a reply without the opening tag starts inside the reasoning."""
 
@@ -170,14 +172,7 @@ class ThinkReasoningParser:
         self._delta_content.append(text)
 
     def _add_reasoning(self, text: str) -> None:
-        if self._skip_ws:
-            text = text.lstrip()
-            if not text:
-                return
-            self._skip_ws = False
-        text = self._held_ws + text
-        kept = text.rstrip()
-        self._held_ws = text[len(kept):]
+        kept = self._trimmed(text)
         if kept:
             self._reasoning.append(kept)
             self._delta_reasoning.append(kept)

@@ -36,6 +36,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Union
 
+from jaxserve.entrypoints.openai.text_edges import EdgeWhitespace
 from jaxserve.entrypoints.openai.tool_parsers.envelope import EnvelopeReader
 
 
@@ -90,7 +91,7 @@ def _held_suffix(text: str, markers: tuple[str, ...]) -> int:
     return best
 
 
-class ToolParser:
+class ToolParser(EdgeWhitespace):
     """Base of the tool-call parsers: the content path and the call bookkeeping. A format
     subclass sets `markers` and supplies the states of its tool-call sections (methods that
     consume from `_buf` and return whether they made progress)."""
@@ -325,14 +326,7 @@ class ToolParser:
         self._skip_ws = True
 
     def _emit_content(self, text: str) -> None:
-        if self._skip_ws:
-            text = text.lstrip()
-            if not text:
-                return
-            self._skip_ws = False
-        text = self._held_ws + text
-        kept = text.rstrip()
-        self._held_ws = text[len(kept):]
+        kept = self._trimmed(text)
         if kept:
             self._push_content(kept)
 
