@@ -39,8 +39,9 @@ def schema(server):
 
 
 def cheap(body):
-    """Valid token budgets lowered to MAX_TOKENS and a drawn model name (a string) replaced by
-    the served one (else every draw is a 404); everything else left as drawn."""
+    """Valid token budgets lowered to MAX_TOKENS, a drawn model name (a string) replaced by the
+    served one (else every draw is a 404), and the tool fields whose valid values depend on each
+    other or on server flags made consistent; everything else left as drawn."""
     if isinstance(body, dict):
         if isinstance(body.get("model"), str):
             body["model"] = "tiny-llama"
@@ -50,6 +51,17 @@ def cheap(body):
                 body[key] = MAX_TOKENS
         if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
             body["max_tokens"] = MAX_TOKENS
+        # tool_choice "auto" (the default with tools) needs server flags this server lacks, and
+        # a choice without tools is refused: both are 400s by design, so most drawn tool
+        # fields would leave no valid draw; "none" keeps the tools (they reach the template)
+        if body.get("tools"):
+            body["tool_choice"] = "none"
+        else:
+            body.pop("tool_choice", None)
+        if isinstance(body.get("messages"), list):  # a tool message needs its call's id
+            body["messages"] = [m for m in body["messages"]
+                                if not (isinstance(m, dict) and m.get("role") == "tool")] or \
+                [{"role": "user", "content": "hi"}]
     return body
 
 
