@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import re
 import threading
 import time
@@ -23,6 +22,7 @@ from jaxserve import SamplingParams
 from jaxserve.entrypoints.grpc.client import JaxServeError
 from jaxserve.entrypoints.grpc.pb import jaxserve_pb2 as pb
 
+from front_load_helpers import engine_held  # noqa: E402
 from grpc_fixtures import GREEDY, served, wait_until_idle  # noqa: E402,F401  (one engine)
 
 
@@ -36,18 +36,6 @@ def raw_call(served, method: str, data: bytes, streaming: bool = True):
         if streaming:
             list(result)
     return info.value
-
-
-@contextlib.contextmanager
-def engine_held(async_engine):
-    """The engine loop waiting on `paused`, not reading its inbox, for the with-block."""
-    async_engine.paused.set()
-    try:
-        async_engine.abort("wake-up")  # an unknown id: wakes an idle loop, which then holds
-        assert async_engine.holding.wait(10), "the engine loop never held"
-        yield
-    finally:
-        async_engine.paused.clear()
 
 
 def metric(engine, name: str) -> float:
