@@ -54,6 +54,15 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale (q·k) * this ** -0.5
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
+    # Mixture of experts (num_experts 0: dense). Each expert is a gated FFN of width
+    # moe_intermediate_size; a token goes to num_experts_per_tok of them (families/base.py:
+    # Family.router says how the router scores them).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True        # renormalise the top-k weights to sum to 1
+    swiglu_alpha: float | None = None  # gpt-oss's clamped SwiGLU: gate * sigmoid(alpha * gate)
+    swiglu_limit: float | None = None  # ... with gate <= limit and |up| <= limit
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -73,6 +82,17 @@ class ModelConfig:
                              f"{FULL}, {SLIDING}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if family.is_moe != (self.num_experts > 0):
+            raise ValueError(f"{family.hf_architecture} {'needs' if family.is_moe else 'has no'} "
+                             f"experts; got num_experts={self.num_experts}")
+        if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts
+                                     and self.moe_intermediate_size > 0):
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
+                             f"[1, num_experts={self.num_experts}], and moe_intermediate_size="
+                             f"{self.moe_intermediate_size} positive")
+        if (family.expert_activation == "clamped_swiglu") != (self.swiglu_limit is not None):
+            raise ValueError(f"swiglu_limit={self.swiglu_limit} is {family.hf_architecture}'s "
+                             f"clamped SwiGLU setting; it must be given exactly for that form")
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
             raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} gives an odd "
                              f"or empty rotary dimension for head_dim={self.head_dim}")
@@ -153,11 +173,11 @@ class ModelConfig:
             "layers.wv": (L, D, self.kv_size),
             "layers.wo": (L, self.q_size, D),
             "layers.mlp_norm": (L, D),
-            "layers.w_gate": (L, D, F),
-            "layers.w_up": (L, D, F),
-            "layers.w_down": (L, F, D),
             "final_norm": (D,),
         }
+        if not self.num_experts:
+            shapes.update({"layers.w_gate": (L, D, F), "layers.w_up": (L, D, F),
+                           "layers.w_down": (L, F, D)})
         if self.attention_bias:
             shapes["layers.bq"] = (L, self.q_size)
             shapes["layers.bk"] = (L, self.kv_size)
@@ -170,12 +190,42 @@ class ModelConfig:
         if family.sandwich_norms:
             shapes["layers.post_attn_norm"] = (L, D)
             shapes["layers.post_mlp_norm"] = (L, D)
+        if family.attention_sinks:
+            shapes["layers.sinks"] = (L, self.num_heads)
+        if self.num_experts:
+            shapes.update(self._expert_shapes())
         if not self.tie_word_embeddings:
             shapes["lm_head"] = (D, V)
         return shapes
 
+    def _expert_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The MoE FFN's parameters, replacing the dense w_gate / w_up / w_down: the router
+        [L, D, E] and each expert's matrices stacked [L, E, in, out]."""
+        L, D, E, F = self.num_layers, self.hidden_size, self.num_experts, \
+            self.moe_intermediate_size
+        family = self.family
+        shapes = {"layers.router": (L, D, E),
+                  "layers.e_gate": (L, E, D, F), "layers.e_up": (L, E, D, F),
+                  "layers.e_down": (L, E, F, D)}
+        if family.router_bias:
+            shapes["layers.router_bias"] = (L, E)
+        if family.expert_bias:
+            shapes.update({"layers.e_gate_bias": (L, E, F), "layers.e_up_bias": (L, E, F),
+                           "layers.e_down_bias": (L, E, D)})
+        return shapes
+
     def num_params(self) -> int:
         return sum(math.prod(s) for s in self.param_shapes().values())
+
+    def num_active_params(self) -> int:
+        """The parameters one token's forward pass reads: all but the experts it is not routed
+        to (num_params for a dense model)."""
+        total = self.num_params()
+        if not self.num_experts:
+            return total
+        expert = sum(math.prod(s[2:]) * s[0] for name, s in self._expert_shapes().items()
+                     if name.startswith("layers.e_"))
+        return total - expert * (self.num_experts - self.num_experts_per_tok)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.kv_size * dtype_bytes

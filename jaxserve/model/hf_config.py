@@ -47,9 +47,21 @@ READ_KEYS = frozenset({
 })
 
 
+def _moe_keys(family: Family) -> set[str]:
+    if not family.is_moe:
+        return set()
+    keys = {*family.num_experts_keys, family.expert_size_key, "num_experts_per_tok"}
+    if family.norm_topk_key:
+        keys.add(family.norm_topk_key)
+    if family.expert_activation == "clamped_swiglu":
+        keys |= {"swiglu_alpha", "swiglu_limit"}
+    return keys
+
+
 def check_keys(d: dict, family: Family) -> None:
     ignored = {k.strip() for k in os.environ.get(IGNORE_ENV, "").split(",") if k.strip()}
-    understood = INERT_KEYS | READ_KEYS | {family.activation_key} | set(family.extra_keys)
+    understood = (INERT_KEYS | READ_KEYS | {family.activation_key} | set(family.extra_keys)
+                  | _moe_keys(family))
     for key, value in d.items():
         if key in ignored:
             continue
@@ -134,6 +146,23 @@ def _biases(d: dict, family: Family) -> dict:
     return dict(attention_bias=flag, output_bias=flag)
 
 
+def _experts(d: dict, family: Family) -> dict:
+    """The mixture-of-experts fields of a MoE family's config.json ({} for a dense one)."""
+    if not family.is_moe:
+        return {}
+    key = next((k for k in family.num_experts_keys if d.get(k) is not None), None)
+    if key is None:
+        raise ValueError(f"config.json of {family.hf_architecture} gives no expert count "
+                         f"({' or '.join(family.num_experts_keys)})")
+    out = dict(num_experts=d[key], num_experts_per_tok=d["num_experts_per_tok"],
+               moe_intermediate_size=d[family.expert_size_key],
+               norm_topk_prob=bool(d.get(family.norm_topk_key, True))
+               if family.norm_topk_key else True)
+    if family.expert_activation == "clamped_swiglu":
+        out.update(swiglu_alpha=d.get("swiglu_alpha", 1.702), swiglu_limit=d.get("swiglu_limit", 7.0))
+    return out
+
+
 def read_hf_config(d: dict) -> dict:
     """ModelConfig keyword arguments (all but name) from a config.json dict."""
     family = family_for_hf(d.get("architectures"), d.get("model_type"))
@@ -162,7 +191,7 @@ def read_hf_config(d: dict) -> dict:
         sliding_window=window, layer_types=layer_types,
         query_pre_attn_scalar=d.get("query_pre_attn_scalar"),
         attn_logit_softcap=d.get("attn_logit_softcapping"),
-        final_logit_softcap=d.get("final_logit_softcapping"))
+        final_logit_softcap=d.get("final_logit_softcapping"), **_experts(d, family))
 
 
 def write_hf_config(c) -> dict:
@@ -208,6 +237,16 @@ def write_hf_config(c) -> dict:
             d["layer_types"] = list(c.layer_types)
         if family.window_rule == "max_window_layers":
             d["use_sliding_window"] = c.sliding_window is not None
+    if family.is_moe:
+        d.update({family.num_experts_keys[-1]: c.num_experts,
+                  "num_experts_per_tok": c.num_experts_per_tok,
+                  family.expert_size_key: c.moe_intermediate_size})
+        if family.expert_size_key != "intermediate_size":
+            d["intermediate_size"] = c.intermediate_size
+        if family.norm_topk_key:
+            d[family.norm_topk_key] = c.norm_topk_prob
+        if family.expert_activation == "clamped_swiglu":
+            d.update(swiglu_alpha=c.swiglu_alpha, swiglu_limit=c.swiglu_limit)
     for key, value in (("query_pre_attn_scalar", c.query_pre_attn_scalar),
                        ("attn_logit_softcapping", c.attn_logit_softcap),
                        ("final_logit_softcapping", c.final_logit_softcap)):

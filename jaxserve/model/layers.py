@@ -39,7 +39,7 @@ def apply_rope(x, cos, sin):
     return out.astype(x.dtype)
 
 
-_ACTIVATIONS = {"silu": jax.nn.silu,
+ACTIVATIONS = {"silu": jax.nn.silu,
                 "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
                 "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
                 "gelu": lambda x: jax.nn.gelu(x, approximate=False)}
@@ -48,7 +48,7 @@ _ACTIVATIONS = {"silu": jax.nn.silu,
 def gated_mlp(x, w_gate, w_up, w_down, activation: str = "silu"):
     """act(x @ w_gate) * (x @ w_up) @ w_down (SwiGLU for silu, GeGLU for gelu). x: [T, D];
     weights float [in, out] or quantized (qlinear.linear dequantizes them next to the matmul)."""
-    gate = _ACTIVATIONS[activation](linear(x, w_gate))
+    gate = ACTIVATIONS[activation](linear(x, w_gate))
     return linear(gate * linear(x, w_up), w_down)
 
 

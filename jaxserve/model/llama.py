@@ -1,10 +1,11 @@
-"""The decoder every supported family runs (Llama 2/3, SmolLM2, Mistral, Qwen2/3, Gemma 3, Phi-3).
+"""The decoder every supported family runs (Llama 2/3, SmolLM2, Mistral, Qwen2/3, Gemma 3, Phi-3,
+and the mixture-of-experts Qwen3-MoE, Mixtral and gpt-oss).
 
 One forward pass over the ragged token batch of a step, reading and writing the paged KV
 cache. What differs between families is read from data, never from the family's name: the
 `Family` record (norm kind, q/k norm, sandwich norms, embedding scale) and the checkpoint's
 `ModelConfig` (biases, activation, partial rotary, RoPE and sliding window per layer, attention
-scale, logit soft-caps).
+scale, logit soft-caps, experts: model/moe.py).
 
 With `layer_loop="scan"` the layer weights stay stacked [L, ...] and `jax.lax.scan` walks them
 (compile time flat in depth). A scan body is one static layer, so when layers differ in their
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.model import layers, rope
+from jaxserve.model import layers, moe, rope
 from jaxserve.model.qlinear import QuantizedWeight, head, linear, lookup
 from jaxserve.model.quant import QuantizedTensor
 from jaxserve.model import pytrees  # noqa: F401  (registers the step inputs as pytrees)
@@ -35,7 +36,9 @@ from jaxserve.model.step_inputs import AttentionMetadata, ModelInputs
 
 # Every per-layer weight name a config can have (ModelConfig.param_shapes() says which it has).
 LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm",
-              "post_attn_norm", "mlp_norm", "w_gate", "w_up", "w_down", "post_mlp_norm")
+              "sinks", "post_attn_norm", "mlp_norm", "w_gate", "w_up", "w_down", "post_mlp_norm",
+              "router", "router_bias", "e_gate", "e_up", "e_down", "e_gate_bias", "e_up_bias",
+              "e_down_bias")
 
 
 class LayerKind(NamedTuple):
@@ -164,8 +167,11 @@ class Llama(nnx.Module):
             if family.sandwich_norms:
                 out = norm(out, w["post_attn_norm"])
             x = x + out
-            out = layers.gated_mlp(norm(x, w["mlp_norm"]), w["w_gate"], w["w_up"], w["w_down"],
-                                   cfg.hidden_act)
+            h = norm(x, w["mlp_norm"])
+            if cfg.num_experts:
+                out = moe.moe_mlp(h, w, cfg)
+            else:
+                out = layers.gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], cfg.hidden_act)
             if family.sandwich_norms:
                 out = norm(out, w["post_mlp_norm"])
             return x + out, k_pages, v_pages

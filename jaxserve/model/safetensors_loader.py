@@ -19,8 +19,8 @@ from tqdm.auto import tqdm
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.tokenizer import Tokenizer
 from jaxserve.model.weights import (HF_GLOBAL_NAMES, TRANSPOSED, LoadedModel, ParamBuilder,
-                                    hf_fused_parts, hf_layer_names, shape_error,
-                                    to_hf_state_dict)
+                                    hf_expert_names, hf_fused_parts, hf_layer_names,
+                                    shape_error, to_hf_state_dict)
 
 _FROM_HF_GLOBAL = {hf: ours for ours, hf in HF_GLOBAL_NAMES.items()}
 # Buffers some checkpoints carry that are recomputed from the config.
@@ -31,26 +31,30 @@ def is_hf_directory(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
-def _our_names(hf_name: str, config: ModelConfig, from_hf_layer: dict
-               ) -> tuple[list[tuple[str, int | None]], int | None] | None:
-    """([(our name, rows or None for the whole tensor)], layer), or None for a tensor we
-    deliberately skip. A fused HF tensor (Phi-3's qkv_proj) names several of ours."""
+def _our_names(hf_name: str, config: ModelConfig, from_hf_layer: dict, from_hf_expert: dict
+               ) -> tuple[list[tuple[str, int | None]], int | None, int | None] | None:
+    """([(our name, rows or None for the whole tensor)], layer, expert or None), or None for a
+    tensor we deliberately skip. A fused HF tensor (Phi-3's qkv_proj) names several of ours."""
     if hf_name.endswith(_IGNORED_SUFFIXES):
         return None
     if hf_name in _FROM_HF_GLOBAL:
-        return [(_FROM_HF_GLOBAL[hf_name], None)], None
+        return [(_FROM_HF_GLOBAL[hf_name], None)], None, None
     parts = hf_name.split(".", 3)  # model.layers.{i}.<rest>
     if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
         if parts[3] in from_hf_layer:
-            return [(f"layers.{from_hf_layer[parts[3]]}", None)], int(parts[2])
+            return [(f"layers.{from_hf_layer[parts[3]]}", None)], int(parts[2]), None
+        if parts[3] in from_hf_expert:
+            ours, expert = from_hf_expert[parts[3]]
+            return [(f"layers.{ours}", None)], int(parts[2]), expert
         if parts[3] in config.family.hf_fused:
             return ([(f"layers.{name}", rows) for name, rows in hf_fused_parts(config, parts[3])],
-                    int(parts[2]))
+                    int(parts[2]), None)
     raise ValueError(f"unexpected tensor {hf_name!r} in safetensors checkpoint of "
                      f"{config.family.hf_architecture}")
 
 
-def _set(builder: ParamBuilder, hf_name: str, value: np.ndarray, targets, layer) -> None:
+def _set(builder: ParamBuilder, hf_name: str, value: np.ndarray, targets, layer,
+         expert=None) -> None:
     """One HF tensor into the builder, split on its rows when it is fused."""
     if sum(rows or 0 for _, rows in targets) not in (0, value.shape[0]):
         raise shape_error(hf_name, value.shape,
@@ -59,8 +63,8 @@ def _set(builder: ParamBuilder, hf_name: str, value: np.ndarray, targets, layer)
     for ours, rows in targets:
         part = value if rows is None else value[start:start + rows]
         start += rows or 0
-        builder.set(ours, part, layer=layer, transpose=ours.split(".")[-1] in TRANSPOSED,
-                    source_name=hf_name)
+        builder.set(ours, part, layer=layer, expert=expert,
+                    transpose=ours.split(".")[-1] in TRANSPOSED, source_name=hf_name)
 
 
 def _merged_eos(config: ModelConfig, tokenizer: Tokenizer) -> tuple[int, ...]:
@@ -92,17 +96,18 @@ def load_hf_directory(directory: str | Path, *, progress: bool = True) -> Loaded
         raise FileNotFoundError(f"no *.safetensors files in {directory}")
     builder = ParamBuilder(config)
     from_hf_layer = {hf: ours for ours, hf in hf_layer_names(config).items()}
+    from_hf_expert = hf_expert_names(config)
     handles = [safe_open(str(f), framework="numpy") for f in files]
     names = [(h, n) for h in handles for n in h.keys()]
     for handle, hf_name in tqdm(names, desc=f"loading {directory.name}", unit="tensor",
                                 disable=not progress):
-        found = _our_names(hf_name, config, from_hf_layer)
+        found = _our_names(hf_name, config, from_hf_layer, from_hf_expert)
         if found is None:
             continue
-        targets, layer = found
+        targets, layer, expert = found
         if targets[0][0] == "lm_head" and config.tie_word_embeddings:
             continue  # tied checkpoints sometimes save the shared matrix twice
-        _set(builder, hf_name, handle.get_tensor(hf_name), targets, layer)
+        _set(builder, hf_name, handle.get_tensor(hf_name), targets, layer, expert)
     return LoadedModel(config=config, params=builder.finish(), tokenizer=tokenizer,
                        source=str(directory))
 

@@ -40,8 +40,9 @@ HF_LAYER_NAMES = {
 }
 HF_GLOBAL_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
                    "lm_head": "lm_head.weight"}
-# Matrices HF stores as nn.Linear [out, in]; we keep their transpose.
-TRANSPOSED = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head"}
+# Matrices HF stores as nn.Linear [out, in]; we keep their transpose (of the last two axes).
+TRANSPOSED = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head", "router",
+              "e_gate", "e_up", "e_down"}
 
 
 def hf_layer_names(config: ModelConfig) -> dict[str, str]:
@@ -51,6 +52,13 @@ def hf_layer_names(config: ModelConfig) -> dict[str, str]:
     fused = {name for parts in family.hf_fused.values() for name in parts}
     names = {**HF_LAYER_NAMES, **family.hf_layer_names}
     return {ours: hf for ours, hf in names.items() if ours not in fused}
+
+
+def hf_expert_names(config: ModelConfig) -> dict[str, tuple[str, int]]:
+    """HF suffix under `model.layers.{i}.` -> (our per-layer name, expert) of every per-expert
+    tensor of a MoE family ({} for a dense model)."""
+    return {hf.format(e=e): (ours, e) for ours, hf in config.family.hf_expert_names.items()
+            for e in range(config.num_experts)}
 
 
 def hf_fused_parts(config: ModelConfig, hf_suffix: str) -> list[tuple[str, int]]:
@@ -75,6 +83,7 @@ class ParamBuilder:
         self.shapes = config.param_shapes()
         self.params: dict[str, np.ndarray] = {}
         self._filled: dict[str, set[int]] = {}
+        self._experts: dict[tuple[str, int], set[int]] = {}  # (name, layer) -> experts set
 
     def expected_shape(self, name: str, *, transposed: bool) -> tuple[int, ...]:
         """The shape the source must store `name` in: one layer's slice, [out, in] if transposed."""
@@ -82,19 +91,22 @@ class ParamBuilder:
             raise ValueError(f"unexpected parameter {name!r} for this config "
                              f"(expected: {', '.join(self.shapes)})")
         shape = self.shapes[name][1:] if name.startswith("layers.") else self.shapes[name]
-        return tuple(reversed(shape)) if transposed else tuple(shape)
+        return (*shape[:-2], shape[-1], shape[-2]) if transposed else tuple(shape)
 
-    def set(self, name: str, value, *, layer: int | None = None,
+    def set(self, name: str, value, *, layer: int | None = None, expert: int | None = None,
             transpose: bool = False, source_name: str | None = None) -> None:
         """value: a float array, or a QuantizedTensor [out, in] (model/quant.py), which is kept
-        in that layout (transpose says the param layout is [in, out])."""
+        in that layout (transpose says the param layout is [in, out]). expert: value is that one
+        expert's matrix of a [L, E, ...] stack (float only)."""
+        if expert is not None:
+            return self._set_expert(name, value, layer, expert, transpose, source_name)
         expected = self.expected_shape(name, transposed=transpose)
         quantized = isinstance(value, QuantizedTensor)
         shape = value.matrix_shape if quantized else value.shape
         if tuple(shape) != expected:
             raise shape_error(source_name or name, shape, expected)
         if transpose and not quantized:
-            value = value.T
+            value = np.swapaxes(value, -1, -2)
         if layer is None:
             self.params[name] = value if quantized else np.ascontiguousarray(value)
             return
@@ -117,6 +129,24 @@ class ParamBuilder:
         else:
             stack[layer] = value
         self._filled[name].add(layer)
+
+    def _set_expert(self, name, value, layer, expert, transpose, source_name) -> None:
+        """One expert's matrix into its layer's [E, ...] slice; the slice counts as filled once
+        every expert has arrived."""
+        shape = self.expected_shape(name, transposed=transpose)[1:]
+        if tuple(value.shape) != shape:
+            raise shape_error(source_name or name, value.shape, shape)
+        if not 0 <= expert < self.config.num_experts:
+            raise ValueError(f"tensor {source_name or name!r} is for expert {expert}, but the "
+                             f"model has {self.config.num_experts} experts")
+        if name not in self.params:
+            self.params[name] = np.empty(self.shapes[name], dtype=value.dtype)
+            self._filled[name] = set()
+        self.params[name][layer, expert] = value.T if transpose else value
+        arrived = self._experts.setdefault((name, layer), set())
+        arrived.add(expert)
+        if len(arrived) == self.config.num_experts:
+            self._filled[name].add(layer)
 
     def finish(self) -> dict[str, np.ndarray]:
         missing = [n for n in self.shapes if n not in self.params]
@@ -150,6 +180,7 @@ def to_hf_state_dict(config: ModelConfig, params: dict[str, np.ndarray]) -> dict
     layer (fused tensors joined on their rows)."""
     validate_params(config, params)
     names = hf_layer_names(config)
+    experts = {ours: hf for ours, hf in config.family.hf_expert_names.items()}
     state = {}
     for i in range(config.num_layers):
         for hf_suffix in config.family.hf_fused:
@@ -158,10 +189,17 @@ def to_hf_state_dict(config: ModelConfig, params: dict[str, np.ndarray]) -> dict
     for name, value in params.items():
         if name.startswith("layers."):
             short = name[len("layers."):]
+            if short in experts:
+                for i in range(config.num_layers):
+                    for e in range(config.num_experts):
+                        w = value[i, e].T if short in TRANSPOSED else value[i, e]
+                        state[f"model.layers.{i}.{experts[short].format(e=e)}"] = \
+                            np.ascontiguousarray(w)
+                continue
             if short not in names:
                 continue  # part of a fused tensor
             for i in range(config.num_layers):
-                w = value[i].T if short in TRANSPOSED else value[i]
+                w = np.swapaxes(value[i], -1, -2) if short in TRANSPOSED else value[i]
                 state[f"model.layers.{i}.{names[short]}"] = np.ascontiguousarray(w)
         else:
             w = value.T if name in TRANSPOSED else value

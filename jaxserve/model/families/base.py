@@ -2,7 +2,8 @@
 
 Every field has Llama's behaviour as its default, so a family file states only its differences
 (norm kind, MLP activation, q/k norm, extra norms, embedding scale, biases, fused tensors, how
-`sliding_window` applies to layers, GGUF naming). The model, the config reader and the loaders read
+`sliding_window` applies to layers, GGUF naming, and for a mixture-of-experts family how its
+router scores experts and where its expert tensors live). The model, the config reader and the loaders read
 these fields; none of them branches on a family's name. Data only: no jax, no file access.
 """
 
@@ -12,6 +13,8 @@ from dataclasses import dataclass, field
 
 # The attention kinds a layer can have, by their transformers names (config.json layer_types).
 FULL, SLIDING = "full_attention", "sliding_attention"
+# How a mixture-of-experts router turns logits into top-k weights (Family.router).
+ROUTE_SOFTMAX_TOPK, ROUTE_TOPK_SOFTMAX = "softmax_topk", "topk_softmax"
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,32 @@ class Family:
     gguf_norm_plus_one: bool = False
     # A BOS token is prepended when the tokenizer's config does not say (Llama's SentencePiece).
     bos_by_default: bool = False
+    # ---- mixture of experts (empty num_experts_keys: a dense family) ----
+    # config.json keys giving the expert count (the first present wins: transformers 4 and 5
+    # name it differently), the per-expert FFN width, and whether top-k weights are renormalised
+    # (None: always, as Mixtral and gpt-oss do).
+    num_experts_keys: tuple[str, ...] = ()
+    expert_size_key: str = "intermediate_size"
+    norm_topk_key: str | None = None
+    # ROUTE_SOFTMAX_TOPK: softmax over every expert, then the top k (renormalised per
+    # norm_topk); ROUTE_TOPK_SOFTMAX: the top k logits, then a softmax over those (gpt-oss).
+    router: str = ROUTE_SOFTMAX_TOPK
+    router_bias: bool = False                # a bias on the router logits
+    expert_bias: bool = False                # biases on every expert's projections
+    # "gated": act(x @ gate) * (x @ up); "clamped_swiglu": gpt-oss's clamped form with
+    # swiglu_alpha / swiglu_limit.
+    expert_activation: str = "gated"
+    attention_sinks: bool = False            # a learned logit per head in every softmax
+    # HF tensors of expert e under model.layers.{i}., by our name ("{e}" is the expert index);
+    # fused [E, ...] tensors are named in hf_expert_stacked instead.
+    hf_expert_names: dict = field(default_factory=dict)
+    # HF tensors holding every expert at once, stored [E, in, out] (gpt-oss): HF suffix ->
+    # our names; two names split the last axis interleaved (gate = even, up = odd columns).
+    hf_expert_stacked: dict = field(default_factory=dict)
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_experts_keys)
 
     @property
     def hf_architecture(self) -> str:

@@ -1,0 +1,102 @@
+"""The mixture-of-experts feed-forward layer: a router picks each token's top-k experts, and the
+experts run as a grouped matmul over the (token, expert) pairs sorted by expert.
+
+Dropless: every pair is computed (no capacity factor), and every shape is static per bucket
+(T tokens give M = T * k pairs whatever the router chose), so a new expert mix never compiles.
+How the pairs meet their experts is chosen statically from M:
+* M <= num_experts (decode of a few requests): each pair gathers its expert's matrices, so a
+  step reads only the experts it uses -- the active parameters, not the total.
+* otherwise: the pairs sorted by expert through `jax.lax.ragged_dot` (one group per expert),
+  which XLA lowers to a grouped matmul on TPU and GPU; on the CPU it computes every group over
+  the whole sorted batch (measured: docs/moe.md), so past the gather's range the CPU pays for
+  its total parameters.
+Routers (families/base.py Family.router): a softmax over every expert then the top k, optionally
+renormalised (Qwen3-MoE's norm_topk_prob, Mixtral always), or the top k logits then a softmax
+over them (gpt-oss). Pure functions of arrays; this module holds no weights and knows nothing
+of paging, meshes or files.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.model.families.base import ROUTE_TOPK_SOFTMAX
+from jaxserve.model.layers import ACTIVATIONS
+from jaxserve.model.qlinear import linear
+
+
+def route(logits, k: int, router: str, renormalize: bool):
+    """logits [T, E] float32 -> (weights [T, k] float32, experts [T, k] int32)."""
+    if router == ROUTE_TOPK_SOFTMAX:
+        top, experts = jax.lax.top_k(logits, k)
+        return jax.nn.softmax(top, axis=-1), experts.astype(jnp.int32)
+    top, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+    if renormalize:
+        top = top / jnp.sum(top, axis=-1, keepdims=True)
+    return top, experts.astype(jnp.int32)
+
+
+def expert_activation(gate, up, config):
+    """The gated product of one expert's two projections (float32 in and out)."""
+    if config.family.expert_activation == "clamped_swiglu":
+        limit, alpha = config.swiglu_limit, config.swiglu_alpha
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+        return (up + 1.0) * gate * jax.nn.sigmoid(gate * alpha)
+    return ACTIVATIONS[config.hidden_act](gate) * up
+
+
+def moe_mlp(x, w: dict, config):
+    """x [T, D] -> [T, D]: the routed experts' outputs weighted by the router. w: one layer's
+    weights ("router" [D, E], "e_gate"/"e_up" [E, D, F], "e_down" [E, F, D], the family's
+    biases)."""
+    logits = linear(x.astype(jnp.float32), w["router"]).astype(jnp.float32)
+    if "router_bias" in w:
+        logits = logits + w["router_bias"].astype(jnp.float32)
+    # (in float32 whatever the model's dtype: a bfloat16 router flips near-tied experts)
+    weights, experts = route(logits, config.num_experts_per_tok, config.family.router,
+                             config.norm_topk_prob)
+    if experts.size <= config.num_experts:
+        out = gathered_experts(x, weights, experts, w, config)
+    else:
+        out = grouped_experts(x, weights, experts, w, config)
+    return out.astype(x.dtype)
+
+
+def gathered_experts(x, weights, experts, w: dict, config):
+    """Each (token, expert) pair reads its own expert's matrices: [T, k] pairs, M <= E."""
+    def project(h, name):  # h [T, k, in] -> [T, k, out], each pair through its expert
+        out = jnp.einsum("tki,tkio->tko", h, w[name][experts].astype(h.dtype),
+                         preferred_element_type=jnp.float32)
+        if f"{name}_bias" in w:
+            out = out + w[f"{name}_bias"][experts].astype(jnp.float32)
+        return out
+
+    h = jnp.broadcast_to(x[:, None, :], (*experts.shape, x.shape[-1]))
+    hidden = expert_activation(project(h, "e_gate"), project(h, "e_up"), config)
+    out = project(hidden.astype(x.dtype), "e_down")              # [T, k, D]
+    return jnp.einsum("tkd,tk->td", out, weights)
+
+
+def grouped_experts(x, weights, experts, w: dict, config):
+    """The pairs sorted by expert, each group through its expert by ragged_dot, then summed
+    back per token with the router's weights."""
+    k = experts.shape[-1]
+    flat = experts.reshape(-1)                                    # [M]
+    order = jnp.argsort(flat, stable=True)
+    token = order // k
+    expert_of_row = flat[order]
+    sizes = jnp.bincount(flat, length=config.num_experts).astype(jnp.int32)
+    rows = x[token]                                               # [M, D]
+
+    def project(h, name):
+        out = jax.lax.ragged_dot(h, w[name].astype(h.dtype), sizes,
+                                 preferred_element_type=jnp.float32)
+        if f"{name}_bias" in w:
+            out = out + w[f"{name}_bias"][expert_of_row].astype(jnp.float32)
+        return out
+
+    hidden = expert_activation(project(rows, "e_gate"), project(rows, "e_up"), config)
+    out = project(hidden.astype(x.dtype), "e_down") * weights.reshape(-1)[order][:, None]
+    return jnp.zeros((x.shape[0], out.shape[-1]), jnp.float32).at[token].add(out)
