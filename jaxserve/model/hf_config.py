@@ -65,6 +65,13 @@ def check_keys(d: dict, family: Family) -> None:
     for key, value in d.items():
         if key in ignored:
             continue
+        if key == "quantization_config" and family.hf_quantization:
+            method = (value or {}).get("quant_method")
+            if method not in family.hf_quantization:
+                raise ValueError(f"config.json quantization_config.quant_method={method!r} is "
+                                 f"not supported for {family.hf_architecture}; supported: "
+                                 f"{', '.join(family.hf_quantization)} (dequantized on load)")
+            continue
         if key not in understood:
             raise ValueError(
                 f"config.json key {key}={value!r} is not supported for {family.hf_architecture}: "
@@ -98,7 +105,8 @@ def _layer_types(d: dict, family: Family, num_layers: int) -> tuple[str, ...]:
             return ()
         first = d.get("max_window_layers", 28)
         return tuple(SLIDING if i >= first else FULL for i in range(num_layers))
-    pattern = d.get("sliding_window_pattern", d.get("_sliding_window_pattern", 6))
+    pattern = d.get("sliding_window_pattern", d.get("_sliding_window_pattern",
+                                                    family.window_pattern))
     return tuple(FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers))
 
 

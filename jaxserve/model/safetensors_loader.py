@@ -16,6 +16,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 from tqdm.auto import tqdm
 
+from jaxserve.model import mxfp4
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.tokenizer import Tokenizer
 from jaxserve.model.weights import (HF_GLOBAL_NAMES, TRANSPOSED, LoadedModel, ParamBuilder,
@@ -25,6 +26,32 @@ from jaxserve.model.weights import (HF_GLOBAL_NAMES, TRANSPOSED, LoadedModel, Pa
 _FROM_HF_GLOBAL = {hf: ours for ours, hf in HF_GLOBAL_NAMES.items()}
 # Buffers some checkpoints carry that are recomputed from the config.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+_PACKED_SUFFIXES = ("_blocks", "_scales")  # MXFP4 halves of one matrix (gpt-oss experts)
+
+
+class _PackedPairs:
+    """MXFP4 tensors arrive as two halves (`X_blocks`, `X_scales`); each pair becomes X, the
+    dequantized float32 [..., in, out] matrix (model/mxfp4.py)."""
+
+    def __init__(self):
+        self.waiting: dict[str, dict[str, np.ndarray]] = {}
+
+    def add(self, hf_name: str, value: np.ndarray) -> tuple[str, np.ndarray | None]:
+        base, _, half = hf_name.rpartition("_")
+        pair = self.waiting.setdefault(base, {})
+        pair[half] = value
+        if len(pair) < 2:
+            return base, None
+        del self.waiting[base]
+        return base, mxfp4.dequantize(pair["blocks"], pair["scales"])
+
+    def check_done(self) -> None:
+        if self.waiting:
+            base, pair = next(iter(self.waiting.items()))
+            missing = "scales" if "blocks" in pair else "blocks"
+            raise ValueError(f"MXFP4 tensor {base}_{next(iter(pair))} has no {base}_{missing}")
 
 
 def is_hf_directory(path: Path) -> bool:
@@ -46,6 +73,9 @@ def _our_names(hf_name: str, config: ModelConfig, from_hf_layer: dict, from_hf_e
         if parts[3] in from_hf_expert:
             ours, expert = from_hf_expert[parts[3]]
             return [(f"layers.{ours}", None)], int(parts[2]), expert
+        if parts[3] in config.family.hf_expert_stacked:
+            return ([(f"layers.{name}", None) for name in config.family.hf_expert_stacked[parts[3]]],
+                    int(parts[2]), None)
         if parts[3] in config.family.hf_fused:
             return ([(f"layers.{name}", rows) for name, rows in hf_fused_parts(config, parts[3])],
                     int(parts[2]), None)
@@ -56,6 +86,11 @@ def _our_names(hf_name: str, config: ModelConfig, from_hf_layer: dict, from_hf_e
 def _set(builder: ParamBuilder, hf_name: str, value: np.ndarray, targets, layer,
          expert=None) -> None:
     """One HF tensor into the builder, split on its rows when it is fused."""
+    if hf_name.split(".", 3)[-1] in builder.config.family.hf_expert_stacked:
+        # [E, ..., out] already in our [in, out] layout; two names interleave their columns
+        for i, (ours, _) in enumerate(targets):
+            builder.set(ours, value[..., i::len(targets)], layer=layer, source_name=hf_name)
+        return
     if sum(rows or 0 for _, rows in targets) not in (0, value.shape[0]):
         raise shape_error(hf_name, value.shape,
                           (sum(rows for _, rows in targets), *value.shape[1:]))
@@ -99,15 +134,23 @@ def load_hf_directory(directory: str | Path, *, progress: bool = True) -> Loaded
     from_hf_expert = hf_expert_names(config)
     handles = [safe_open(str(f), framework="numpy") for f in files]
     names = [(h, n) for h in handles for n in h.keys()]
+    packed = _PackedPairs()
     for handle, hf_name in tqdm(names, desc=f"loading {directory.name}", unit="tensor",
                                 disable=not progress):
+        value = None
+        if hf_name.endswith(_PACKED_SUFFIXES):
+            hf_name, value = packed.add(hf_name, handle.get_tensor(hf_name))
+            if value is None:
+                continue  # its other half is still to come
         found = _our_names(hf_name, config, from_hf_layer, from_hf_expert)
         if found is None:
             continue
         targets, layer, expert = found
         if targets[0][0] == "lm_head" and config.tie_word_embeddings:
             continue  # tied checkpoints sometimes save the shared matrix twice
-        _set(builder, hf_name, handle.get_tensor(hf_name), targets, layer, expert)
+        _set(builder, hf_name, handle.get_tensor(hf_name) if value is None else value, targets,
+             layer, expert)
+    packed.check_done()
     return LoadedModel(config=config, params=builder.finish(), tokenizer=tokenizer,
                        source=str(directory))
 

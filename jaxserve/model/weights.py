@@ -181,8 +181,13 @@ def to_hf_state_dict(config: ModelConfig, params: dict[str, np.ndarray]) -> dict
     validate_params(config, params)
     names = hf_layer_names(config)
     experts = {ours: hf for ours, hf in config.family.hf_expert_names.items()}
+    stacked = {name for names in config.family.hf_expert_stacked.values() for name in names}
     state = {}
     for i in range(config.num_layers):
+        for hf_suffix, ours in config.family.hf_expert_stacked.items():
+            parts = [params[f"layers.{name}"][i] for name in ours]
+            stacked = np.stack(parts, axis=-1).reshape(*parts[0].shape[:-1], -1)  # interleaved
+            state[f"model.layers.{i}.{hf_suffix}"] = np.ascontiguousarray(stacked)
         for hf_suffix in config.family.hf_fused:
             parts = [params[f"layers.{name}"][i].T for name, _ in hf_fused_parts(config, hf_suffix)]
             state[f"model.layers.{i}.{hf_suffix}"] = np.ascontiguousarray(np.concatenate(parts))
@@ -196,7 +201,7 @@ def to_hf_state_dict(config: ModelConfig, params: dict[str, np.ndarray]) -> dict
                         state[f"model.layers.{i}.{experts[short].format(e=e)}"] = \
                             np.ascontiguousarray(w)
                 continue
-            if short not in names:
+            if short not in names or short in stacked:
                 continue  # part of a fused tensor
             for i in range(config.num_layers):
                 w = np.swapaxes(value[i], -1, -2) if short in TRANSPOSED else value[i]

@@ -7,12 +7,12 @@ data only; it must not import jax.
 
 from __future__ import annotations
 
-from jaxserve.model.families import gemma3, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe
+from jaxserve.model.families import gemma3, gpt_oss, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe
 from jaxserve.model.families.base import Family
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma3.FAMILY, phi3.FAMILY,
-    qwen3_moe.FAMILY, mixtral.FAMILY)}
+    qwen3_moe.FAMILY, mixtral.FAMILY, gpt_oss.FAMILY)}
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 
 

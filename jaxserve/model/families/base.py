@@ -39,6 +39,7 @@ class Family:
     # "pattern" (every sliding_window_pattern-th layer is global). layer_types, when present,
     # always wins.
     window_rule: str = "none"
+    window_pattern: int = 6                  # "pattern": its default sliding_window_pattern
     default_rope_theta: float = 10000.0
     default_sliding_rope_theta: float | None = None  # rope_local_base_freq default (Gemma)
     # config.json keys this family reads beyond the common ones, each with the values it accepts
@@ -50,6 +51,9 @@ class Family:
     hf_fused: dict = field(default_factory=dict)
     # GGUF: tensor names that differ from llama.cpp's Llama ones; whether the converter permuted
     # Q/K rows for interleaved RoPE; norm weights stored as (1 + w).
+    # quantization_config.quant_method values whose weights the loader dequantizes (gpt-oss's
+    # MXFP4 experts); any other quantization_config is refused.
+    hf_quantization: tuple[str, ...] = ()
     gguf_layer_names: dict = field(default_factory=dict)
     gguf_fused: dict = field(default_factory=dict)
     gguf_permute_qk: bool = False
