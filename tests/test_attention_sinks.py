@@ -28,11 +28,11 @@ import numpy as np
 import pytest
 
 import test_decode_attention as xla_cases
-from test_kernels import (MAX_SEQS, NUM_TOKENS, PAGES_PER_SEQ, compile_once, decode_lens,
-                          gpu_interpret_params, make_inputs, ragged_batch)
+from test_kernels import (MAX_SEQS, NUM_TOKENS, compile_once, decode_lens, gpu_interpret_params,
+                          make_inputs, ragged_batch, realistic_specs)
 from jaxserve.model import pytrees  # noqa: F401  (the step inputs as pytrees)
 from jaxserve.model.attention import AttentionShape, PallasAttention, ReferenceAttention
-from pallas_kernels import reference
+from pallas_kernels import reference, tuning
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
@@ -227,6 +227,24 @@ def test_gpu_formulation_in_the_gpu_simulator_matches_the_oracle():
                             sliding_window=40, soft_cap=4.0)
     except NotImplementedError as e:
         pytest.skip(f"JAX interpret-mode limitation: {e}")
+
+
+@pytest.mark.parametrize("platform,backend", [("tpu", "tpu"), ("cuda", "gpu")])
+def test_compiled_kernels_with_sinks_lower_for_device(platform, backend, monkeypatch):
+    """The kernels with their log-sum-exp output (what sinks ask for) lower for both devices
+    at serving sizes (the final Mosaic / PTX compile needs the device)."""
+    monkeypatch.setattr(tuning, "backend", lambda: backend)
+    sds = jax.ShapeDtypeStruct
+    sinks = sds((32,), jnp.float32)
+    ragged = jax.jit(lambda *a: ragged_paged_attention(*a[:-1], sinks=a[-1], sm_scale=0.1,
+                                                       sliding_window=128))
+    decode = jax.jit(lambda *a: paged_attention(*a[:-1], sinks=a[-1], sm_scale=0.1))
+    ragged_args = realistic_specs(16, 256) + (sds((17,), jnp.int32), sds((), jnp.int32), sinks)
+    for name, fn, args in (("ragged", ragged, ragged_args),
+                           ("decode", decode, realistic_specs(16, 16) + (sinks,))):
+        text = fn.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+        call = "tpu_custom_call" if platform == "tpu" else "mosaic_gpu"
+        assert f"custom_call @{call}" in text, f"{name}: no {call} kernel in the {platform} HLO"
 
 
 @pytest.mark.parametrize("window", [None, 7])
