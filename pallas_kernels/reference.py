@@ -13,7 +13,8 @@ shares it across its rows; a mixed block (decode rows) gathers per row, in small
 measured 4.6 ms per layer with 8-page tiles and 1.9 ms with 2-page ones, since the gathered
 per-row tile then stays in cache; and its rows are sorted by context and walked 4 at a
 time, so a short decode row does not pay for a long one beside it. Memory is
-O(q_block * tile), never O(T * context).
+O(q_block * tile), never O(T * context). Attention sinks (gpt-oss), when given, start each
+row's online softmax from the sink's logit (sink_state).
 """
 
 from __future__ import annotations
@@ -42,12 +43,33 @@ def token_metadata(kv_lens, cu_q_lens, num_seqs, num_tokens: int):
     return jnp.where(valid, seq_ids, 0), jnp.where(valid, positions, -1)
 
 
-def _attend_rows(q, k_pages, v_pages, layer, page_rows, positions, *, sm_scale, soft_cap,
-                 sliding_window, tile_pages, shared):
+def check_sinks(sinks, num_heads: int) -> None:
+    """A ValueError naming `sinks` unless it is None or one logit per query head."""
+    if sinks is not None and tuple(jnp.shape(sinks)) != (num_heads,):
+        raise ValueError(f"sinks has shape {tuple(jnp.shape(sinks))}, expected ({num_heads},): "
+                         f"one logit per query head that this device attends with")
+
+
+def sink_state(sinks, shape):
+    """The online softmax's initial (running max, denominator), each of `shape` [..., Hkv, G].
+
+    Without sinks: (-inf, 0). A sink is one more softmax term of logit sinks[h] and value
+    zero, so starting from (sinks[h], 1) with a zero accumulator adds it exactly once,
+    whatever order the KV tiles come in."""
+    if sinks is None:
+        return jnp.full(shape, NEG_INF, jnp.float32), jnp.zeros(shape, jnp.float32)
+    check_sinks(sinks, shape[-2] * shape[-1])
+    m0 = jnp.broadcast_to(jnp.asarray(sinks, jnp.float32).reshape(shape[-2:]), shape)
+    return m0, jnp.ones(shape, jnp.float32)
+
+
+def _attend_rows(q, k_pages, v_pages, layer, page_rows, positions, sinks, *, sm_scale,
+                 soft_cap, sliding_window, tile_pages, shared):
     """Attention for rows that each know their page-table row and position.
 
-    q: [R, Hq, D]; page_rows: [R, P]; positions: [R] (-1 = padding, output zero).
-    shared: every row uses page_rows[0] (one request), so each tile is gathered once.
+    q: [R, Hq, D]; page_rows: [R, P]; positions: [R] (-1 = padding, output zero);
+    sinks: [Hq] float32 or None. shared: every row uses page_rows[0] (one request), so each
+    tile is gathered once.
     """
     num_rows, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_pages.shape[2], k_pages.shape[3]
@@ -92,17 +114,16 @@ def _attend_rows(q, k_pages, v_pages, layer, page_rows, positions, *, sm_scale, 
         acc = acc * alpha[..., None] + pv
         return i + 1, m_new, l, acc
 
-    init = (first_tile,
-            jnp.full((num_rows, num_kv_heads, group), NEG_INF, jnp.float32),
-            jnp.zeros((num_rows, num_kv_heads, group), jnp.float32),
-            jnp.zeros((num_rows, num_kv_heads, group, head_dim), jnp.float32))
+    stats = (num_rows, num_kv_heads, group)
+    m0, l0 = sink_state(sinks, stats)
+    init = (first_tile, m0, l0, jnp.zeros((*stats, head_dim), jnp.float32))
     _, _, l, acc = jax.lax.while_loop(lambda c: c[0] < last_tile, body, init)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     out = jnp.where((positions >= 0)[:, None, None, None], out, 0.0)
     return out.reshape(num_rows, num_heads, head_dim).astype(q.dtype)
 
 
-def _attend_sorted_rows(q, k_pages, v_pages, layer, page_rows, positions, *, tile_pages,
+def _attend_sorted_rows(q, k_pages, v_pages, layer, page_rows, positions, sinks, *, tile_pages,
                         rows_per_loop: int = 4, **kw):
     """Per-row attention with rows sorted by context, `rows_per_loop` rows per tile loop.
 
@@ -112,18 +133,18 @@ def _attend_sorted_rows(q, k_pages, v_pages, layer, page_rows, positions, *, til
     a few rows keep each loop close to its own rows' lengths."""
     num_rows = q.shape[0]
     if num_rows <= rows_per_loop:
-        return _attend_rows(q, k_pages, v_pages, layer, page_rows, positions, shared=False,
-                            tile_pages=tile_pages, **kw)
+        return _attend_rows(q, k_pages, v_pages, layer, page_rows, positions, sinks,
+                            shared=False, tile_pages=tile_pages, **kw)
     order = jnp.argsort(positions)
     q, page_rows, positions = q[order], page_rows[order], positions[order]
     outs = [_attend_rows(q[i:i + rows_per_loop], k_pages, v_pages, layer,
                          page_rows[i:i + rows_per_loop], positions[i:i + rows_per_loop],
-                         shared=False, tile_pages=tile_pages, **kw)
+                         sinks, shared=False, tile_pages=tile_pages, **kw)
             for i in range(0, num_rows, rows_per_loop)]
     return jnp.zeros_like(q).at[order].set(jnp.concatenate(outs))
 
 
-def _blocked(q, k_pages, v_pages, layer, page_table, seq_ids, positions, *, q_block,
+def _blocked(q, k_pages, v_pages, layer, page_table, seq_ids, positions, sinks, *, q_block,
              tile_pages, row_tile_pages, **kw):
     """Split rows into blocks of q_block; each block loops only over its own tiles."""
     num_rows = q.shape[0]
@@ -138,7 +159,7 @@ def _blocked(q, k_pages, v_pages, layer, page_table, seq_ids, positions, *, q_bl
     def block(q, seq_ids, positions):
         page_rows = page_table[seq_ids]  # [R, P]
         one_request = jnp.all((seq_ids == seq_ids[0]) | (positions < 0))
-        args = (q, k_pages, v_pages, layer, page_rows, positions)
+        args = (q, k_pages, v_pages, layer, page_rows, positions, sinks)
         return jax.lax.cond(
             one_request,
             lambda a: _attend_rows(*a, shared=True, tile_pages=tile_pages, **kw),
@@ -160,7 +181,7 @@ _STATIC = ("sm_scale", "soft_cap", "sliding_window", "q_block", "tile_pages", "r
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def ragged_paged_attention(q, k_pages, v_pages, layer, kv_lens, page_table, cu_q_lens, num_seqs,
                            *, sm_scale: float, soft_cap: float | None = None,
-                           sliding_window: int | None = None, q_block: int = 16,
+                           sliding_window: int | None = None, sinks=None, q_block: int = 16,
                            tile_pages: int = 8, row_tile_pages: int = 2):
     """Mixed prefill/decode attention over a ragged token batch.
 
@@ -170,29 +191,34 @@ def ragged_paged_attention(q, k_pages, v_pages, layer, kv_lens, page_table, cu_q
     query rows; num_seqs: i32 scalar or [1], requests in use (rows past cu_q_lens[num_seqs]
     are padding and come back zero). Row i of request s sits at position
     kv_lens[s] - q_len(s) + i and sees positions [max(0, pos - sliding_window + 1), pos].
-    Returns [T, Hq, D].
+    sinks: None, or [Hq] float32 attention sinks (gpt-oss): head h's softmax gets one more
+    term exp(sinks[h]) in its denominator (a logit compared after sm_scale and soft_cap, with
+    no value). Returns [T, Hq, D].
     """
     seq_ids, positions = token_metadata(kv_lens, cu_q_lens, num_seqs, q.shape[0])
     return attend_rows(q, k_pages, v_pages, layer, page_table, seq_ids, positions,
                        sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
-                       q_block=q_block, tile_pages=tile_pages, row_tile_pages=row_tile_pages)
+                       sinks=sinks, q_block=q_block, tile_pages=tile_pages,
+                       row_tile_pages=row_tile_pages)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def attend_rows(q, k_pages, v_pages, layer, page_table, seq_ids, positions, *, sm_scale: float,
-                soft_cap: float | None = None, sliding_window: int | None = None,
+                soft_cap: float | None = None, sliding_window: int | None = None, sinks=None,
                 q_block: int = 16, tile_pages: int = 8, row_tile_pages: int = 2):
     """ragged_paged_attention with the per-row metadata (token_metadata) already computed:
     what the engine calls per layer, having computed the metadata once for the step."""
-    return _blocked(q, k_pages, v_pages, layer, page_table, seq_ids, positions, q_block=q_block,
-                    sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
-                    tile_pages=tile_pages, row_tile_pages=row_tile_pages)
+    return _blocked(q, k_pages, v_pages, layer, page_table, seq_ids, positions, sinks,
+                    q_block=q_block, sm_scale=sm_scale, soft_cap=soft_cap,
+                    sliding_window=sliding_window, tile_pages=tile_pages,
+                    row_tile_pages=row_tile_pages)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def paged_attention(q, k_pages, v_pages, layer, kv_lens, page_table, *, sm_scale: float,
                     soft_cap: float | None = None, sliding_window: int | None = None,
-                    q_block: int = 16, tile_pages: int = 8, row_tile_pages: int = 2):
+                    sinks=None, q_block: int = 16, tile_pages: int = 8,
+                    row_tile_pages: int = 2):
     """Decode attention: one query row per request.
 
     q: [S, Hq, D]; kv_lens: [S] context length including the current token (0 = unused row,
@@ -200,6 +226,7 @@ def paged_attention(q, k_pages, v_pages, layer, kv_lens, page_table, *, sm_scale
     """
     positions = kv_lens.astype(jnp.int32) - 1
     seq_ids = jnp.arange(q.shape[0], dtype=jnp.int32)
-    return _blocked(q, k_pages, v_pages, layer, page_table, seq_ids, positions, q_block=q_block,
-                    sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
-                    tile_pages=tile_pages, row_tile_pages=row_tile_pages)
+    return _blocked(q, k_pages, v_pages, layer, page_table, seq_ids, positions, sinks,
+                    q_block=q_block, sm_scale=sm_scale, soft_cap=soft_cap,
+                    sliding_window=sliding_window, tile_pages=tile_pages,
+                    row_tile_pages=row_tile_pages)

@@ -4,9 +4,12 @@ A backend is called in two phases, so that per-step work is done once and not in
 `prepare(metadata, num_tokens)` runs once per step, before the layer loop, and turns the step's
 AttentionMetadata into what its kernels read (per-row request ids and positions for the
 reference path; block metadata for the Pallas kernels, once per distinct sliding window);
-`backend(q, k_pages, v_pages, layer, prepared, sm_scale=..., sliding_window=..., soft_cap=...)`
-then runs one layer. `auto` is resolved per device by model/device_select.py: Pallas on TPU and
-Hopper GPUs, the reference elsewhere; an explicit `pallas` the device can't run is refused there.
+`backend(q, k_pages, v_pages, layer, prepared, sm_scale=..., sliding_window=..., soft_cap=...,
+sinks=...)` then runs one layer. `sinks` (gpt-oss attention sinks: a float32 [Hq] of the heads
+this device holds, one extra softmax logit per query head with no value) defaults to None, which
+traces exactly the code of a model without sinks. `auto` is resolved per device by
+model/device_select.py: Pallas on TPU and Hopper GPUs, the reference elsewhere; an explicit
+`pallas` the device can't run is refused there.
 
 The Pallas backend splits the batch at `num_decode_seqs`: the leading one-row decode requests
 go through the paged decode kernel (split-KV where it pays), the rest through the ragged
@@ -34,8 +37,10 @@ class PagedAttention(Protocol):
         """Per-step metadata for every layer (a pytree); called once per step."""
 
     def __call__(self, q, k_pages, v_pages, layer, prepared, *, sm_scale: float,
-                 sliding_window: int | None = None, soft_cap: float | None = None):
-        """q [T, Hq, D] -> [T, Hq, D]; rows past the batch come back zero."""
+                 sliding_window: int | None = None, soft_cap: float | None = None,
+                 sinks: jax.Array | None = None):
+        """q [T, Hq, D] -> [T, Hq, D]; rows past the batch come back zero. sinks: None or
+        [Hq] float32, a logit per query head added to its softmax's denominator."""
 
 
 @dataclass(frozen=True)
@@ -79,10 +84,11 @@ class _RowMetadata(NamedTuple):
 class ReferenceAttention:
     """The XLA path. Decode rows (one per request, the batch's first num_decode_seqs rows) as
     one work list (model/decode_attention.py), or on a CPU through jaxserve's decode kernel
-    (model/cpu_attention.py) where it can run; the other rows through pallas_kernels.reference
-    (skipped by a lax.cond when the step has none). Without the kernel, a model with more than
-    WIDE_MAX_KV_HEADS KV heads (per device) sends every row through the reference, where the
-    work list measured slower. Per-row metadata and work lists are made once a step."""
+    (model/cpu_attention.py) where it can run and the layer has no sinks (the kernel has
+    none); the other rows through pallas_kernels.reference (skipped by a lax.cond when the
+    step has none). Without the kernel, a model with more than WIDE_MAX_KV_HEADS KV heads
+    (per device) sends every row through the reference, where the work list measured slower.
+    Per-row metadata and work lists are made once a step."""
 
     def __init__(self, shape: AttentionShape | None = None, *, tile_pages: int = 4,
                  items_per_chunk: int = 64, cpu_kernel: bool | None = None):
@@ -112,14 +118,15 @@ class ReferenceAttention:
                            tile_pages=self.tile_pages, sliding_window=window)
 
     def __call__(self, q, k_pages, v_pages, layer, prepared: _RowMetadata, *, sm_scale,
-                 sliding_window=None, soft_cap=None):
+                 sliding_window=None, soft_cap=None, sinks=None):
         from pallas_kernels.reference import attend_rows
         pr = prepared
         kw = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
         kernel = cpu_attention.usable(k_pages) if self.cpu_kernel is None else self.cpu_kernel
+        kernel = kernel and sinks is None
         if k_pages.shape[3] > WIDE_MAX_KV_HEADS and not kernel:
             return attend_rows(q, k_pages, v_pages, layer, pr.page_table, pr.seq_ids,
-                               pr.positions, **kw)
+                               pr.positions, sinks=sinks, **kw)
         num_tokens, num_seqs = q.shape[0], pr.page_table.shape[0]
         q_decode = q[:num_seqs] if num_tokens >= num_seqs else jnp.pad(
             q, ((0, num_seqs - num_tokens), (0, 0), (0, 0)))
@@ -134,11 +141,12 @@ class ReferenceAttention:
                                   k_pages.shape[2], sliding_window)
             decoded = decode_attention(q_decode, k_pages, v_pages, layer, work,
                                        sm_scale=sm_scale, items_per_chunk=self.items_per_chunk,
-                                       soft_cap=soft_cap)
+                                       soft_cap=soft_cap, sinks=sinks)
         rows = jnp.arange(num_tokens)
         is_decode = rows < pr.num_decode_seqs
         ragged = jax.lax.cond(  # the other rows; decode rows as padding (no work)
-            pr.any_ragged, lambda a: attend_rows(*a, **kw), lambda a: jnp.zeros_like(a[0]),
+            pr.any_ragged, lambda a: attend_rows(*a, sinks=sinks, **kw),
+            lambda a: jnp.zeros_like(a[0]),
             (q, k_pages, v_pages, layer, pr.page_table, pr.seq_ids,
              jnp.where(is_decode, -1, pr.positions)))
         from_decode = decoded[jnp.minimum(rows, num_seqs - 1)]
@@ -154,7 +162,9 @@ class _KernelMetadata(NamedTuple):
 
 
 class PallasAttention:
-    """Decode rows through paged_attention's kernel, the rest through the ragged kernel."""
+    """Decode rows through paged_attention's kernel, the rest through the ragged kernel. With
+    sinks, both kernels also report their log-sum-exp and the sinks scale their outputs
+    (ragged_paged_attention.sink_weight): the kernel bodies are the same either way."""
 
     def __init__(self, shape: AttentionShape, interpret: bool = False):
         from pallas_kernels import tuning
@@ -192,21 +202,21 @@ class PallasAttention:
                                tuple(decode))
 
     def __call__(self, q, k_pages, v_pages, layer, prepared: _KernelMetadata, *, sm_scale,
-                 sliding_window=None, soft_cap=None):
+                 sliding_window=None, soft_cap=None, sinks=None):
         from pallas_kernels.paged_attention import decode_attend
         from pallas_kernels.ragged_paged_attention import ragged_attend
         index = self.shape.sliding_windows.index(sliding_window)
         rc, dc, num_splits = self._configs(prepared.page_table.shape, sliding_window,
                                            sm_scale, soft_cap)
         out = ragged_attend(q, k_pages, v_pages, layer, prepared.page_table,
-                            prepared.ragged[index], c=rc, formulation=self.formulation,
+                            prepared.ragged[index], sinks, c=rc, formulation=self.formulation,
                             interpret=self.interpret)                    # [T, Hq, D]
         num_tokens, num_seqs = q.shape[0], prepared.page_table.shape[0]
         q_decode = q[:num_seqs]  # decode rows are the batch's first rows, one per request
         if num_tokens < num_seqs:
             q_decode = jnp.pad(q_decode, ((0, num_seqs - num_tokens), (0, 0), (0, 0)))
         decoded = decode_attend(q_decode, k_pages, v_pages, layer, prepared.page_table,
-                                prepared.decode_kv_lens, prepared.decode[index], c=dc,
+                                prepared.decode_kv_lens, prepared.decode[index], sinks, c=dc,
                                 num_splits=num_splits, formulation=self.formulation,
                                 interpret=self.interpret)               # [S, Hq, D]
         rows = jnp.arange(num_tokens)

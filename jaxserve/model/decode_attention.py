@@ -22,6 +22,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.reference import sink_state
+
 NEG_INF = -1e30
 # Up to this many KV heads, a chunk's scores are one plain batched matmul per item against the
 # tile's K as stored ([tile, Hkv * D]) with each query head's row zero outside its own KV
@@ -73,9 +75,11 @@ def decode_work(kv_lens, num_decode, page_table, page_size: int, *, tile_pages: 
 
 
 def decode_attention(q, k_pages, v_pages, layer, work: DecodeWork, *, sm_scale: float,
-                     items_per_chunk: int, soft_cap: float | None = None):
+                     items_per_chunk: int, soft_cap: float | None = None, sinks=None):
     """q: [S, Hq, D], row s the query of request s; k_pages, v_pages: [L, N, page_size, Hkv,
-    D]. Returns [S, Hq, D] (requests without work: zero)."""
+    D]; sinks: None or [Hq] float32 attention sinks, each request's accumulators starting
+    from its heads' sinks (reference.sink_state), so a sink counts once however many items
+    its request has. Returns [S, Hq, D] (requests without work: zero)."""
     num_seqs, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_pages.shape[2], k_pages.shape[3]
     group = num_heads // num_kv_heads
@@ -131,8 +135,8 @@ def decode_attention(q, k_pages, v_pages, layer, work: DecodeWork, *, sm_scale: 
         return c + 1, m_new, l, acc
 
     shape = (num_seqs + 1, num_kv_heads, group)
-    init = (jnp.int32(0), jnp.full(shape, NEG_INF, jnp.float32), jnp.zeros(shape, jnp.float32),
-            jnp.zeros((*shape, head_dim), jnp.float32))
+    m0, l0 = sink_state(sinks, shape)
+    init = (jnp.int32(0), m0, l0, jnp.zeros((*shape, head_dim), jnp.float32))
     num_chunks = -(-work.num_items // chunk)
     _, _, l, acc = jax.lax.while_loop(lambda c: c[0] < num_chunks, body, init)
     out = acc[:num_seqs] / jnp.where(l[:num_seqs] > 0, l[:num_seqs], 1.0)[..., None]

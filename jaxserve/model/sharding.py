@@ -33,6 +33,7 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "layers.bk": ("layers", "kv_heads"),
     "layers.bv": ("layers", "kv_heads"),
     "layers.bo": ("layers", "embed"),           # added after wo's all-reduce
+    "layers.sinks": ("layers", "q_heads"),      # one attention-sink logit per query head
     "layers.q_norm": ("layers", "head_dim"),    # one head's scale, shared by every head
     "layers.k_norm": ("layers", "head_dim"),
     "layers.post_attn_norm": ("layers", "embed"),
@@ -56,6 +57,7 @@ ACTIVATION_AXES: dict[str, tuple[str, ...]] = {
     "hidden": ("tokens", "embed"),             # [T, D]
     "q": ("tokens", "q_heads", "head_dim"),    # [T, Hq, Dh]
     "attention_out": ("tokens", "q_heads", "head_dim"),
+    "sinks": ("q_heads",),                     # [Hq] one layer's attention sinks
     "logits": ("rows", "vocab"),               # [R, V]
     "step_input": (),                          # replicated whatever its rank
 }

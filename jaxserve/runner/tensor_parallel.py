@@ -14,7 +14,6 @@ never runs a step.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import jax
 import jax.numpy as jnp
@@ -181,12 +180,20 @@ class _ShardedAttention:
     def prepare(self, metadata, num_tokens: int):
         return self.backend.prepare(metadata, num_tokens)
 
-    def __call__(self, q, k_pages, v_pages, layer, prepared, **static):
+    def __call__(self, q, k_pages, v_pages, layer, prepared, *, sinks=None, **static):
+        """sinks ([Hq], or None) goes in split like q's heads, so each device's backend gets
+        the sinks of its own heads."""
         q_spec = sharding.activation_spec("q")
         out_spec = sharding.activation_spec("attention_out")
         kv_spec = sharding.spec(sharding.KV_PAGE_AXES, sharding.LOGICAL_RULES)
         rep = sharding.activation_spec("step_input")
-        per_device = jax.shard_map(
-            functools.partial(self.backend, **static), mesh=self.mesh,
-            in_specs=(q_spec, kv_spec, kv_spec, rep, rep), out_specs=out_spec, check_vma=False)
-        return per_device(q, k_pages, v_pages, layer, prepared)
+        args, specs = (q, k_pages, v_pages, layer, prepared), (q_spec, kv_spec, kv_spec, rep, rep)
+        if sinks is not None:
+            args, specs = args + (sinks,), specs + (sharding.activation_spec("sinks"),)
+
+        def attend(q, k_pages, v_pages, layer, prepared, sinks=None):
+            return self.backend(q, k_pages, v_pages, layer, prepared, sinks=sinks, **static)
+
+        per_device = jax.shard_map(attend, mesh=self.mesh, in_specs=specs, out_specs=out_spec,
+                                   check_vma=False)
+        return per_device(*args)
