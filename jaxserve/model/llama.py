@@ -160,7 +160,8 @@ class Llama(nnx.Module):
             v_pages = v_pages.at[idx, write_page, write_offset].set(v.astype(v_pages.dtype))
             attn = attention(q, k_pages, v_pages, idx, prepared, sm_scale=cfg.attention_scale,
                              sliding_window=kind.sliding_window,
-                             soft_cap=cfg.attn_logit_softcap)  # [T, Hq, Dh]
+                             soft_cap=cfg.attn_logit_softcap,
+                             sinks=w.get("sinks"))  # [T, Hq, Dh]
             out = linear(attn.reshape(x.shape[0], cfg.q_size).astype(x.dtype), w["wo"])
             if cfg.output_bias:
                 out = out + w["bo"]
