@@ -25,6 +25,7 @@ from gguf import GGMLQuantizationType as Q
 from jaxserve.model import quant
 from jaxserve.model.gguf_config import config_from_metadata
 from jaxserve.model.gguf_loader import load_gguf, read_metadata
+from jaxserve.model.loader import load_model
 from jaxserve.model.safetensors_loader import load_hf_directory, save_hf_directory
 from model_fixtures import llama_cpp_permute, tiny_vocab, write_tokenizer
 
@@ -253,6 +254,10 @@ def test_quantization_mode_keeps_expert_stacks_float_and_maps_the_rest(q8_qwen3m
     for name in ("layers.router", "layers.e_gate", "layers.e_up", "layers.e_down"):
         np.testing.assert_allclose(loaded.params[name], reference[name], rtol=0, atol=1e-6,
                                    err_msg=name)
+    served = load_model(str(path), progress=False, quantization="int8")  # the CLI's path
+    assert quant.stored_mode(served.params) == "int8"
+    np.testing.assert_allclose(served.params["layers.e_down"], reference["layers.e_down"],
+                               rtol=0, atol=1e-6)
     # where the quantized matrices include the experts, their stacks are requantized like any
     # float matrix (never block-mapped as 2-D tensors)
     experts = ("layers.router", "layers.e_gate", "layers.e_up", "layers.e_down")
