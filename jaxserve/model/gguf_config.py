@@ -4,7 +4,8 @@ llama.cpp names its settings `{arch}.<suffix>` (`qwen3.attention.head_count`,
 `gemma3.rope.freq_base`, `phi3.rope.dimension_count`, ...). This module reads them into the
 same ModelConfig fields that hf_config.py reads from the checkpoint's config.json, filling in what
 llama.cpp hard-codes instead of storing (Gemma 3's local RoPE base and 1-in-6 global layers, its
-attention scale): a model converted to GGUF must load as the checkpoint it came from. Any
+attention scale, the family a Llama file with experts really is): a model converted to GGUF must
+load as the checkpoint it came from. Any
 `{arch}.*` key it does not understand is an error naming it (a setting that changes the math
 must never be dropped silently; JAXSERVE_IGNORE_CONFIG_KEYS=key lets a user waive one he has
 checked). Plain data: it must not import jax, read files or touch tensors; whether the decoder
@@ -32,28 +33,41 @@ READ_SUFFIXES = frozenset({
     "rope.scaling.original_context_length", "rope.scaling.attn_factor",
     "final_logit_softcapping", "attn_logit_softcapping",
 })
+# `{arch}.` keys of a mixture-of-experts file (llama.cpp's LLM_KV_EXPERT_*), read by _experts.
+MOE_SUFFIXES = frozenset({"expert_count", "expert_used_count", "expert_feed_forward_length",
+                          "expert_weights_norm", "expert_weights_scale", "expert_gating_func"})
 # `{arch}.` keys that do not change the forward pass.
 INERT_SUFFIXES = frozenset({"rope.scaling.finetuned", "tensor_data_layout"})
 # Families whose GGUF layout this module and gguf_loader know (llama.cpp architecture names).
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3")
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen3moe")
+# llama.cpp writes Mixtral as `llama` with experts (convert_hf_to_gguf.py's LlamaModel): the
+# family a file of this architecture is when its expert_count is positive.
+_WITH_EXPERTS = {"llama": "mixtral"}
+# gguf.ExpertGatingFuncType.SOFTMAX: the only router llama.cpp runs for these families.
+_GATING_SOFTMAX = 1
 # llama.cpp's Gemma 3: every 6th layer global (llama-model.cpp set_swa_pattern(6)).
 _GEMMA3_PATTERN = 6
 ROPE_FACTORS_SHORT, ROPE_FACTORS_LONG = "rope_factors_short.weight", "rope_factors_long.weight"
 
 
-def _family(arch) -> Family:
+def _family(metadata: dict, arch) -> Family:
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"unsupported architecture {arch!r} in GGUF; supported: "
                          f"{', '.join(GGUF_ARCHITECTURES)}")
+    if arch in _WITH_EXPERTS and metadata.get(f"{arch}.expert_count", 0):
+        return FAMILIES[_WITH_EXPERTS[arch]]
     return FAMILIES[arch]
 
 
-def check_keys(metadata: dict, arch: str) -> None:
+def check_keys(metadata: dict, arch: str, family: Family) -> None:
     ignored = {k.strip() for k in os.environ.get(IGNORE_ENV, "").split(",") if k.strip()}
     for key, value in metadata.items():
         if not key.startswith(arch + ".") or key in ignored:
             continue
         suffix = key[len(arch) + 1:]
+        if suffix in MOE_SUFFIXES and (family.is_moe or (
+                suffix in ("expert_count", "expert_used_count") and value == 0)):
+            continue  # a dense file may say it has no experts
         if suffix not in READ_SUFFIXES | INERT_SUFFIXES:
             raise ValueError(f"GGUF metadata key {key}={value!r} is not supported: it may change "
                              f"the forward pass, so jaxserve refuses to guess (set "
@@ -100,6 +114,37 @@ def _layer_types(key: _Keys, family: Family, num_layers: int) -> tuple[tuple[str
     # checkpoint meant to slide (max_window_layers) is not in the file
     raise ValueError(f"GGUF {key.arch}.attention.sliding_window={window!r} is not supported for "
                      f"{family.hf_architecture}; load the Hugging Face directory instead")
+
+
+def _experts(key: _Keys, family: Family) -> dict:
+    """The mixture-of-experts fields ({} for a dense family). llama.cpp's converter writes only
+    the expert counts and (qwen3moe) the per-expert width; llama.cpp renormalises the top-k
+    weights of both families whatever config.json said, so a file without expert_weights_norm
+    renormalises here too."""
+    if not family.is_moe:
+        return {}
+    count, used = key("expert_count"), key("expert_used_count", 0)
+    if not 0 < used <= count:
+        raise ValueError(f"GGUF {key.arch}.expert_used_count={used!r} must be in [1, "
+                         f"{key.arch}.expert_count={count}]")
+    if family.expert_size_key == "intermediate_size":  # every FFN is an expert (Mixtral)
+        width = key("expert_feed_forward_length", key("feed_forward_length"))
+    else:  # llama.cpp's fallback when the per-expert width is absent
+        width = key("expert_feed_forward_length", None) or key("feed_forward_length") // used
+    normalize = bool(key("expert_weights_norm", True))
+    if not normalize and family.norm_topk_key is None:
+        raise ValueError(f"GGUF {key.arch}.expert_weights_norm=False is not supported for "
+                         f"{family.hf_architecture}, whose router always renormalises")
+    scale = key("expert_weights_scale", 1.0)
+    if scale not in (0.0, 1.0):  # llama.cpp: 0 means unscaled
+        raise ValueError(f"GGUF {key.arch}.expert_weights_scale={scale!r} is not supported "
+                         f"(jaxserve's {family.hf_architecture} router does not scale weights)")
+    gating = key("expert_gating_func", _GATING_SOFTMAX)
+    if gating != _GATING_SOFTMAX:
+        raise ValueError(f"GGUF {key.arch}.expert_gating_func={gating!r} is not supported: "
+                         f"{family.hf_architecture}'s router is a softmax ({_GATING_SOFTMAX})")
+    return dict(num_experts=count, num_experts_per_tok=used, moe_intermediate_size=width,
+                norm_topk_prob=normalize)
 
 
 def _rope_scaling(key: _Keys, max_pos: int) -> RopeScaling | None:
@@ -183,9 +228,13 @@ def config_from_metadata(metadata: dict, tensor_names, *, name: str,
                          f"{metadata['split.count']}; jaxserve reads one file: merge the shards "
                          f"with llama.cpp's `llama-gguf-split --merge <first shard> <out.gguf>`")
     arch = metadata.get("general.architecture")
-    family = _family(arch)
-    check_keys(metadata, arch)
+    family = _family(metadata, arch)
+    check_keys(metadata, arch, family)
     key = _Keys(metadata, arch)
+    experts = _experts(key, family)
+    # a MoE file without a dense width (no layer has a dense FFN) gets the experts' width
+    ffn = key("feed_forward_length", experts["moe_intermediate_size"]) if experts \
+        else key("feed_forward_length")
     num_heads = key("attention.head_count")
     num_kv_heads = key("attention.head_count_kv", num_heads)
     if isinstance(num_kv_heads, list):
@@ -209,7 +258,7 @@ def config_from_metadata(metadata: dict, tensor_names, *, name: str,
                                  "tokenizer.ggml.eom_token_id") if k in metadata]
     return ModelConfig(
         vocab_size=key("vocab_size", len(tokens)), hidden_size=hidden,
-        intermediate_size=key("feed_forward_length"), num_layers=num_layers,
+        intermediate_size=ffn, num_layers=num_layers,
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         rms_norm_eps=key("attention.layer_norm_rms_epsilon", 1e-5), **ropes,
         tie_word_embeddings="output.weight" not in tensor_names,
@@ -218,7 +267,7 @@ def config_from_metadata(metadata: dict, tensor_names, *, name: str,
         max_position_embeddings=max_pos,
         bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(eos)), add_bos_token=wants_bos(metadata),
-        architecture=arch, hidden_act=family.default_activation,
+        architecture=family.name, hidden_act=family.default_activation,
         sliding_window=window, layer_types=layer_types,
-        **_attention_extras(key, family, hidden, num_heads, head_dim, num_layers),
+        **_attention_extras(key, family, hidden, num_heads, head_dim, num_layers), **experts,
         name=metadata.get("general.name") or name)

@@ -5,10 +5,15 @@ What llama.cpp's converter changed per family is undone as the family declares i
 (families/*.py: gguf_layer_names, gguf_fused, gguf_permute_qk, gguf_norm_plus_one): Llama's Q/K
 rows are un-permuted exactly as transformers' GGUF loader does, so params are in HF's
 rotate-half convention; Gemma's (1 + w) norms lose their 1; Phi-3's fused attn_qkv and ffn_up
-are split. With a quantization mode the matrices come back as QuantizedTensors instead, mapped
-from the file's blocks one tensor at a time (model/gguf_quant.py says which GGML type gets which
-form). The metadata is read by gguf_config. This module must not import jax, and reads nothing
-but the file it is given.
+are split. A mixture-of-experts file's router (ffn_gate_inp, [E, D]) and expert stacks
+(ffn_{gate,up,down}_exps, [E, out, in], or llama.cpp's older one tensor per expert,
+ffn_gate.{e}) fill the [L, E, in, out] stacks. With a quantization mode the matrices come back as
+QuantizedTensors instead, mapped from the file's blocks one tensor at a time (model/gguf_quant.py
+says which GGML type gets which form). Expert tensors are never block-mapped (gguf_quant maps 2-D
+matrices): they are dequantized to float, and requantized like a float matrix only where
+quant.MATRIX_NAMES lists them (one expert of the older layout stays float: load_model's
+quantize_params covers the finished stack). The metadata is read by gguf_config. This module
+must not import jax, and reads nothing but the file it is given.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import re
 from pathlib import Path
 
 import gguf
@@ -39,9 +45,15 @@ _LAYER_NAMES = {
     "wo": "attn_output.weight", "bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias",
     "bo": "attn_output.bias", "w_gate": "ffn_gate.weight", "w_up": "ffn_up.weight",
     "w_down": "ffn_down.weight",
+    # mixture of experts: the router and every expert of a layer in one [E, out, in] tensor
+    "router": "ffn_gate_inp.weight", "e_gate": "ffn_gate_exps.weight",
+    "e_up": "ffn_up_exps.weight", "e_down": "ffn_down_exps.weight",
 }
+# llama.cpp's older Mixtral layout: one [out, in] tensor per expert, "blk.{i}.ffn_gate.{e}.weight".
+_PER_EXPERT = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
 _GLOBAL_TENSORS = {"token_embd.weight": "embed", "output_norm.weight": "final_norm",
                    "output.weight": "lm_head"}
+_EXPERT_PARAMS = ("layers.e_gate", "layers.e_up", "layers.e_down")
 _ROPE_FREQS = "rope_freqs.weight"
 _CONFIG_TENSORS = (_ROPE_FREQS, ROPE_FACTORS_SHORT, ROPE_FACTORS_LONG)
 
@@ -125,8 +137,18 @@ def layer_tensor_names(config: ModelConfig) -> dict[str, tuple[str, ...]]:
     return table
 
 
+def _per_expert(gguf_name: str) -> tuple[str, int, int] | None:
+    """(our full name, layer, expert) of a tensor in the one-per-expert layout, else None."""
+    match = _PER_EXPERT.fullmatch(gguf_name)
+    if match is None:
+        return None
+    return f"layers.e_{match[2]}", int(match[1]), int(match[3])
+
+
 def _targets(gguf_name: str, table: dict) -> tuple[tuple[str, ...], int | None]:
     """(our full names, layer or None) of a GGUF tensor; an unknown tensor is an error."""
+    if (expert := _per_expert(gguf_name)) is not None:
+        return (expert[0],), expert[1]
     if gguf_name in _GLOBAL_TENSORS:
         return (_GLOBAL_TENSORS[gguf_name],), None
     parts = gguf_name.split(".", 2)
@@ -164,9 +186,17 @@ def _exact_names(reader, table, mode: str) -> set[str]:
         if tensor.name in _CONFIG_TENSORS:
             continue
         for ours in _targets(tensor.name, table)[0]:
-            types.setdefault(ours, set()).add(tensor.tensor_type)
+            # expert tensors are never block-mapped (the module docstring)
+            kind = None if _is_expert(tensor.name, ours) else tensor.tensor_type
+            types.setdefault(ours, set()).add(kind)
     return {name for name, kinds in types.items() if name in quant.MATRIX_NAMES
-            and len(kinds) == 1 and gguf_quant.maps_exactly(next(iter(kinds)), mode)}
+            and len(kinds) == 1 and None not in kinds
+            and gguf_quant.maps_exactly(next(iter(kinds)), mode)}
+
+
+def _is_expert(gguf_name: str, ours: str) -> bool:
+    """Whether the tensor holds experts ([E, out, in], or one expert of the older layout)."""
+    return ours in _EXPERT_PARAMS or _per_expert(gguf_name) is not None
 
 
 def _rows(value, lo: int, hi: int):
@@ -198,6 +228,9 @@ def read_params(reader: gguf.GGUFReader, config: ModelConfig, *, progress: bool 
     for tensor in tqdm(reader.tensors, desc=desc, unit="tensor", disable=not progress):
         if tensor.name in _CONFIG_TENSORS:
             continue
+        if (expert := _per_expert(tensor.name)) is not None:
+            _set_one_expert(builder, tensor, *expert)
+            continue
         targets, layer = _targets(tensor.name, table)
         transpose = targets[0].split(".")[-1] in TRANSPOSED
         # one [out, in] slice per target, stacked on rows in the file
@@ -222,10 +255,22 @@ def read_params(reader: gguf.GGUFReader, config: ModelConfig, *, progress: bool 
                 part = part - np.float32(1.0)
             if quantization != "none" and ours in quant.MATRIX_NAMES:
                 if not isinstance(part, quant.QuantizedTensor):  # requantized, this tensor only
-                    part = quant.quantize(part.T if transpose else part, quantization, ours)
+                    part = quant.quantize(np.swapaxes(part, -1, -2) if transpose else part,
+                                          quantization, ours)
                 part = dataclasses.replace(part, transposed=transpose)
             builder.set(ours, part, layer=layer, transpose=transpose, source_name=tensor.name)
     return builder.finish()
+
+
+def _set_one_expert(builder: ParamBuilder, tensor, name: str, layer: int, expert: int) -> None:
+    """One expert's [out, in] matrix of the older layout, in float (load_model's quantize_params
+    quantizes the finished stack when the mode covers it)."""
+    want = builder.expected_shape(name, transposed=True)[1:]
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+    if shape != want:
+        raise shape_error(tensor.name, shape, want)
+    builder.set(name, _dequantize(tensor, shape), layer=layer, expert=expert, transpose=True,
+                source_name=tensor.name)
 
 
 def load_gguf(path: str | Path, *, progress: bool = True, name: str | None = None,
