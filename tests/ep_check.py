@@ -6,6 +6,7 @@ XLA_FLAGS must ask for 4 host devices before jax starts, hence a process of its 
 every configuration: SPEC.json names the MoE checkpoints ({"models": {name: directory}}) and
 the prompts. Each model is served greedily on one device, with plain tensor parallelism 2, and
 with expert parallelism 2 (on 2 devices), 4 (on 4, scanned layers) and 2 x tensor 2 (on 4);
+the first model again as a jaxserve checkpoint restored straight into the 2 x 2 shardings;
 then a dense checkpoint with expert parallelism asked for (ignored, with a warning). OUT.json
 gets each run's tokens, preemptions, the compilations counted while serving (after warm-up),
 and the shardings found on the expert weights and the router. It asserts nothing: the test
@@ -33,6 +34,7 @@ from arch_oracle import ENGINE, NUM_GREEDY  # noqa: E402
 
 from jaxserve import SamplingParams  # noqa: E402
 from jaxserve.entrypoints.llm import LLM  # noqa: E402
+from jaxserve.model.checkpoint import save_checkpoint  # noqa: E402
 from jaxserve.model.loader import load_model  # noqa: E402
 from jaxserve.runner.compile_count import CompileCounter  # noqa: E402
 
@@ -68,7 +70,9 @@ def watched_shardings(state) -> dict:
 
 
 def serve(loaded, batch, **settings) -> dict:
-    llm = LLM(loaded=loaded, progress=False, **{**SETTINGS, **settings})
+    """loaded: a LoadedModel, or a checkpoint directory (restored into the shardings)."""
+    source = {"model": loaded} if isinstance(loaded, str) else {"loaded": loaded}
+    llm = LLM(progress=False, **source, **{**SETTINGS, **settings})
     params = SamplingParams(max_tokens=NUM_GREEDY, temperature=0.0, ignore_eos=True)
     with CompileCounter() as compiles:
         outs = llm.generate(batch, params, use_tqdm=False)
@@ -117,6 +121,11 @@ def main() -> int:
         loaded = load_model(directory, progress=False)
         result["models"][name] = {run: serve(loaded, spec["batch"], **settings)
                                   for run, settings in RUNS.items()}
+    name, directory = next(iter(spec["models"].items()))
+    with tempfile.TemporaryDirectory() as tmp:
+        save_checkpoint(Path(tmp) / "ckpt", load_model(directory, progress=False))
+        result["models"][name]["ep2xtp2_checkpoint"] = serve(
+            str(Path(tmp) / "ckpt"), spec["batch"], **RUNS["ep2xtp2"])
     result["dense"] = dense_with_expert_parallel([p[:20] for p in spec["batch"]])
     Path(sys.argv[2]).write_text(json.dumps(result))
     return 0

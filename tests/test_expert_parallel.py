@@ -91,6 +91,18 @@ def test_experts_are_split_and_the_router_replicated(report, model, run):
     assert wq["shard_shape"][-1] * wq["devices"] == wq["shape"][-1], wq
 
 
+def test_a_moe_checkpoint_restored_into_the_expert_shardings_serves_the_same_tokens(cases, report):
+    import arch_oracle
+
+    runs = report["models"]["qwen3_moe"]
+    got = runs["ep2xtp2_checkpoint"]
+    assert got["tokens"] == runs["1"]["tokens"]
+    arch_oracle.assert_greedy_equal(got["tokens"], cases["qwen3_moe"].want_greedy,
+                                    got["preemptions"])
+    assert got["weights"]["e_gate"]["spec"] == "P('ep', None, 'tp')", got["weights"]["e_gate"]
+    assert got["weights"]["e_gate"] == runs["ep2xtp2"]["weights"]["e_gate"]
+
+
 def test_a_dense_model_ignores_expert_parallelism_with_a_warning(report):
     dense = report["dense"]
     assert dense["tokens"] == dense["want"]
