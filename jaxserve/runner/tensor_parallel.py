@@ -7,10 +7,10 @@ shard_map (each device attends with its own heads, which is also what lets a Pal
 sharded), a mixture-of-experts FFN runs under shard_map too (each device computes the routed
 pairs of its experts and its share of their width, then a psum over the mesh combines them:
 model/moe_shard.py), and the step's outputs are pinned: packed tokens replicated, KV in its
-sharding, so every call reuses one executable. `load_model` restores a jaxserve (Orbax) checkpoint straight
-into the shardings. The same code runs on one host or many (multi-process arrays are built from
-each process's local shards). This module decides no shardings itself (sharding.py does) and
-never runs a step.
+sharding, so every call reuses one executable. `load_model` restores a jaxserve (Orbax)
+checkpoint straight into the shardings. The same code runs on one host or many (multi-process
+arrays are built from each process's local shards). This module decides no shardings itself
+(sharding.py does) and never runs a step.
 """
 
 from __future__ import annotations
