@@ -83,7 +83,9 @@ def _layer(value, index: int):
 
 class Llama(nnx.Module):
     def __init__(self, config: ModelConfig, params: dict[str, np.ndarray], dtype=jnp.float32,
-                 layer_loop: str = "scan"):
+                 layer_loop: str = "scan", experts=None):
+        """experts: how a MoE layer computes its routed pairs (moe.moe_mlp's experts_fn; None:
+        all experts here, unsharded); kept static in the graph definition."""
         expected = config.param_shapes()
         missing = sorted(set(expected) - set(params))
         if missing:
@@ -101,6 +103,7 @@ class Llama(nnx.Module):
 
         self.compute_dtype = jnp.dtype(dtype)
         self.config = config
+        self.experts = experts
         ropes, self.kinds = layer_plan(config)
         if len(set(self.kinds)) > 1:
             layer_loop = "unroll"  # a scan body cannot change its window or RoPE per layer
@@ -170,7 +173,7 @@ class Llama(nnx.Module):
             x = x + out
             h = norm(x, w["mlp_norm"])
             if cfg.num_experts:
-                out = moe.moe_mlp(h, w, cfg)
+                out = moe.moe_mlp(h, w, cfg, self.experts)
             else:
                 out = layers.gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], cfg.hidden_act)
             if family.sandwich_norms:
