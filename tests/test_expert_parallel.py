@@ -29,7 +29,10 @@ ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                             num_key_value_heads=4),
           "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, num_key_value_heads=4,
-                          sliding_window=12)}
+                          sliding_window=12),
+          # attention sinks split with their heads; biases on the router and every expert
+          "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, num_key_value_heads=4,
+                          sliding_window=8)}
 # run -> (experts per device, expert width per device) as fractions of the whole
 SPLITS = {"tp2": (1, 2), "ep2": (2, 1), "ep4": (4, 1), "ep2xtp2": (2, 2)}
 
