@@ -2,7 +2,8 @@
 against float32 on this machine's backend.
 
     python scripts/moe_quant_options.py [--pairs 64,256] [--experts 8] [--hidden 512]
-        [--ffn 256] [--layers 2] [--repeats 20] [--json scripts/bench_results/moe_quant_options.json]
+        [--ffn 256] [--layers 2] [--repeats 20]
+        [--json scripts/bench_results/moe_quant_options.json]
 
 `ragged_dot` takes one dtype, so an int8 expert stack ([E, out, in], one float32 scale per
 output channel) must become the activation dtype first. Each option runs `--layers` expert
@@ -16,7 +17,8 @@ shared machine hits all of them alike; medians over `repeats` rounds. Options:
   scale_after   q converted alone (after the activations), ragged_dot_general, then each row's
                 output times its expert's channel scales
   deq_io        deq, the float32 stack written transposed [E, in, out] for lax.ragged_dot
-  scale_after_io  scale_after, the converted stack written transposed [E, in, out]
+  scale_after_io  scale_after, the converted stack written transposed [E, in, out]:
+                expert_matmul.grouped's int8 form
 It measures and prints; the choice it informs is in jaxserve/model/expert_matmul.py and
 docs/moe.md.
 """
@@ -36,7 +38,6 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from jaxserve.model import expert_matmul  # noqa: E402
 from jaxserve.model.qlinear import QArray, _after, dequantize  # noqa: E402
 from jaxserve.model.quant import quantize_int8  # noqa: E402
 
@@ -44,8 +45,14 @@ OPTIONS = ("f32", "f32_oi", "deq", "scale_after", "deq_io", "scale_after_io")
 NAMES = ("gate", "up", "down")
 
 
+# rows [M, in] sorted by expert times a stack [E, out, in]: contract `in` of both.
+OUT_IN = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[0])
+
+
 def _ragged_oi(rows, stack, sizes):
-    return jax.lax.ragged_dot_general(rows, stack, sizes, expert_matmul._OUT_IN,
+    return jax.lax.ragged_dot_general(rows, stack, sizes, OUT_IN,
                                       preferred_element_type=jnp.float32)
 
 

@@ -9,11 +9,12 @@ layout, groups along `in`). Both forms return float32.
   which is [T, k, out] rather than [T, k, out, in] multiplies.
 * `grouped` (pairs sorted by expert, one group per expert): `ragged_dot` takes one dtype, so
   the integer stack is converted next to its use (tied to the activations: qlinear._after, so
-  an unrolled step does not convert every layer's stack up front). Per-channel int8 converts
-  q alone and scales each row's output by its expert's channel scales after the ragged_dot;
-  grouped forms (int4, GGUF blocks) are dequantized whole, int4 as its two nibble halves, each
-  against the activations' even or odd inputs (no interleaving shuffle). Which int8 form is
-  faster on the CPU was measured: scripts/moe_quant_options.py, docs/moe.md.
+  an unrolled step does not convert every layer's stack up front), written [E, in, out] as the
+  float stack is. Per-channel int8 converts q alone and scales each row's output by its
+  expert's channel scales after the ragged_dot; grouped forms (int4, GGUF blocks) are
+  dequantized whole, int4 as its two nibble halves, each against the activations' even or odd
+  inputs (no interleaving shuffle). The int8 forms were measured on the CPU:
+  scripts/moe_quant_options.py, docs/moe.md.
 Pure functions of arrays: no routing, no weights held, no shardings.
 """
 
@@ -23,11 +24,6 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.model.qlinear import QArray, _after, _int4_halves, dequantize, per_channel_int8
-
-# ragged_dot over rows [M, in] sorted by expert and a stack [E, out, in]: contract `in` of both.
-_OUT_IN = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
-    rhs_group_dimensions=[0])
 
 
 def _take(w: QArray, experts) -> QArray:
@@ -65,9 +61,9 @@ def grouped(rows, w, group_sizes, expert_of_row) -> jax.Array:
         return jax.lax.ragged_dot(rows, w.astype(rows.dtype), group_sizes,
                                   preferred_element_type=f32)
 
-    def ragged(lhs, stack):  # lhs [M, n] x stack [E, out, n] -> [M, out]
-        return jax.lax.ragged_dot_general(lhs, stack, group_sizes, _OUT_IN,
-                                          preferred_element_type=f32)
+    def ragged(lhs, stack):  # lhs [M, n] x stack [E, out, n], written [E, n, out] -> [M, out]
+        return jax.lax.ragged_dot(lhs, jnp.swapaxes(stack, -1, -2), group_sizes,
+                                  preferred_element_type=f32)
 
     if per_channel_int8(w):
         values = (w.q.astype(f32) + _after(rows)).astype(rows.dtype)  # [E, out, in]

@@ -2,7 +2,8 @@
 what a params dict's weights cost on device.
 
 A QuantizedTensor holds one matrix (or a stack of them: layers first, then experts) in the
-layout its matmul reads on device: [..., out, in], groups of `group` inputs sharing a scale (and a zero):
+layout its matmul reads on device: [..., out, in], groups of `group` inputs sharing a scale
+(and a zero):
     w[..., o, i] = q[..., o, i] * scale[..., o, i // group] + zero[..., o, i // group]
 * int8: q int8 [..., out, in]; symmetric per output channel (group = in, float32 scales, no
   zero) when quantized here; GGUF blocks map to groups of 32 (Q8_0, Q5_x, Q4_x) or 16 (Q6_K),
