@@ -12,8 +12,10 @@ How the pairs meet their experts is chosen statically from M:
   its total parameters.
 Routers (families/base.py Family.router): a softmax over every expert then the top k, optionally
 renormalised (Qwen3-MoE's norm_topk_prob, Mixtral always), or the top k logits then a softmax
-over them (gpt-oss). Pure functions of arrays; this module holds no weights and knows nothing
-of paging, meshes or files (one device's share under expert parallelism: moe_shard.py).
+over them (gpt-oss). The expert matrices may be quantized (int8 / int4; model/expert_matmul.py
+does the matmuls either way); the router stays float. Pure functions of arrays; this module
+holds no weights and knows nothing of paging, meshes or files (one device's share under expert
+parallelism: moe_shard.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxserve.model import expert_matmul
 from jaxserve.model.families.base import ROUTE_TOPK_SOFTMAX
 from jaxserve.model.layers import ACTIVATIONS
 from jaxserve.model.qlinear import linear
@@ -72,8 +75,7 @@ def compute_experts(x, weights, experts, w: dict, config):
 def gathered_experts(x, weights, experts, w: dict, config):
     """Each (token, expert) pair reads its own expert's matrices: [T, k] pairs, M <= E."""
     def project(h, name):  # h [T, k, in] -> [T, k, out], each pair through its expert
-        out = jnp.einsum("tki,tkio->tko", h, w[name][experts].astype(h.dtype),
-                         preferred_element_type=jnp.float32)
+        out = expert_matmul.gathered(h, w[name], experts)
         if f"{name}_bias" in w:
             out = out + w[f"{name}_bias"][experts].astype(jnp.float32)
         return out
@@ -100,8 +102,7 @@ def grouped_experts(x, weights, experts, w: dict, config, num_experts: int | Non
     rows = x[token]                                               # [M, D]
 
     def project(h, name):
-        out = jax.lax.ragged_dot(h, w[name].astype(h.dtype), sizes,
-                                 preferred_element_type=jnp.float32)
+        out = expert_matmul.grouped(h, w[name], sizes, expert_of_row)
         if f"{name}_bias" in w:
             out = out + w[f"{name}_bias"][expert_of_row].astype(jnp.float32)
         return out

@@ -1,0 +1,75 @@
+"""The mixture-of-experts layer's expert matmuls: (token, expert) pairs through their experts'
+matrices, float or quantized, in the two forms model/moe.py meets them.
+
+A float expert stack is [E, in, out]; a quantized one is a QArray [E, out, in] (model/quant.py's
+layout, groups along `in`). Both forms return float32.
+* `gathered` (few pairs): each pair gathers its own expert's rows of q / scale / zero, so a step
+  reads, and dequantizes, only the experts it uses. Per-channel int8 multiplies the int8 values
+  (converted to the activation dtype) and applies each output channel's scale to the product,
+  which is [T, k, out] rather than [T, k, out, in] multiplies.
+* `grouped` (pairs sorted by expert, one group per expert): `ragged_dot` takes one dtype, so
+  the integer stack is converted next to its use (tied to the activations: qlinear._after, so
+  an unrolled step does not convert every layer's stack up front), written [E, in, out] as the
+  float stack is. Per-channel int8 converts q alone and scales each row's output by its
+  expert's channel scales after the ragged_dot; grouped forms (int4, GGUF blocks) are
+  dequantized whole, int4 as its two nibble halves, each against the activations' even or odd
+  inputs (no interleaving shuffle). The int8 forms were measured on the CPU:
+  scripts/moe_quant_options.py, docs/moe.md.
+Pure functions of arrays: no routing, no weights held, no shardings.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.model.qlinear import QArray, _after, _int4_halves, dequantize, per_channel_int8
+
+
+def _take(w: QArray, experts) -> QArray:
+    """The experts' slices of a quantized stack: [E, ...] indexed by experts [T, k]."""
+    return QArray(w.q[experts], w.scale[experts], None if w.zero is None else w.zero[experts],
+                  w.bits, w.group)
+
+
+def gathered(h, w, experts) -> jax.Array:
+    """h [T, k, in], each pair through its expert experts [T, k] of w (float [E, in, out] or a
+    QArray [E, out, in]) -> [T, k, out] float32."""
+    f32 = jnp.float32
+    if not isinstance(w, QArray):
+        return jnp.einsum("tki,tkio->tko", h, w[experts].astype(h.dtype),
+                          preferred_element_type=f32)
+    pairs = _take(w, experts)                                     # [T, k, out, in*]
+    if per_channel_int8(pairs):
+        out = jnp.einsum("tki,tkoi->tko", h, pairs.q.astype(h.dtype),
+                         preferred_element_type=f32)
+        return out * pairs.scale[..., 0].astype(f32)
+    if pairs.bits == 8:
+        return jnp.einsum("tki,tkoi->tko", h, dequantize(pairs, h.dtype),
+                          preferred_element_type=f32)
+    even, odd = _int4_halves(pairs, h.dtype)                      # each [T, k, out, in // 2]
+    halves = h.reshape(*h.shape[:-1], h.shape[-1] // 2, 2)
+    return (jnp.einsum("tki,tkoi->tko", halves[..., 0], even, preferred_element_type=f32)
+            + jnp.einsum("tki,tkoi->tko", halves[..., 1], odd, preferred_element_type=f32))
+
+
+def grouped(rows, w, group_sizes, expert_of_row) -> jax.Array:
+    """rows [M, in] sorted by expert, group_sizes [E] (rows per expert), expert_of_row [M];
+    w: float [E, in, out] or a QArray [E, out, in] -> [M, out] float32."""
+    f32 = jnp.float32
+    if not isinstance(w, QArray):
+        return jax.lax.ragged_dot(rows, w.astype(rows.dtype), group_sizes,
+                                  preferred_element_type=f32)
+
+    def ragged(lhs, stack):  # lhs [M, n] x stack [E, out, n], written [E, n, out] -> [M, out]
+        return jax.lax.ragged_dot(lhs, jnp.swapaxes(stack, -1, -2), group_sizes,
+                                  preferred_element_type=f32)
+
+    if per_channel_int8(w):
+        values = (w.q.astype(f32) + _after(rows)).astype(rows.dtype)  # [E, out, in]
+        return ragged(rows, values) * w.scale[expert_of_row, :, 0].astype(f32)
+    if w.bits == 8:
+        return ragged(rows, dequantize(w, rows.dtype, after=rows))
+    even, odd = _int4_halves(w, rows.dtype, after=rows)           # each [E, out, in // 2]
+    halves = rows.reshape(rows.shape[0], rows.shape[-1] // 2, 2)
+    return ragged(halves[..., 0], even) + ragged(halves[..., 1], odd)
