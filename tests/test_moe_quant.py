@@ -112,10 +112,16 @@ def test_gathered_quantized_experts_equal_float_ones_on_the_dequantized_weights(
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=form)
 
 
+@pytest.mark.parametrize("grouped", ["ragged_dot", "tiled"])
 @pytest.mark.parametrize("form", FORMS)
-def test_grouped_quantized_experts_equal_float_ones_on_the_dequantized_weights(form):
+def test_grouped_quantized_experts_equal_float_ones_on_the_dequantized_weights(
+        form, grouped, monkeypatch):
+    """Both grouped forms (ragged_dot on TPU / GPU, the tiled loop on the CPU). The tiled loop
+    multiplies per-channel int8 weights through qlinear.linear, which on the CPU quantizes the
+    activations too (~15 bits of them): within 2e-4 of the largest output there."""
     import jax.numpy as jnp
 
+    monkeypatch.setattr(expert_matmul, "GROUPED", grouped)
     rng = np.random.default_rng(2)
     w, qarray = _stack(rng, 8, 64, 96, form)
     sizes = np.array([5, 0, 9, 1, 0, 12, 3, 2], np.int32)                # an empty group too
@@ -123,7 +129,8 @@ def test_grouped_quantized_experts_equal_float_ones_on_the_dequantized_weights(f
     rows = jnp.asarray(rng.standard_normal((int(sizes.sum()), 64)), jnp.float32)
     got = np.asarray(expert_matmul.grouped(rows, qarray, jnp.asarray(sizes), expert_of_row))
     want = np.einsum("mi,mio->mo", np.asarray(rows), w[np.asarray(expert_of_row)])
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=form)
+    atol = 2e-4 * np.abs(want).max() if grouped == "tiled" and "per channel" in form else 1e-4
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=atol, err_msg=form)
 
 
 # ---- accuracy and bytes on transformers' checkpoints ---------------------------------------
