@@ -6,7 +6,8 @@ XLA_FLAGS must ask for 4 host devices before jax starts, hence a process of its 
 every configuration: SPEC.json names the MoE checkpoints ({"models": {name: directory}}) and
 the prompts. Each model is served greedily on one device, with plain tensor parallelism 2, and
 with expert parallelism 2 (on 2 devices), 4 (on 4, scanned layers) and 2 x tensor 2 (on 4);
-the first model again as a jaxserve checkpoint restored straight into the 2 x 2 shardings;
+the first model again as a jaxserve checkpoint restored straight into the 2 x 2 shardings, and
+with int8 weights on one device and 2 x 2;
 then a dense checkpoint with expert parallelism asked for (ignored, with a warning). OUT.json
 gets each run's tokens, preemptions, the compilations counted while serving (after warm-up),
 and the shardings found on the expert weights and the router. It asserts nothing: the test
@@ -126,6 +127,10 @@ def main() -> int:
         save_checkpoint(Path(tmp) / "ckpt", load_model(directory, progress=False))
         result["models"][name]["ep2xtp2_checkpoint"] = serve(
             str(Path(tmp) / "ckpt"), spec["batch"], **RUNS["ep2xtp2"])
+    # int8 experts split over the devices (q, scales) serve int8's tokens on one device
+    for run, settings in (("int8", {}), ("ep2xtp2_int8", RUNS["ep2xtp2"])):
+        result["models"][name][run] = serve(load_model(directory, progress=False, quantization="int8"),
+                                            spec["batch"], **settings)
     result["dense"] = dense_with_expert_parallel([p[:20] for p in spec["batch"]])
     Path(sys.argv[2]).write_text(json.dumps(result))
     return 0

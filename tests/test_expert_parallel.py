@@ -106,6 +106,13 @@ def test_a_moe_checkpoint_restored_into_the_expert_shardings_serves_the_same_tok
     assert got["weights"]["e_gate"] == runs["ep2xtp2"]["weights"]["e_gate"]
 
 
+def test_int8_experts_split_over_the_devices_give_one_devices_int8_tokens(report):
+    runs = report["models"]["qwen3_moe"]
+    want, got = runs["int8"], runs["ep2xtp2_int8"]
+    assert got["tokens"] == want["tokens"]
+    assert got["preemptions"] > 0 and got["compiles"] == 0
+
+
 def test_a_dense_model_ignores_expert_parallelism_with_a_warning(report):
     dense = report["dense"]
     assert dense["tokens"] == dense["want"]
