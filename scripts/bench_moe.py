@@ -157,7 +157,8 @@ def main() -> int:
                           "num_experts_per_tok": c.num_experts_per_tok,
                           "moe_intermediate_size": c.moe_intermediate_size,
                           "vocab_size": c.vocab_size}
-    report = dict(command=" ".join([Path(sys.executable).name, *sys.argv]),
+    env = [f"{k}={os.environ[k]}" for k in ("JAXSERVE_MOE_GROUPED",) if k in os.environ]
+    report = dict(command=" ".join([*env, Path(sys.executable).name, *sys.argv]),
                   machine={"backend": jax.default_backend(), "device": str(jax.devices()[0]),
                            "cores": os.cpu_count(), "platform": platform.platform(),
                            "jax": jax.__version__},
