@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.model import layers, moe, rope
+from jaxserve.model.lora import StepAdapters
 from jaxserve.model.qlinear import QuantizedWeight, head, linear, lookup
 from jaxserve.model.quant import QuantizedTensor
 from jaxserve.model import pytrees  # noqa: F401  (registers the step inputs as pytrees)
@@ -123,10 +124,11 @@ class Llama(nnx.Module):
 
     def __call__(self, inputs: ModelInputs, metadata: AttentionMetadata,
                  kv: tuple[jax.Array, jax.Array], attention: PagedAttention, *,
-                 return_hidden: bool = False):
+                 return_hidden: bool = False, lora: dict | None = None):
         """Returns (logits [R, V] float32, updated kv), and with return_hidden the last layer's
         output of every row [T, D] too (model.logits of it: every row's logits). K/V pages:
-        [L, N, page_size, Hkv, Dh].
+        [L, N, page_size, Hkv, Dh]. lora: the resident adapters' stacks by parameter name
+        (model/lora.py), each row's slot in inputs.lora_slots; None: no adapters.
 
         The attention backend prepares its per-step metadata once here, before the layer loop;
         every layer then reads the same prepared object."""
@@ -140,13 +142,18 @@ class Llama(nnx.Module):
         page_size = kv[0].shape[2]
         write_page = inputs.slot_mapping // page_size
         write_offset = inputs.slot_mapping % page_size
+        adapters = None if lora is None else StepAdapters(lora, inputs.lora_slots, x.dtype)
 
         def norm(h, weight):
             return layers.rms_norm(h, weight, cfg.rms_norm_eps, family.norm_plus_one)
 
         def layer(x, k_pages, v_pages, idx, w, kind: LayerKind):
+            def proj(h, key):  # a projection, and the rows' adapter deltas on it
+                y = linear(h, w[key])
+                return y if adapters is None else adapters.add(y, h, key, idx)
+
             h = norm(x, w["attn_norm"])
-            q, k, v = linear(h, w["wq"]), linear(h, w["wk"]), linear(h, w["wv"])
+            q, k, v = proj(h, "wq"), proj(h, "wk"), proj(h, "wv")
             if cfg.attention_bias:
                 q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
             q = q.reshape(-1, cfg.num_heads, cfg.head_dim)     # [T, Hq, Dh]
@@ -162,7 +169,7 @@ class Llama(nnx.Module):
                              sliding_window=kind.sliding_window,
                              soft_cap=cfg.attn_logit_softcap,
                              sinks=w.get("sinks"))  # [T, Hq, Dh]
-            out = linear(attn.reshape(x.shape[0], cfg.q_size).astype(x.dtype), w["wo"])
+            out = proj(attn.reshape(x.shape[0], cfg.q_size).astype(x.dtype), "wo")
             if cfg.output_bias:
                 out = out + w["bo"]
             if family.sandwich_norms:
@@ -171,8 +178,9 @@ class Llama(nnx.Module):
             h = norm(x, w["mlp_norm"])
             if cfg.num_experts:
                 out = moe.moe_mlp(h, w, cfg)
-            else:
-                out = layers.gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], cfg.hidden_act)
+            else:  # layers.gated_mlp, each projection through proj
+                act = layers.ACTIVATIONS[cfg.hidden_act]
+                out = proj(act(proj(h, "w_gate")) * proj(h, "w_up"), "w_down")
             if family.sandwich_norms:
                 out = norm(out, w["post_mlp_norm"])
             return x + out, k_pages, v_pages
