@@ -1,13 +1,16 @@
-"""DeviceLoRA: the resident adapters' weights on the device, stacked by slot, per target.
+"""DeviceLoRA: the resident adapters' weights on the device, side by side by slot, per target.
 
 For every projection a LoRA adapter may target on this base model ("wq", "wk", "wv", "wo", and
-on a dense MLP "w_gate", "w_up", "w_down"), A [S, L, in, R] and B [S, L, R, out] in the compute
-dtype: S = max_loras + 1 slots (slot 0 stays zeros: rows of the base model), R = max_lora_rank.
-An adapter of a smaller rank is zero-padded to R (the extra products are exact zeros) and a
-target it lacks is zeros, so every adapter fills a slot with arrays of one shape and dtype:
-writing one (`write`, a jitted, donated dynamic_update_slice compiled at warm-up) replaces the
-arrays in place and never recompiles the step, which takes `arrays` as one of its donated
-caches and hands them back unchanged (model/lora.py reads them).
+on a dense MLP "w_gate", "w_up", "w_down"), per layer A [in, N * R] and B [N * R, out] in the
+compute dtype (model/lora.py's layout: slot s's A is columns (s - 1) * R .. s * R - 1, its B
+the same rows): slots 1 .. N = max_loras hold adapters; slot 0, the base model's rows, has no
+block (its delta is zero by construction, not by stored zeros). R = max_lora_rank. Held as L arrays per target for the unrolled layer loop, or stacked [L, ...]
+for the scan (`per_layer`), as the base weights are. An adapter of a smaller rank is
+zero-padded to R (the extra products are exact zeros) and a target it lacks is zeros, so
+writing one into a slot (`write`: a jitted, donated dynamic_update_slice per array, compiled
+at warm-up) replaces arrays of the same shape and dtype and never recompiles the step, which
+takes `arrays` (a model/lora.py LoRAStacks) as one of its donated caches and hands them back
+unchanged.
 
 The runner calls `apply_loads(plan.lora_loads, registry)` before each step, on the thread that
 launches steps, so writes and steps keep their order. Which adapter goes into which slot is
@@ -23,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.lora.peft import TARGETS, LoRAAdapter
+from jaxserve.model.lora import LoRAStacks
 
 log = logging.getLogger(__name__)
 
@@ -34,37 +38,53 @@ def lora_targets(model_config) -> dict[str, tuple[int, int]]:
             if f"layers.{name}" in shapes}
 
 
-def _write_slot(stacks, slot, new):
-    """stacks: name -> (A [S, L, in, R], B [S, L, R, out]); new: name -> (A [L, in, R],
-    B [L, R, out]) written at `slot`."""
-    return jax.tree.map(
-        lambda s, n: jax.lax.dynamic_update_index_in_dim(s, n.astype(s.dtype), slot, 0),
-        stacks, new)
+def _write_slot(stacks: LoRAStacks, slot, new) -> LoRAStacks:
+    """stacks with new: name -> (A [L, in, R], B [L, R, out]) written into `slot`'s block
+    (slot >= 1)."""
+    def put(array, block, axis):  # block's rank axis goes to (slot - 1) * R on `axis`
+        start = [0] * array.ndim
+        start[axis] = (slot - 1) * block.shape[axis]
+        return jax.lax.dynamic_update_slice(array, block.astype(array.dtype), start)
+
+    weights = {}
+    for name, (a, b) in stacks.weights.items():
+        new_a, new_b = new[name]
+        if isinstance(a, tuple):  # per layer: [in, N * R] / [N * R, out]
+            weights[name] = (tuple(put(x, new_a[i], 1) for i, x in enumerate(a)),
+                             tuple(put(x, new_b[i], 0) for i, x in enumerate(b)))
+        else:  # stacked: [L, in, N * R] / [L, N * R, out]
+            weights[name] = (put(a, new_a, 2), put(b, new_b, 1))
+    return LoRAStacks(weights, stacks.max_loras)
 
 
 class DeviceLoRA:
     def __init__(self, model_config, max_loras: int, max_lora_rank: int, dtype=jnp.float32,
-                 sharding=None):
+                 sharding=None, per_layer: bool = True):
         """sharding: where the stacks live (None: the default device; tensor parallel:
-        replicated)."""
+        replicated); per_layer: L arrays per target (the unrolled loop), else stacked."""
         self.num_layers = model_config.num_layers
-        self.num_slots = max_loras + 1
+        self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.targets = lora_targets(model_config)
-        s, n, r = self.num_slots, self.num_layers, max_lora_rank
+        s, n, r = max_loras, self.num_layers, max_lora_rank
         zeros = lambda shape: jax.device_put(jnp.zeros(shape, dtype), sharding)
-        self.arrays = {name: (zeros((s, n, d_in, r)), zeros((s, n, r, d_out)))
+        if per_layer:
+            weights = {name: (tuple(zeros((d_in, s * r)) for _ in range(n)),
+                              tuple(zeros((s * r, d_out)) for _ in range(n)))
                        for name, (d_in, d_out) in self.targets.items()}
-        itemsize = jnp.dtype(dtype).itemsize
-        self.nbytes = sum(a.size + b.size for a, b in self.arrays.values()) * itemsize
+        else:
+            weights = {name: (zeros((n, d_in, s * r)), zeros((n, s * r, d_out)))
+                       for name, (d_in, d_out) in self.targets.items()}
+        self.arrays = LoRAStacks(weights, max_loras)
+        self.nbytes = sum(x.nbytes for x in jax.tree.leaves(self.arrays))
         log.info("LoRA: %d slots x rank %d on %s, %.1f MiB", max_loras, r,
                  ", ".join(self.targets), self.nbytes / 2**20)
         shardings = {} if sharding is None else {"out_shardings": sharding}
         self._write = jax.jit(_write_slot, donate_argnums=(0,), **shardings)
 
     def warmup(self) -> None:
-        """Compile the slot write (zeros into slot 0, which stays zeros)."""
-        self.write(0, None)
+        """Compile the slot write (zeros into slot 1, which holds zeros until a load)."""
+        self.write(1, None)
 
     def padded(self, adapter: LoRAAdapter | None) -> dict:
         """The adapter as one slot's host arrays: rank padded to max_lora_rank, the targets it
@@ -90,8 +110,8 @@ class DeviceLoRA:
 
     def write(self, slot: int, adapter: LoRAAdapter | None) -> None:
         """The adapter's weights into `slot` (None: zeros), in place."""
-        if not 0 <= slot < self.num_slots:
-            raise ValueError(f"LoRA slot {slot} is outside [0, {self.num_slots})")
+        if not 1 <= slot <= self.max_loras:
+            raise ValueError(f"LoRA slot {slot} is outside [1, max_loras={self.max_loras}]")
         self.arrays = self._write(self.arrays, np.int32(slot), self.padded(adapter))
 
     def apply_loads(self, loads: list[tuple[int, int]], registry) -> None:

@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.model import layers, moe, rope
-from jaxserve.model.lora import StepAdapters
+from jaxserve.model import lora as lora_ops
 from jaxserve.model.qlinear import QuantizedWeight, head, linear, lookup
 from jaxserve.model.quant import QuantizedTensor
 from jaxserve.model import pytrees  # noqa: F401  (registers the step inputs as pytrees)
@@ -124,11 +124,11 @@ class Llama(nnx.Module):
 
     def __call__(self, inputs: ModelInputs, metadata: AttentionMetadata,
                  kv: tuple[jax.Array, jax.Array], attention: PagedAttention, *,
-                 return_hidden: bool = False, lora: dict | None = None):
+                 return_hidden: bool = False, lora: lora_ops.LoRAStacks | None = None):
         """Returns (logits [R, V] float32, updated kv), and with return_hidden the last layer's
         output of every row [T, D] too (model.logits of it: every row's logits). K/V pages:
-        [L, N, page_size, Hkv, Dh]. lora: the resident adapters' stacks by parameter name
-        (model/lora.py), each row's slot in inputs.lora_slots; None: no adapters.
+        [L, N, page_size, Hkv, Dh]. lora: the resident adapters (model/lora.py), each row's
+        slot in inputs.lora_slots; None: no adapters.
 
         The attention backend prepares its per-step metadata once here, before the layer loop;
         every layer then reads the same prepared object."""
@@ -142,15 +142,16 @@ class Llama(nnx.Module):
         page_size = kv[0].shape[2]
         write_page = inputs.slot_mapping // page_size
         write_offset = inputs.slot_mapping % page_size
-        adapters = None if lora is None else StepAdapters(lora, inputs.lora_slots, x.dtype)
+        adapters = (None if lora is None
+                    else lora_ops.StepAdapters(lora, inputs.lora_slots, x.dtype))
 
         def norm(h, weight):
             return layers.rms_norm(h, weight, cfg.rms_norm_eps, family.norm_plus_one)
 
-        def layer(x, k_pages, v_pages, idx, w, kind: LayerKind):
-            def proj(h, key):  # a projection, and the rows' adapter deltas on it
+        def layer(x, k_pages, v_pages, idx, w, kind: LayerKind, lw):
+            def proj(h, key):  # a projection, and the rows' adapter deltas (lw: the layer's)
                 y = linear(h, w[key])
-                return y if adapters is None else adapters.add(y, h, key, idx)
+                return y if adapters is None else adapters.add(y, h, lw, key)
 
             h = norm(x, w["attn_norm"])
             q, k, v = proj(h, "wq"), proj(h, "wk"), proj(h, "wv")
@@ -189,16 +190,18 @@ class Llama(nnx.Module):
         if self.layer_loop == "scan":
             def body(carry, xs):
                 x, k_pages, v_pages = carry
-                idx, w = xs
-                return layer(x, k_pages, v_pages, idx, w, self.kinds[0]), None
+                idx, w, lw = xs
+                return layer(x, k_pages, v_pages, idx, w, self.kinds[0], lw), None
 
             idxs = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+            lws = {} if lora is None else lora_ops.stacked_weights(lora)
             (x, k_pages, v_pages), _ = jax.lax.scan(body, (x, k_pages, v_pages),
-                                                    (idxs, self.layers.as_dict()))
+                                                    (idxs, self.layers.as_dict(), lws))
         else:
             for i, weights in enumerate(self.layers):
+                lw = {} if lora is None else lora_ops.layer_weights(lora, i)
                 x, k_pages, v_pages = layer(x, k_pages, v_pages, jnp.int32(i),
-                                            weights.as_dict(), self.kinds[i])
+                                            weights.as_dict(), self.kinds[i], lw)
 
         logits = self.logits(x[inputs.logits_indices])
         if return_hidden:

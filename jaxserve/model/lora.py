@@ -1,25 +1,37 @@
 """LoRA inside the compiled step: each targeted projection adds its row's adapter delta.
 
-The resident adapters' weights are stacked per target, A [S, L, in, R] and B [S, L, R, out]
-(S device slots, slot 0 all zeros: no adapter; R = max_lora_rank, smaller ranks zero-padded,
-which adds exact zeros; the scaling is folded into B), and every token row names its slot
-(`slots` [T] i32). A projection y = x @ W of layer l becomes y + (x @ A[slot, l]) @ B[slot, l],
-computed in one of two forms with the same result:
+The resident adapters' weights (lora/device.py) come per target and layer as the slots side by
+side: A [in, N * R] (columns (s - 1) * R .. s * R - 1: slot s's A, [in, R]) and B [N * R, out]
+(the same rows: slot s's B), for device slots s = 1 .. N = max_loras; slot 0 is the base
+model, no adapter, and has no block: its rows' deltas are zero (so S = N + 1 slots, and no
+work is spent on the zeros slot 0 would hold). R = max_lora_rank (smaller ranks are
+zero-padded, which adds exact zeros); the scaling is folded into B.
+`LoRAStacks.weights` holds them per layer (a tuple of L arrays: the unrolled loop's, which
+never slices) or stacked [L, ...] (the scan's, sliced by the scan like the layer weights).
+Every token row names its slot (ModelInputs.lora_slots [T]). A projection y = x @ W becomes
+y + (x @ A[slot]) @ B[slot], in one of two forms with the same result:
 
-* "gather": each row's A and B gathered, [T, in, R] and [T, R, out], then two batched
-  matrix-vector products. Reads T * (in + out) * R weights: cheap for a few rows.
-* "masked": every row times every slot's A at once (x @ concat_s A_s: [T, S * R]), all but the
-  row's own slot's R columns zeroed, then @ concat_s B_s. Two plain matmuls over S * R columns,
-  no gather: S times the LoRA FLOPs, but what matrix units and CPU dot kernels run best.
+* "gather": each row's slot blocks gathered, [T, in, R] and [T, R, out], then two batched
+  matrix-vector products (rows of slot 0 zeroed): reads T * R columns of weights, copied per
+  row.
+* "masked": x @ A for all slots at once ([T, N * R]), every column outside the row's own
+  slot's block zeroed, then @ B: two plain matmuls over N * R columns, no gather.
 
-Which is faster is measured (scripts/lora_matmul_options.py); `choose_form` picks by backend and
-token bucket T (static per compiled bucket). No state, no host work: the runner owns the
-stacks (lora/device.py) and the step passes them in; this module never loads adapters.
+Measured on the 2-core CPU (scripts/lora_matmul_options.py, the default model's 30 layers of
+projections, rank 16, 4 adapters; one shared-machine run, medians, relative figures only):
+over the base projections' 31 / 78 / 104 / 790 ms at T = 1 / 4 / 16 / 256 rows, the masked
+form added 2 / 15 / 34 / 416 ms, the gather form 1 / 63 / 238 / 4946 ms (its per-row copies
+grow with T). Each target's slots stacked over layers and sliced per layer ([L, in, N * R])
+added 56 / 68 / 78 ms at 1 / 4 / 16 rows in copies (hence the per-layer arrays on the CPU's
+unrolled loop), but only 91 ms at 256 (a second run: 199 against the per-layer arrays' 480),
+which is left to measure further. choose_form picks per compiled bucket.
+No state, no host work; this module never loads adapters.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -27,20 +39,28 @@ import jax.numpy as jnp
 FORMS = ("gather", "masked")
 # 'auto' | 'gather' | 'masked' (a measurement or a test pins one)
 FORM = os.environ.get("JAXSERVE_LORA_FORM", "auto")
-# auto on the CPU: gather up to this many token rows, masked above (measured; see choose_form)
-CPU_GATHER_MAX_ROWS = 16
+
+
+@dataclass(frozen=True)
+class LoRAStacks:
+    """The resident adapters as the step reads them."""
+
+    # our parameter name ("wq", ...) -> (A, B): tuples of L arrays [in, N * R] / [N * R, out],
+    # or arrays [L, in, N * R] / [L, N * R, out]
+    weights: dict
+    max_loras: int  # N: slots 1..N hold adapters (static)
+
+
+jax.tree_util.register_dataclass(LoRAStacks, data_fields=["weights"], meta_fields=["max_loras"])
 
 
 def choose_form(num_rows: int, backend: str | None = None, form: str | None = None) -> str:
-    """The form a step of num_rows token rows computes its deltas in.
+    """The form a step of num_rows token rows computes its deltas in (FORM unless 'auto').
 
-    Measured on the 2-core CPU with the default model's sizes at rank 16 and 4 adapters
-    (scripts/lora_matmul_options.py): the gather form wins at one and 16 rows (it reads a
-    few rows' weights; the masked form reads all S slots' for each), the masked form at 256
-    (the gathered [T, in, R] copies cost more than S times the LoRA FLOPs). On TPU and GPU
-    the masked form's two dense matmuls run on the matrix units at any T, while a per-row
-    gather of weight blocks is slow on a TPU (no fast gather) and memory-bound on a GPU:
-    masked everywhere but the CPU."""
+    auto: the CPU takes the gather form for a one-row step only, where it reads one slot's
+    weights instead of all N (measured, module docstring); the masked form otherwise. On TPU
+    and GPU the masked form's two dense matmuls run on the matrix units at any T, while a
+    per-row gather of weight blocks is slow on a TPU and memory-bound on a GPU: masked."""
     form = form or FORM
     if form in FORMS:
         return form
@@ -48,50 +68,63 @@ def choose_form(num_rows: int, backend: str | None = None, form: str | None = No
         raise ValueError(f"JAXSERVE_LORA_FORM={form!r} is invalid: must be one of "
                          f"{('auto',) + FORMS}")
     backend = backend or jax.default_backend()
-    if backend == "cpu":
-        return "gather" if num_rows <= CPU_GATHER_MAX_ROWS else "masked"
-    return "masked"
+    return "gather" if backend == "cpu" and num_rows == 1 else "masked"
 
 
-def gather_delta(x, a, b, slots, layer):
-    """x [T, in]; a [S, L, in, R]; b [S, L, R, out]; slots [T]; layer: a scalar (traced in a
-    scan) -> [T, out]."""
-    a_rows = a[slots, layer]  # [T, in, R]
-    b_rows = b[slots, layer]  # [T, R, out]
-    h = jnp.einsum("ti,tir->tr", x, a_rows.astype(x.dtype))
+def layer_weights(stacks: LoRAStacks, index: int) -> dict:
+    """Layer `index`'s (A, B) per target (the unrolled loop)."""
+    return {name: (a[index], b[index]) for name, (a, b) in stacks.weights.items()}
+
+
+def stacked_weights(stacks: LoRAStacks) -> dict:
+    """Every target's (A [L, ...], B [L, ...]) for a scan to slice (stacked here when held
+    per layer)."""
+    return {name: (a if not isinstance(a, (tuple, list)) else jnp.stack(a),
+                   b if not isinstance(b, (tuple, list)) else jnp.stack(b))
+            for name, (a, b) in stacks.weights.items()}
+
+
+def gather_delta(x, a, b, slots, max_loras: int):
+    """x [T, in]; a [in, N * R]; b [N * R, out]; slots [T] (0: none) -> [T, out]."""
+    rank = a.shape[-1] // max_loras
+    block = jnp.maximum(slots - 1, 0)
+    a_rows = a.reshape(a.shape[0], max_loras, rank)[:, block]  # [in, T, R]
+    b_rows = b.reshape(max_loras, rank, b.shape[-1])[block]    # [T, R, out]
+    h = jnp.einsum("ti,itr->tr", x, a_rows.astype(x.dtype))
+    h = jnp.where((slots > 0)[:, None], h, 0)
     return jnp.einsum("tr,tro->to", h, b_rows.astype(x.dtype))
 
 
-def masked_delta(x, a, b, mask, layer):
-    """x [T, in]; a [S, L, in, R]; b [S, L, R, out]; mask [T, S] one-hot of each row's slot
-    -> [T, out]."""
-    a_layer = jax.lax.dynamic_index_in_dim(a, layer, axis=1, keepdims=False)  # [S, in, R]
-    b_layer = jax.lax.dynamic_index_in_dim(b, layer, axis=1, keepdims=False)  # [S, R, out]
-    h = jnp.einsum("ti,sir->tsr", x, a_layer.astype(x.dtype))  # [T, S, R]
-    h = h * mask[:, :, None]
-    return jnp.einsum("tsr,sro->to", h, b_layer.astype(x.dtype))
+def masked_delta(x, a, b, mask):
+    """x [T, in]; a [in, N * R]; b [N * R, out]; mask [T, N * R] (1 on the row's slot's
+    block, none for slot 0) -> [T, out]."""
+    return ((x @ a.astype(x.dtype)) * mask) @ b.astype(x.dtype)
 
 
 class StepAdapters:
-    """The adapters of one step, prepared once before the layer loop (the masked form's
-    one-hot rows, the form itself) and applied per projection."""
+    """One step's rows' slots, prepared once before the layer loop (the form; the masked
+    form's [T, N * R] block mask), applied per projection with that layer's (A, B)."""
 
-    def __init__(self, stacks: dict, slots, dtype, form: str | None = None):
-        """stacks: our parameter name ("wq", ...) -> (A, B); slots: [T] i32 each row's slot."""
-        self.stacks = stacks
+    def __init__(self, stacks: LoRAStacks, slots, dtype, form: str | None = None):
+        """slots: [T] i32 each row's slot (0: none)."""
+        self.max_loras = stacks.max_loras
         self.form = choose_form(slots.shape[0], form=form)
         self.slots = slots
-        num_slots = next(iter(stacks.values()))[0].shape[0] if stacks else 1
-        self.mask = (jax.nn.one_hot(slots, num_slots, dtype=dtype)
-                     if self.form == "masked" else None)  # [T, S]
+        self.mask = None
+        if self.form == "masked" and stacks.weights:
+            a = next(iter(stacks.weights.values()))[0]
+            rank = (a[0] if isinstance(a, (tuple, list)) else a).shape[-1] // self.max_loras
+            one_hot = jax.nn.one_hot(slots - 1, self.max_loras, dtype=dtype)  # [T, N]; 0: none
+            self.mask = jnp.repeat(one_hot, rank, axis=1)                     # [T, N * R]
 
-    def add(self, y, x, key: str, layer):
-        """y = x @ W (the base projection `key` of `layer`) plus each row's adapter delta."""
-        if key not in self.stacks:
+    def add(self, y, x, weights: dict, key: str):
+        """y = x @ W (the base projection `key`) plus each row's delta; weights: the layer's
+        (A, B) by target (none for `key`: y as it is)."""
+        if key not in weights:
             return y
-        a, b = self.stacks[key]
+        a, b = weights[key]
         if self.form == "gather":
-            delta = gather_delta(x, a, b, self.slots, layer)
+            delta = gather_delta(x, a, b, self.slots, self.max_loras)
         else:
-            delta = masked_delta(x, a, b, self.mask, layer)
+            delta = masked_delta(x, a, b, self.mask)
         return y + delta.astype(y.dtype)

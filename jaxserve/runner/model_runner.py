@@ -180,7 +180,8 @@ class ModelRunner:
         self.lora, self.lora_registry = None, lora_registry
         if max_loras:
             self.lora = DeviceLoRA(model_config, max_loras, max_lora_rank, self.dtype,
-                                   self.placement.replicated)
+                                   self.placement.replicated,
+                                   per_layer=self.layer_loop == "unroll")
         self.layouts = layouts_for(self.buckets.shapes(), p, self.mask_words,
                                    lora=self.lora is not None)
         caches = (self.cache, self.processors, self.input_batch.last_tokens,
