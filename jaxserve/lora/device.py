@@ -4,8 +4,9 @@ For every projection a LoRA adapter may target on this base model ("wq", "wk", "
 on a dense MLP "w_gate", "w_up", "w_down"), per layer A [in, N * R] and B [N * R, out] in the
 compute dtype (model/lora.py's layout: slot s's A is columns (s - 1) * R .. s * R - 1, its B
 the same rows): slots 1 .. N = max_loras hold adapters; slot 0, the base model's rows, has no
-block (its delta is zero by construction, not by stored zeros). R = max_lora_rank. Held as L arrays per target for the unrolled layer loop, or stacked [L, ...]
-for the scan (`per_layer`), as the base weights are. An adapter of a smaller rank is
+block (its delta is zero by construction, not by stored zeros). R = max_lora_rank. Held as L
+arrays per target for the unrolled layer loop, or stacked [L, ...] for the scan
+(`per_layer`), as the base weights are. An adapter of a smaller rank is
 zero-padded to R (the extra products are exact zeros) and a target it lacks is zeros, so
 writing one into a slot (`write`: a jitted, donated dynamic_update_slice per array, compiled
 at warm-up) replaces arrays of the same shape and dtype and never recompiles the step, which
