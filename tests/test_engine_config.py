@@ -53,6 +53,11 @@ CLI_VALUES = {
     "cpu_kernels": (["--cpu-kernels", "off"], "off"),
     "cpu_kernel_cache_dir": (["--cpu-kernel-cache-dir", "/srv/kernels"], "/srv/kernels"),
     "cpu_kernel_compiler": (["--cpu-kernel-compiler", "clang++"], "clang++"),
+    "enable_lora": (["--enable-lora"], True),
+    "lora_modules": (["--enable-lora", "--lora-modules", "a=/x"], ("a=/x",)),
+    "max_loras": (["--max-loras", "3"], 3),
+    "max_cpu_loras": (["--max-cpu-loras", "4"], 4),
+    "max_lora_rank": (["--max-lora-rank", "64"], 64),
 }
 
 
@@ -80,7 +85,8 @@ def test_a_flag_lands_in_its_group_field_and_round_trips(name):
     assert EngineConfig.from_kwargs(**flat) == config, "as_kwargs -> from_kwargs changed it"
     defaults = EngineConfig().as_kwargs()
     changed = {k for k, v in flat.items() if v != defaults[k]}
-    assert name in changed and changed <= {name, "speculative_method", "num_speculative_tokens"}, (
+    assert name in changed and changed <= {name, "speculative_method", "num_speculative_tokens",
+                                           "enable_lora"}, (
         f"{' '.join(tokens)} changed {sorted(changed)}")
 
 
