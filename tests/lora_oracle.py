@@ -130,3 +130,36 @@ def device_stacks(loaded, case: LoRACase, per_layer: bool):
 def slots() -> np.ndarray:
     """Each prompt's device slot (0: the base model)."""
     return np.array([0 if name is None else lora_id(name) for name in ASSIGN], np.int32)
+
+
+def engine_greedy_tp(case: LoRACase, tensor_parallel_size: int, **settings) -> list[list[int]]:
+    """The engine's greedy tokens for case.batch under ASSIGN's adapters on
+    tensor_parallel_size fake CPU devices (XLA_FLAGS must be set before jax starts, hence a
+    fresh interpreter)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    spec = {"base": str(case.base_dir), "batch": case.batch, "settings": settings,
+            "tp": tensor_parallel_size,
+            "loras": [None if n is None else [n, lora_id(n), str(case.adapter_dirs[n])]
+                      for n in ASSIGN]}
+    script = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+              "import conftest\n"
+              "from jaxserve import LoRARequest, SamplingParams\n"
+              "from jaxserve.entrypoints.llm import LLM\n"
+              "spec = json.loads(sys.stdin.read())\n"
+              "llm = LLM(spec['base'], progress=False, tensor_parallel_size=spec['tp'],\n"
+              "          **spec['settings'])\n"
+              "params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)\n"
+              "loras = [None if x is None else LoRARequest(*x) for x in spec['loras']]\n"
+              "outs = llm.generate(spec['batch'], params, use_tqdm=False, lora_request=loras)\n"
+              "print(json.dumps([o.token_ids for o in outs]))\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={tensor_parallel_size}")
+    proc = subprocess.run([sys.executable, "-c", script], input=json.dumps(spec),
+                          capture_output=True, text=True, env=env, timeout=600,
+                          cwd=Path(__file__).parent.parent)
+    assert proc.returncode == 0, f"tensor-parallel LoRA engine failed:\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])

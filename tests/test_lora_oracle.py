@@ -5,7 +5,8 @@ random PEFT adapters (ranks 4, 8 and 16, different target sets, one rsLoRA; test
   prompt transformers' last-position logits with its adapter (within 1e-4), in both forms of
   the delta and both layer loops;
 * the engine's greedy tokens for the same mix equal transformers', with chunked prefill (a
-  16-token budget) and forced preemption by recompute and by swap.
+  16-token budget) and forced preemption by recompute and by swap, and with tensor
+  parallelism over two fake CPU devices.
 """
 
 from __future__ import annotations
@@ -70,3 +71,13 @@ def test_engine_greedy_tokens_under_mixed_adapters_match_peft_through_preemption
     if mode == "swap":
         assert scheduler.num_swaps > 0, "the page pool was meant to force swapping"
     assert scheduler.lora_slots.num_loads == len(lora_oracle.ADAPTERS)
+
+
+def test_tensor_parallel_engine_with_adapters_gives_the_same_greedy_tokens(case):
+    """Two fake CPU devices: base weights sharded on heads and FFN, adapter stacks
+    replicated; the same mixed batch through the same preemption."""
+    settings = {**arch_oracle.ENGINE, "enable_lora": True,
+                "max_loras": len(lora_oracle.ADAPTERS),
+                "max_lora_rank": lora_oracle.MAX_LORA_RANK}
+    got = lora_oracle.engine_greedy_tp(case, 2, **settings)
+    assert got == case.want_greedy, f"TP 2 with adapters: {got}, want {case.want_greedy}"
