@@ -12,7 +12,8 @@ token is read on the device from the request's batch slot, held while running); 
 Features arrive as objects it asks, never as branches here: the batching policy
 (batching_policy.py: when to admit, what padding costs), the speculation (speculation.py:
 each step's drafter; StepPlan.drafts), the sliding window (sliding_window.py: pages given
-back), prompt sharing of n > 1 samples (prompt_sharing.py), and the row layout
+back), prompt sharing of n > 1 samples (prompt_sharing.py), the LoRA adapters' device slots
+(lora_slots.py: a request runs only with its adapter in a slot), and the row layout
 (row_layout.py: DecodeRows or chunks). Plain Python: no jax, no device arrays, no text (stop
 strings are the engine's job, finish()).
 """
