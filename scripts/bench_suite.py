@@ -70,7 +70,7 @@ def run_roofline(loaded, scale: sc.Scale, results: dict) -> None:
     steps = sc.decode_steps(engine, prompt, scale.roofline_decode_steps)
     mc = loaded.config
     itemsize = int(np.dtype(engine.dtype_name).itemsize)
-    bound = decode_bound(mc.num_params(), itemsize, mc.kv_bytes_per_token(itemsize),
+    bound = decode_bound(mc.num_active_params(), itemsize, mc.kv_bytes_per_token(itemsize),
                          scale.roofline_prompt_len + scale.roofline_decode_steps / 2,
                          rates.bandwidth_gbs)
     median = float(np.median(steps))
@@ -247,7 +247,8 @@ def main(argv=None) -> int:
 
     log("loading the default model")
     loaded = load_model("default", progress=False)
-    results["model"] = {"name": loaded.config.name, "num_params": loaded.config.num_params()}
+    results["model"] = {"name": loaded.config.name, "num_params": loaded.config.num_params(),
+                        "num_active_params": loaded.config.num_active_params()}
     peer_prompts = None
     if not args.skip_peer and peer.unavailable() is None:
         peer_prompts = sc.peer_prompts(scale, loaded.tokenizer)

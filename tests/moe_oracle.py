@@ -57,6 +57,15 @@ class MoESuite(arch_oracle.ArchSuite):
         err = np.abs(got - case.want_logits).max(axis=-1)
         assert (err <= 0.25).sum() >= len(err) - 1, f"max |logits - transformers|: {err}"
 
+    def test_last_position_logits_through_ragged_dot_match_transformers(self, case,
+                                                                         monkeypatch):
+        """The grouped expert matmul TPU and GPU run (the CPU's default is the tiled loop)."""
+        from jaxserve.model import expert_matmul
+
+        monkeypatch.setattr(expert_matmul, "GROUPED", "ragged_dot")
+        got = arch_oracle.last_logits(case.load("transformers5"), case.batch)
+        arch_oracle.assert_logits_close(got, case.want_logits)
+
     def test_greedy_tokens_with_preemption_by_swap_match_transformers(self, case):
         got, num_preemptions = arch_oracle.engine_greedy(
             case.load("transformers5"), case.batch,

@@ -36,6 +36,9 @@ CLI_VALUES = {
     "max_queued_requests": (["--max-queued-requests", "3"], 3),
     "max_queued_requests_per_key": (["--max-queued-requests-per-key", "5"], 5),
     "tensor_parallel_size": (["-tp", "2"], 2),
+    "enable_expert_parallel": (["--enable-expert-parallel"], True),
+    "expert_parallel_size": (["-tp", "4", "--enable-expert-parallel",
+                              "--expert-parallel-size", "2"], 2),
     "speculative_method": (["--speculative-method", "ngram", "--num-speculative-tokens", "2"],
                            "ngram"),
     "num_speculative_tokens": (["--num-speculative-tokens", "3"], 3),
@@ -85,8 +88,9 @@ def test_a_flag_lands_in_its_group_field_and_round_trips(name):
     assert EngineConfig.from_kwargs(**flat) == config, "as_kwargs -> from_kwargs changed it"
     defaults = EngineConfig().as_kwargs()
     changed = {k for k, v in flat.items() if v != defaults[k]}
-    assert name in changed and changed <= {name, "speculative_method", "num_speculative_tokens",
-                                           "enable_lora"}, (
+    companions = {"speculative_method", "num_speculative_tokens",  # what the flag needs
+                  "enable_expert_parallel", "tensor_parallel_size", "enable_lora"}
+    assert name in changed and changed <= {name} | companions, (
         f"{' '.join(tokens)} changed {sorted(changed)}")
 
 

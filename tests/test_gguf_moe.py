@@ -247,29 +247,23 @@ def _dequantize_int8(t: quant.QuantizedTensor) -> np.ndarray:
     return w if t.zero is None else w + np.repeat(t.zero.astype(np.float32), t.group, axis=-1)
 
 
-def test_quantization_mode_keeps_expert_stacks_float_and_maps_the_rest(q8_qwen3moe, monkeypatch):
+def test_quantization_mode_requantizes_expert_stacks_and_keeps_the_router_float(q8_qwen3moe):
+    """Expert stacks are never block-mapped (the block mapping reads 2-D matrices): they are
+    dequantized, then quantized per expert like any float matrix; the router stays float."""
     path, reference = q8_qwen3moe
-    loaded = load_gguf(path, progress=False, quantization="int8")
-    assert isinstance(loaded.params["layers.wq"], quant.QuantizedTensor)
-    for name in ("layers.router", "layers.e_gate", "layers.e_up", "layers.e_down"):
-        np.testing.assert_allclose(loaded.params[name], reference[name], rtol=0, atol=1e-6,
-                                   err_msg=name)
-    served = load_model(str(path), progress=False, quantization="int8")  # the CLI's path
-    assert quant.stored_mode(served.params) == "int8"
-    np.testing.assert_allclose(served.params["layers.e_down"], reference["layers.e_down"],
-                               rtol=0, atol=1e-6)
-    # where the quantized matrices include the experts, their stacks are requantized like any
-    # float matrix (never block-mapped as 2-D tensors)
-    experts = ("layers.router", "layers.e_gate", "layers.e_up", "layers.e_down")
-    monkeypatch.setattr(quant, "MATRIX_NAMES", quant.MATRIX_NAMES + experts)
-    loaded = load_gguf(path, progress=False, quantization="int8")
-    shapes = loaded.config.param_shapes()
-    for name in experts:
-        got = loaded.params[name]
-        assert isinstance(got, quant.QuantizedTensor) and got.shape == shapes[name], name
-        want = np.swapaxes(reference[name], -1, -2)
-        np.testing.assert_allclose(_dequantize_int8(got), want, rtol=0,
-                                   atol=np.abs(want).max() / 127, err_msg=name)
+    for loaded in (load_gguf(path, progress=False, quantization="int8"),
+                   load_model(str(path), progress=False, quantization="int8")):  # the CLI's
+        assert quant.stored_mode(loaded.params) == "int8"
+        assert isinstance(loaded.params["layers.wq"], quant.QuantizedTensor)
+        np.testing.assert_allclose(loaded.params["layers.router"], reference["layers.router"],
+                                   rtol=0, atol=1e-6)
+        shapes = loaded.config.param_shapes()
+        for name in ("layers.e_gate", "layers.e_up", "layers.e_down"):
+            got = loaded.params[name]
+            assert isinstance(got, quant.QuantizedTensor) and got.shape == shapes[name], name
+            want = np.swapaxes(reference[name], -1, -2)
+            np.testing.assert_allclose(_dequantize_int8(got), want, rtol=0,
+                                       atol=np.abs(want).max() / 127, err_msg=name)
 
 
 def test_older_one_tensor_per_expert_mixtral_layout_loads_the_same_stacks(mixtral, tmp_path):

@@ -1,10 +1,13 @@
 """Roofline for batch-1 decode: this machine's memory bandwidth and matmul rate, and the bound.
 
-A decode step at batch 1 must read every weight once plus the request's KV cache, so its time
-is at least (weight bytes + KV bytes) / memory bandwidth. `measure_machine` times reads and a
-copy of a large array (numpy, XLA, and a matrix-vector product like decode's) and a large f32
-matmul once; `decode_bound` turns a model's sizes into that bound. Measurement only: it builds
-no engine and keeps no state.
+A decode step at batch 1 must read every weight its token uses once plus the request's KV
+cache, so its time is at least (weight bytes + KV bytes) / memory bandwidth. The weights a token
+uses are the model's active parameters (ModelConfig.num_active_params()): all of a dense model,
+but of a mixture-of-experts model only the experts its token is routed to (k of E per layer)
+besides the shared weights, so the bound counts those, not the total. `measure_machine` times
+reads and a copy of a large array (numpy, XLA, and a matrix-vector product like decode's) and a
+large f32 matmul once; `decode_bound` turns a model's sizes into that bound. Measurement only:
+it builds no engine and keeps no state.
 """
 
 from __future__ import annotations
@@ -79,8 +82,10 @@ def decode_bound(num_weight_params: int, weight_bytes_per_param: int,
                  kv_bytes_per_token: int, context_len: float, bandwidth_gbs: float) -> dict:
     """Bytes one batch-1 decode step reads and the time that takes at `bandwidth_gbs`.
 
-    Every weight is read once (a tied embedding counts once: the output head reads it all,
-    the input lookup one row); the KV cache is read for `context_len` tokens."""
+    num_weight_params: the active parameters, ModelConfig.num_active_params() (a MoE model's
+    experts its token is not routed to are not read). Each is read once (a tied embedding counts
+    once: the output head reads it all, the input lookup one row); the KV cache is read for
+    `context_len` tokens."""
     weight_bytes = num_weight_params * weight_bytes_per_param
     kv_bytes = int(kv_bytes_per_token * context_len)
     total = weight_bytes + kv_bytes

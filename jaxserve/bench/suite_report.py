@@ -166,7 +166,8 @@ def report_lines(results: dict) -> list[str]:
                 f"512 MiB weight); "
                 f"bound uses the best, {mr['bandwidth_gbs']:.1f} GB/s",
                 f"* matmul: {mr['matmul_gflops']:.0f} GFLOP/s (f32 {mr['matmul_n']}^3 jnp.dot)",
-                f"* bytes per step: weights {b['weight_bytes'] / 1e6:.0f} MB ({rf['dtype']}) + KV "
+                f"* bytes per step: weights {b['weight_bytes'] / 1e6:.0f} MB ({rf['dtype']}, the "
+                f"active parameters) + KV "
                 f"{b['kv_bytes'] / 1e6:.1f} MB -> bound {_ms(b['bound_s'])} ms per step",
                 "* measured step (one-token bucket, T=1, S=1): median "
                 f"{_ms(rf['decode_step_s']['median'])} ms, best {_ms(rf['decode_step_s']['min'])}"

@@ -146,10 +146,34 @@ class ParallelConfig:
     tensor_parallel_size: int = setting(
         1, "devices the weights and KV heads are sharded over", unit="devices", vllm="=",
         cli_alias=("-tp",))
+    enable_expert_parallel: bool = setting(
+        False, "mixture-of-experts models: split the experts over groups of the "
+        "tensor-parallel devices (expert_parallel_size) instead of splitting every expert's "
+        "width over all of them; attention stays tensor-parallel. Ignored, with a warning, for "
+        "a dense model", vllm="=")
+    expert_parallel_size: int | None = setting(
+        None, "with enable_expert_parallel: how many groups of devices the experts are split "
+        "over (SGLang's --ep-size); within a group each expert's width is split "
+        "tensor_parallel_size / N ways, so it must divide tensor_parallel_size; unset: "
+        "tensor_parallel_size (each device holds whole experts)", unit="device groups")
 
     def validate(self) -> None:
         need(self.tensor_parallel_size >= 1, "tensor_parallel_size", self.tensor_parallel_size,
              ">= 1")
+        ep = self.expert_parallel_size
+        need(ep is None or self.enable_expert_parallel, "expert_parallel_size", ep,
+             "unset unless enable_expert_parallel is on")
+        need(ep is None or (ep >= 1 and self.tensor_parallel_size % ep == 0),
+             "expert_parallel_size", ep,
+             f"a divisor of tensor_parallel_size={self.tensor_parallel_size}")
+
+    @property
+    def expert_parallel_groups(self) -> int:
+        """The expert-parallel size in effect: 1 when off, else expert_parallel_size or the
+        whole tensor-parallel group."""
+        if not self.enable_expert_parallel:
+            return 1
+        return self.expert_parallel_size or self.tensor_parallel_size
 
 
 @dataclass(frozen=True)

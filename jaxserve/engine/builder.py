@@ -34,7 +34,7 @@ class EngineParts:
     tokenizer: object
     max_model_len: int
     dtype_name: str
-    mesh: object                  # a ("tp",) Mesh, or None on one device
+    mesh: object                  # a ("tp",) or ("ep", "tp") Mesh, or None on one device
     speculation: object           # spec.setup.Speculation
     pages: PageManager
     scheduler: Scheduler
@@ -130,7 +130,7 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
     import jax
 
     from jaxserve.model import cpu_ffi
-    from jaxserve.model.sharding import make_mesh
+    from jaxserve.model.sharding import flat_mesh, make_mesh, parallel_sizes
     from jaxserve.runner import multihost, tensor_parallel
     from jaxserve.runner.buckets import powers_of_two, token_buckets_for
     from jaxserve.runner.cpu_threads import lower_xla_cpu_threads
@@ -142,7 +142,9 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
     config = config.validate()
     model, cache, sched, run = config.model, config.cache, config.scheduler, config.runner
     start = time.perf_counter()
-    mesh = make_mesh(config.parallel.tensor_parallel_size)  # None: one device, unsharded
+    parallel = config.parallel
+    # None: one device, unsharded; 2-D ("ep", "tp") with expert parallelism
+    mesh = make_mesh(parallel.tensor_parallel_size, parallel.expert_parallel_groups)
     if loaded is None:  # a checkpoint is restored straight into the mesh's shardings
         with phase(log, f"loading model {model.model!r} on {jax.default_backend()}"):
             loaded = tensor_parallel.load_model(model.model, mesh, progress=progress,
@@ -150,6 +152,11 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
     loaded = quantize(loaded, model.quantization)  # a float LoadedModel given by the caller
     loaded_s = time.perf_counter() - start
     mc = loaded.config
+    if parallel.enable_expert_parallel and not mc.num_experts:  # as vLLM: ignored, said once
+        log.warning("enable_expert_parallel is ignored: %s has no experts (a dense model); "
+                    "its weights are tensor-parallel over %d device(s)", mc.name,
+                    parallel.tensor_parallel_size)
+        mesh = None if mesh is None else flat_mesh(mesh)  # a checkpoint's shards stay put
     max_model_len = model.max_model_len or min(mc.max_position_embeddings, 2048)
     if mc.max_exact_len is not None and model.max_model_len is None:
         max_model_len = min(max_model_len, mc.max_exact_len)  # where RoPE is exact
@@ -225,6 +232,7 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
         max_queued_requests=sched.max_queued_requests,
         eos_token_ids=tuple(int(t) for t in loaded.tokenizer.eos_token_ids),
         tensor_parallel_size=config.parallel.tensor_parallel_size,
+        expert_parallel_size=1 if mesh is None else parallel_sizes(mesh)[1],
         speculative_method=config.speculative.speculative_method,
         quantization=model.quantization,
         weight_bytes=weight_bytes, weight_formats=weight_formats)

@@ -27,6 +27,7 @@ class EngineInfo:
     max_queued_requests: int | None
     eos_token_ids: tuple[int, ...]
     tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1   # device groups the experts are split over (1: off)
     speculative_method: str | None = None
     quantization: str = "none"
     weight_bytes: int = 0           # the weights on device, all shards together

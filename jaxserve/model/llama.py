@@ -84,7 +84,9 @@ def _layer(value, index: int):
 
 class Llama(nnx.Module):
     def __init__(self, config: ModelConfig, params: dict[str, np.ndarray], dtype=jnp.float32,
-                 layer_loop: str = "scan"):
+                 layer_loop: str = "scan", experts=None):
+        """experts: how a MoE layer computes its routed pairs (moe.moe_mlp's experts_fn; None:
+        all experts here, unsharded); kept static in the graph definition."""
         expected = config.param_shapes()
         missing = sorted(set(expected) - set(params))
         if missing:
@@ -102,6 +104,7 @@ class Llama(nnx.Module):
 
         self.compute_dtype = jnp.dtype(dtype)
         self.config = config
+        self.experts = experts
         ropes, self.kinds = layer_plan(config)
         if len(set(self.kinds)) > 1:
             layer_loop = "unroll"  # a scan body cannot change its window or RoPE per layer
@@ -178,7 +181,7 @@ class Llama(nnx.Module):
             x = x + out
             h = norm(x, w["mlp_norm"])
             if cfg.num_experts:
-                out = moe.moe_mlp(h, w, cfg)
+                out = moe.moe_mlp(h, w, cfg, self.experts)
             else:  # layers.gated_mlp, each projection through proj
                 act = layers.ACTIVATIONS[cfg.hidden_act]
                 out = proj(act(proj(h, "w_gate")) * proj(h, "w_up"), "w_down")

@@ -1,8 +1,9 @@
 """Weight-only quantized formats on the host: QuantizedTensor, the int8 / int4 quantizers, and
 what a params dict's weights cost on device.
 
-A QuantizedTensor holds one matrix (or a stack of them, layers first) in the layout its matmul
-reads on device: [..., out, in], groups of `group` inputs sharing a scale (and a zero):
+A QuantizedTensor holds one matrix (or a stack of them: layers first, then experts) in the
+layout its matmul reads on device: [..., out, in], groups of `group` inputs sharing a scale
+(and a zero):
     w[..., o, i] = q[..., o, i] * scale[..., o, i // group] + zero[..., o, i // group]
 * int8: q int8 [..., out, in]; symmetric per output channel (group = in, float32 scales, no
   zero) when quantized here; GGUF blocks map to groups of 32 (Q8_0, Q5_x, Q4_x) or 16 (Q6_K),
@@ -26,13 +27,17 @@ INT4_GROUP = 32        # measured: see docs/quantization.md
 # The int4 embedding (also the tied head) in groups of 16: on the default model mean KL to float32
 # 0.039 (0.063 with groups of 32) at 16.3% of float32's bytes (an int8 one: 0.000, but 17.9%).
 INT4_EMBED_GROUP = 16
-# The matrices weight-only quantization applies to (norms and biases stay float).
+# The matrices weight-only quantization applies to (norms and biases stay float, and so does a
+# mixture-of-experts router: a few bytes, and a rounding there flips near-tied experts). The
+# expert stacks [L, E, in, out] quantize like any matrix, per expert ([L, E, out, in] stored).
+EXPERT_NAMES = ("layers.e_gate", "layers.e_up", "layers.e_down")
 MATRIX_NAMES = ("embed", "lm_head", "layers.wq", "layers.wk", "layers.wv", "layers.wo",
-                "layers.w_gate", "layers.w_up", "layers.w_down")
-# Tensor groups reported at start-up and in ModelInfo.
+                "layers.w_gate", "layers.w_up", "layers.w_down", *EXPERT_NAMES)
+# Tensor groups reported at start-up and in ModelInfo (the router falls in 'other').
 GROUPS = {"embed": ("embed",), "lm_head": ("lm_head",),
           "attention": ("layers.wq", "layers.wk", "layers.wv", "layers.wo"),
-          "mlp": ("layers.w_gate", "layers.w_up", "layers.w_down")}
+          "mlp": ("layers.w_gate", "layers.w_up", "layers.w_down"),
+          "experts": EXPERT_NAMES}
 
 
 @dataclass
@@ -191,8 +196,8 @@ def report(params: dict, float_dtype) -> tuple[int, tuple[tuple[str, str, int], 
 
 def group_formats(params: dict, float_dtype: str, float_itemsize: int
                   ) -> tuple[tuple[str, str, int], ...]:
-    """((tensor group, format, device bytes), ...) for start-up logs and ModelInfo; the norms
-    and biases are one group, 'other'."""
+    """((tensor group, format, device bytes), ...) for start-up logs and ModelInfo; the norms,
+    biases and a MoE router are one group, 'other'."""
     named = {n for names in GROUPS.values() for n in names}
     rows = []
     for group, names in (*GROUPS.items(), ("other", tuple(n for n in params if n not in named))):

@@ -4,11 +4,13 @@
 every weight is written straight into its NamedSharding (each device receives only its shard,
 never a full copy on one device), the KV pages are sharded on KV heads, attention runs under
 shard_map (each device attends with its own heads, which is also what lets a Pallas kernel run
-sharded), and the step's outputs are pinned: packed tokens replicated, KV in its sharding, so
-every call reuses one executable. `load_model` restores a jaxserve (Orbax) checkpoint straight
-into the shardings. The same code runs on one host or many (multi-process arrays are built from
-each process's local shards). This module decides no shardings itself (sharding.py does) and
-never runs a step.
+sharded), a mixture-of-experts FFN runs under shard_map too (each device computes the routed
+pairs of its experts and its share of their width, then a psum over the mesh combines them:
+model/moe_shard.py), and the step's outputs are pinned: packed tokens replicated, KV in its
+sharding, so every call reuses one executable. `load_model` restores a jaxserve (Orbax)
+checkpoint straight into the shardings. The same code runs on one host or many (multi-process
+arrays are built from each process's local shards). This module decides no shardings itself
+(sharding.py does) and never runs a step.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from jaxserve.model import sharding
 from jaxserve.model.attention import AttentionShape, PagedAttention, get_attention
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.llama import Llama, init_kv_cache
+from jaxserve.model.moe_shard import local_experts
+from jaxserve.model.qlinear import QArray
 from jaxserve.model.quant import QuantizedTensor
 
 log = logging.getLogger(__name__)
@@ -89,30 +93,43 @@ class Placement:
     def __init__(self, mesh: Mesh | None, config: ModelConfig):
         self.mesh, self.config = mesh, config
         if mesh is not None:
-            sharding.check_tensor_parallel(config, mesh.shape[sharding.TP_AXIS])
+            sharding.check_tensor_parallel(config, *sharding.parallel_sizes(mesh))
 
     @property
     def tensor_parallel_size(self) -> int:
-        return 1 if self.mesh is None else self.mesh.shape[sharding.TP_AXIS]
+        return 1 if self.mesh is None else sharding.parallel_sizes(self.mesh)[0]
+
+    @property
+    def expert_parallel_size(self) -> int:
+        return 1 if self.mesh is None else sharding.parallel_sizes(self.mesh)[1]
 
     def model(self, params: dict, dtype, layer_loop: str):
         """(graphdef, state) of Llama(config, params), each weight in its sharding."""
         if self.mesh is None:
             return nnx.split(Llama(self.config, params, dtype, layer_loop))
         shapes = self.config.param_shapes()
+        tp, ep = self.tensor_parallel_size, self.expert_parallel_size
+        stacked = sharding.param_specs(self.config, tp, expert_parallel_size=ep)
+        per_layer = sharding.param_specs(self.config, tp, per_layer=True,
+                                         expert_parallel_size=ep)
+        for name, value in params.items():
+            if isinstance(value, QuantizedTensor):
+                stacked[name] = sharding.quantized_specs(self.config, name, value, tp,
+                                                         expert_parallel_size=ep)
+                per_layer[name] = sharding.quantized_specs(self.config, name, value, tp,
+                                                           per_layer=True,
+                                                           expert_parallel_size=ep)
+        experts = None
+        if self.config.num_experts:
+            experts = ShardedExperts(self.mesh, tuple(
+                (key, _frozen(per_layer[f"layers.{key}"])) for key in sharding.EXPERT_KEYS
+                if f"layers.{key}" in per_layer))
         # The graph and the non-weight variables (RoPE frequencies) come from a model built on
         # the host over zero-stride stand-ins; the weights are then placed shard by shard.
         stand_ins = {name: _stand_in(params[name]) for name in shapes}
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
-            graphdef, host_state = nnx.split(Llama(self.config, stand_ins, dtype, layer_loop))
-        tp = self.tensor_parallel_size
-        stacked = sharding.param_specs(self.config, tp)
-        per_layer = sharding.param_specs(self.config, tp, per_layer=True)
-        for name, value in params.items():
-            if isinstance(value, QuantizedTensor):
-                stacked[name] = sharding.quantized_specs(self.config, name, value, tp)
-                per_layer[name] = sharding.quantized_specs(self.config, name, value, tp,
-                                                           per_layer=True)
+            graphdef, host_state = nnx.split(Llama(self.config, stand_ins, dtype, layer_loop,
+                                                   experts=experts))
         replicated = sharding.replicated(self.mesh)
 
         def place(path, leaf):
@@ -185,13 +202,13 @@ class _ShardedAttention:
     def __call__(self, q, k_pages, v_pages, layer, prepared, *, sinks=None, **static):
         """sinks ([Hq], or None) goes in split like q's heads, so each device's backend gets
         the sinks of its own heads."""
-        q_spec = sharding.activation_spec("q")
-        out_spec = sharding.activation_spec("attention_out")
-        kv_spec = sharding.spec(sharding.KV_PAGE_AXES, sharding.LOGICAL_RULES)
+        q_spec = sharding.activation_spec("q", self.mesh)
+        out_spec = sharding.activation_spec("attention_out", self.mesh)
+        kv_spec = sharding.kv_sharding(self.mesh).spec
         rep = sharding.activation_spec("step_input")
         args, specs = (q, k_pages, v_pages, layer, prepared), (q_spec, kv_spec, kv_spec, rep, rep)
         if sinks is not None:
-            args, specs = args + (sinks,), specs + (sharding.activation_spec("sinks"),)
+            args, specs = args + (sinks,), specs + (sharding.activation_spec("sinks", self.mesh),)
 
         def attend(q, k_pages, v_pages, layer, prepared, sinks=None):
             return self.backend(q, k_pages, v_pages, layer, prepared, sinks=sinks, **static)
@@ -199,3 +216,49 @@ class _ShardedAttention:
         per_device = jax.shard_map(attend, mesh=self.mesh, in_specs=specs, out_specs=out_spec,
                                    check_vma=False)
         return per_device(*args)
+
+
+def _frozen(spec):
+    """A param's per-layer spec, hashable (a quantized one's {part: spec} as sorted pairs): it
+    lives in the model's graph definition."""
+    return tuple(sorted(spec.items())) if isinstance(spec, dict) else spec
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedExperts:
+    """moe.moe_mlp's experts_fn on a mesh: the routed pairs (replicated, like the hidden state)
+    go to every device under shard_map with each expert weight in its own sharding; each device
+    computes its experts' pairs over its share of their width (moe_shard.local_experts) and a
+    psum over every mesh axis sums the shares. Plain tensor parallelism: every device holds
+    every expert, a share of each one's width; expert parallelism: a device of group g (mesh
+    axis "ep") holds experts [g * E / N, (g + 1) * E / N), each cut tp / N ways over "tp"."""
+
+    mesh: Mesh
+    specs: tuple  # ((layer key, per-layer spec, or a quantized one's (part, spec) pairs), ...)
+
+    def __call__(self, x, weights, experts, w: dict, config):
+        specs = dict(self.specs)
+        local = {key: w[key] for key in specs if key in w}
+        in_specs = {key: _spec_of(local[key], specs[key]) for key in local}
+        ep = sharding.parallel_sizes(self.mesh)[1]
+        num_local = config.num_experts // ep
+
+        def per_device(x, weights, experts, local):
+            group = jax.lax.axis_index(sharding.EP_AXIS) if ep > 1 else 0
+            out = local_experts(x, weights, experts, local, config,
+                                first_expert=group * num_local, num_local=num_local,
+                                owns_down_bias=jax.lax.axis_index(sharding.TP_AXIS) == 0)
+            return jax.lax.psum(out, self.mesh.axis_names)
+
+        rep = sharding.activation_spec("step_input")
+        return jax.shard_map(per_device, mesh=self.mesh, in_specs=(rep, rep, rep, in_specs),
+                             out_specs=rep, check_vma=False)(x, weights, experts, local)
+
+
+def _spec_of(value, spec):
+    """shard_map's in_spec of one expert weight: its PartitionSpec, or a QArray of its parts'."""
+    if isinstance(value, QArray):
+        parts = dict(spec)
+        return QArray(parts["q"], parts["scale"],
+                      None if value.zero is None else parts["zero"], value.bits, value.group)
+    return spec

@@ -1,0 +1,127 @@
+"""The mixture-of-experts layer's expert matmuls: (token, expert) pairs through their experts'
+matrices, float or quantized, in the two forms model/moe.py meets them.
+
+A float expert stack is [E, in, out]; a quantized one is a QArray [E, out, in] (model/quant.py's
+layout, groups along `in`). Both forms return float32.
+* `gathered` (few pairs): each pair gathers its own expert's rows of q / scale / zero, so a step
+  reads, and dequantizes, only the experts it uses. Per-channel int8 multiplies the int8 values
+  (converted to the activation dtype) and applies each output channel's scale to the product,
+  which is [T, k, out] rather than [T, k, out, in] multiplies.
+* `grouped` (pairs sorted by expert, one group per expert) on TPU and GPU: `ragged_dot`, which
+  XLA lowers to a grouped matmul there. It takes one dtype, so
+  the integer stack is converted next to its use (tied to the activations: qlinear._after, so
+  an unrolled step does not convert every layer's stack up front), written [E, in, out] as the
+  float stack is. Per-channel int8 converts q alone and scales each row's output by its
+  expert's channel scales after the ragged_dot; grouped forms (int4, GGUF blocks) are
+  dequantized whole, int4 as its two nibble halves, each against the activations' even or odd
+  inputs (no interleaving shuffle). The int8 forms were measured on the CPU:
+  scripts/moe_quant_options.py, docs/moe.md.
+* `tiled`, the grouped form on the CPU, where XLA computes ragged_dot as every group over every
+  row (E times the work: measured 8x a dense model of the same active parameters at 16 and 64
+  requests, docs/moe.md). Each group is padded to whole tiles of `tile` rows, so a tile belongs
+  to one expert, and a loop over the tiles multiplies each by its expert's matrix (a quantized
+  one through qlinear.linear, as a dense layer's): at most M + E * (tile - 1) rows of work, all
+  shapes static. JAXSERVE_MOE_GROUPED=tiled|ragged_dot overrides the choice (tests run both).
+Pure functions of arrays: no routing, no weights held, no shardings.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.model.qlinear import (QArray, _after, _int4_halves, dequantize, linear,
+                                    per_channel_int8)
+
+
+def _take(w: QArray, experts) -> QArray:
+    """The experts' slices of a quantized stack: [E, ...] indexed by experts [T, k]."""
+    return QArray(w.q[experts], w.scale[experts], None if w.zero is None else w.zero[experts],
+                  w.bits, w.group)
+
+
+def gathered(h, w, experts) -> jax.Array:
+    """h [T, k, in], each pair through its expert experts [T, k] of w (float [E, in, out] or a
+    QArray [E, out, in]) -> [T, k, out] float32."""
+    f32 = jnp.float32
+    if not isinstance(w, QArray):
+        return jnp.einsum("tki,tkio->tko", h, w[experts].astype(h.dtype),
+                          preferred_element_type=f32)
+    pairs = _take(w, experts)                                     # [T, k, out, in*]
+    if per_channel_int8(pairs):
+        out = jnp.einsum("tki,tkoi->tko", h, pairs.q.astype(h.dtype),
+                         preferred_element_type=f32)
+        return out * pairs.scale[..., 0].astype(f32)
+    if pairs.bits == 8:
+        return jnp.einsum("tki,tkoi->tko", h, dequantize(pairs, h.dtype),
+                          preferred_element_type=f32)
+    even, odd = _int4_halves(pairs, h.dtype)                      # each [T, k, out, in // 2]
+    halves = h.reshape(*h.shape[:-1], h.shape[-1] // 2, 2)
+    return (jnp.einsum("tki,tkoi->tko", halves[..., 0], even, preferred_element_type=f32)
+            + jnp.einsum("tki,tkoi->tko", halves[..., 1], odd, preferred_element_type=f32))
+
+
+GROUPED = os.environ.get("JAXSERVE_MOE_GROUPED", "auto")
+
+
+def grouped(rows, w, group_sizes, expert_of_row) -> jax.Array:
+    """rows [M, in] sorted by expert, group_sizes [E] (rows per expert; rows past their sum
+    belong to no group and come back as anything), expert_of_row [M]; w: float [E, in, out] or
+    a QArray [E, out, in] -> [M, out] float32."""
+    f32 = jnp.float32
+    if GROUPED == "tiled" or (GROUPED == "auto" and jax.default_backend() == "cpu"):
+        return tiled(rows, w, group_sizes)
+    if not isinstance(w, QArray):
+        return jax.lax.ragged_dot(rows, w.astype(rows.dtype), group_sizes,
+                                  preferred_element_type=f32)
+
+    def ragged(lhs, stack):  # lhs [M, n] x stack [E, out, n], written [E, n, out] -> [M, out]
+        return jax.lax.ragged_dot(lhs, jnp.swapaxes(stack, -1, -2), group_sizes,
+                                  preferred_element_type=f32)
+
+    if per_channel_int8(w):
+        values = (w.q.astype(f32) + _after(rows)).astype(rows.dtype)  # [E, out, in]
+        return ragged(rows, values) * w.scale[expert_of_row, :, 0].astype(f32)
+    if w.bits == 8:
+        return ragged(rows, dequantize(w, rows.dtype, after=rows))
+    even, odd = _int4_halves(w, rows.dtype, after=rows)           # each [E, out, in // 2]
+    halves = rows.reshape(rows.shape[0], rows.shape[-1] // 2, 2)
+    return ragged(halves[..., 0], even) + ragged(halves[..., 1], odd)
+
+
+def _expert(w, e):
+    """Expert e's matrix: float [in, out], or a QArray [out, in]."""
+    if not isinstance(w, QArray):
+        return jnp.asarray(w)[e]
+    return QArray(jnp.asarray(w.q)[e], jnp.asarray(w.scale)[e],
+                  None if w.zero is None else jnp.asarray(w.zero)[e], w.bits, w.group)
+
+
+def tiled(rows, w, group_sizes, tile: int | None = None) -> jax.Array:
+    """grouped's result by a loop over tiles of one expert each (see the module docstring).
+    tile: rows per tile (default M // E, at least 1: about 2E tiles, at most 2M rows)."""
+    num_rows, num_experts = rows.shape[0], group_sizes.shape[0]
+    tile = tile or max(1, num_rows // num_experts)
+    # padded layout: each group from a tile boundary; one more tile for rows of no group
+    padded = (group_sizes + tile - 1) // tile * tile
+    padded_end = jnp.cumsum(padded)
+    start, padded_start = jnp.cumsum(group_sizes) - group_sizes, padded_end - padded
+    num_tiles = -(-(num_rows + num_experts * (tile - 1)) // tile) + 1
+    index = jnp.arange(num_rows)
+    group = jnp.minimum(jnp.searchsorted(jnp.cumsum(group_sizes), index, side="right"),
+                        num_experts - 1)
+    in_group = index < jnp.sum(group_sizes)
+    slot = jnp.where(in_group, padded_start[group] + index - start[group],
+                     (num_tiles - 1) * tile + index % tile)
+    buf = jnp.zeros((num_tiles * tile, rows.shape[-1]), rows.dtype).at[slot].set(rows)
+    tile_expert = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(num_tiles) * tile,
+                                               side="right"), num_experts - 1)
+
+    def one(args):
+        h, e = args
+        return linear(h, _expert(w, e)).astype(jnp.float32)
+
+    out = jax.lax.map(one, (buf.reshape(num_tiles, tile, -1), tile_expert))
+    return out.reshape(num_tiles * tile, -1)[slot]
