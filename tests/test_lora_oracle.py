@@ -6,7 +6,9 @@ random PEFT adapters (ranks 4, 8 and 16, different target sets, one rsLoRA; test
   the delta and both layer loops;
 * the engine's greedy tokens for the same mix equal transformers', with chunked prefill (a
   16-token budget) and forced preemption by recompute and by swap, and with tensor
-  parallelism over two fake CPU devices.
+  parallelism over two fake CPU devices;
+* on a Qwen3-MoE checkpoint, an adapter on the attention projections matches peft, and one
+  naming a dense-MLP projection is refused.
 """
 
 from __future__ import annotations
@@ -81,3 +83,41 @@ def test_tensor_parallel_engine_with_adapters_gives_the_same_greedy_tokens(case)
                 "max_lora_rank": lora_oracle.MAX_LORA_RANK}
     got = lora_oracle.engine_greedy_tp(case, 2, **settings)
     assert got == case.want_greedy, f"TP 2 with adapters: {got}, want {case.want_greedy}"
+
+
+def test_attention_adapters_on_a_mixture_of_experts_model_give_peft_logits(tmp_path):
+    """Qwen3-MoE: an adapter on q/k/v/o matches peft; one on a dense-MLP name is refused."""
+    import json
+
+    import peft
+    import torch
+    import transformers
+
+    from jaxserve.lora.device import DeviceLoRA
+    from jaxserve.lora.peft import read_adapter
+    from jaxserve.model.loader import load_model
+
+    base_dir = tmp_path / "base"
+    arch_oracle.hf_checkpoint(base_dir, "qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                              moe_intermediate_size=32, norm_topk_prob=True)
+    path = lora_oracle.make_adapter(base_dir, tmp_path / "attn", 5, r=8, lora_alpha=16,
+                                    target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    hf = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(
+        base_dir, dtype=torch.float32, attn_implementation="eager"), path).eval()
+    batch = arch_oracle.prompts(0)
+    slots = np.array([1, 0, 1, 0, 1], np.int32)
+    want = arch_oracle.hf_last_logits(hf, batch)
+    with hf.disable_adapter():
+        want[slots == 0] = arch_oracle.hf_last_logits(hf, [p for p, s in zip(batch, slots)
+                                                           if s == 0])
+    loaded = load_model(str(base_dir), progress=False)
+    device = DeviceLoRA(loaded.config, 1, 8)
+    assert sorted(device.targets) == ["wk", "wo", "wq", "wv"]
+    device.write(1, read_adapter(path, loaded.config, 8))
+    got = arch_oracle.last_logits(loaded, batch, lora=device.arrays, lora_slots=slots)
+    arch_oracle.assert_logits_close(got, want)
+    config = json.loads((path / "adapter_config.json").read_text())
+    config["target_modules"] += ["up_proj"]
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="'up_proj' is a dense-MLP projection"):
+        read_adapter(path, loaded.config, 8)
