@@ -5,7 +5,8 @@ One forward pass over the ragged token batch of a step, reading and writing the 
 cache. What differs between families is read from data, never from the family's name: the
 `Family` record (norm kind, q/k norm, sandwich norms, embedding scale) and the checkpoint's
 `ModelConfig` (biases, activation, partial rotary, RoPE and sliding window per layer, attention
-scale, logit soft-caps, experts: model/moe.py).
+scale, logit soft-caps, experts: model/moe.py). With LoRA adapters each projection adds its
+token rows' adapter deltas (model/lora.py).
 
 With `layer_loop="scan"` the layer weights stay stacked [L, ...] and `jax.lax.scan` walks them
 (compile time flat in depth). A scan body is one static layer, so when layers differ in their

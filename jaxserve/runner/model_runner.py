@@ -1,5 +1,6 @@
 """ModelRunner: owns every device array of a plain step (weights, KV pages, host swap copies,
-the logits processors' state, the InputBatch's per-slot page tables and last tokens).
+the logits processors' state, the InputBatch's per-slot page tables and last tokens, the
+resident LoRA adapters' stacks: lora/device.py, written before the step whose plan loads them).
 
 It turns a StepPlan into StepInputs laid out in one buffer (runner/prepare_inputs.py, which
 updates the persistent InputBatch (runner/input_batch.py) from the plan; step_layout.py)
