@@ -6,9 +6,10 @@ Importing the package is cheap and does not import jax; the engine loads it when
 from jaxserve.config import EngineConfig
 from jaxserve.core.intake import RequestError
 from jaxserve.core.request import FinishReason, SamplingParams
+from jaxserve.lora.request import LoRARequest
 
 __all__ = ["LLM", "EngineConfig", "SamplingParams", "FinishReason", "RequestOutput",
-           "RequestError"]
+           "RequestError", "LoRARequest"]
 __version__ = "0.1.0"
 
 

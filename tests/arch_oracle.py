@@ -106,8 +106,9 @@ def hf_greedy(model, prompt: list[int], num_tokens: int = NUM_GREEDY) -> list[in
 
 def last_logits(loaded, batch: list[list[int]], *, layer_loop: str = "unroll",
                 attention_impl: str = "reference", page_size: int = 4,
-                dtype: str = "float32") -> np.ndarray:
-    """[len(batch), V]: one ragged prefill step over every prompt of `batch` (pages shuffled)."""
+                dtype: str = "float32", lora=None, lora_slots=None) -> np.ndarray:
+    """[len(batch), V]: one ragged prefill step over every prompt of `batch` (pages shuffled).
+    lora: a model/lora.py LoRAStacks, with prompt i's rows in slot lora_slots[i]."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -132,6 +133,8 @@ def last_logits(loaded, batch: list[list[int]], *, layer_loop: str = "unroll",
     pad = lambda a: jnp.asarray(np.pad(np.asarray(a, np.int32), (0, num_rows - len(a))))
     inputs = ModelInputs(pad(tokens), pad(positions), pad(slots),
                          jnp.asarray(np.asarray(cu[1:]) - 1, jnp.int32))
+    if lora is not None:
+        inputs.lora_slots = pad(np.repeat(lora_slots, [len(p) for p in batch]))
     metadata = AttentionMetadata(jnp.asarray(cu, jnp.int32),
                                  jnp.asarray([len(p) for p in batch], jnp.int32),
                                  jnp.asarray(table), jnp.int32(len(batch)), jnp.int32(0))
@@ -142,11 +145,11 @@ def last_logits(loaded, batch: list[list[int]], *, layer_loop: str = "unroll",
                                       layer_loop=layer_loop))
 
     @jax.jit
-    def forward(state, inputs, metadata, kv):
-        return nnx.merge(graphdef, state)(inputs, metadata, kv, attention)[0]
+    def forward(state, inputs, metadata, kv, lora):
+        return nnx.merge(graphdef, state)(inputs, metadata, kv, attention, lora=lora)[0]
 
     kv = init_kv_cache(config, num_pages, page_size, getattr(jnp, dtype))
-    return np.asarray(forward(state, inputs, metadata, kv))
+    return np.asarray(forward(state, inputs, metadata, kv, lora))
 
 
 def engine_greedy(loaded, batch: list[list[int]], **settings):

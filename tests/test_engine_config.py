@@ -56,6 +56,11 @@ CLI_VALUES = {
     "cpu_kernels": (["--cpu-kernels", "off"], "off"),
     "cpu_kernel_cache_dir": (["--cpu-kernel-cache-dir", "/srv/kernels"], "/srv/kernels"),
     "cpu_kernel_compiler": (["--cpu-kernel-compiler", "clang++"], "clang++"),
+    "enable_lora": (["--enable-lora"], True),
+    "lora_modules": (["--enable-lora", "--lora-modules", "a=/x"], ("a=/x",)),
+    "max_loras": (["--max-loras", "3"], 3),
+    "max_cpu_loras": (["--max-cpu-loras", "4"], 4),
+    "max_lora_rank": (["--max-lora-rank", "64"], 64),
 }
 
 
@@ -84,7 +89,7 @@ def test_a_flag_lands_in_its_group_field_and_round_trips(name):
     defaults = EngineConfig().as_kwargs()
     changed = {k for k, v in flat.items() if v != defaults[k]}
     companions = {"speculative_method", "num_speculative_tokens",  # what the flag needs
-                  "enable_expert_parallel", "tensor_parallel_size"}
+                  "enable_expert_parallel", "tensor_parallel_size", "enable_lora"}
     assert name in changed and changed <= {name} | companions, (
         f"{' '.join(tokens)} changed {sorted(changed)}")
 

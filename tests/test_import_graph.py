@@ -138,8 +138,8 @@ def describe(loop: list[str], graph: dict[str, dict[str, int]], files: dict[str,
 def layer(module: str) -> int:
     if any(_within(module, d) for d in DATA):
         return 0
-    if _within(module, "jaxserve.model"):
-        return 1
+    if _within(module, "jaxserve.model") or _within(module, "jaxserve.lora"):
+        return 1  # the model, and its LoRA adapters (read on the host, stacked on the device)
     if _within(module, "jaxserve.runner"):
         return 2
     if _within(module, "jaxserve.spec"):

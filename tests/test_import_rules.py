@@ -30,7 +30,8 @@ HOST_SIDE = [*package_modules("jaxserve.core"), *package_modules("jaxserve.struc
              "jaxserve.engine.output_processor", "jaxserve.model.step_inputs",
              "jaxserve.runner.prepare_inputs", "jaxserve.runner.buckets",
              "jaxserve.runner.protocol", "jaxserve.spec.spec_inputs", "jaxserve.spec.policy",
-             "jaxserve.spec.ngram"]
+             "jaxserve.spec.ngram", "jaxserve.lora", "jaxserve.lora.peft", "jaxserve.lora.request",
+             "jaxserve.lora.registry"]
 
 
 @pytest.mark.parametrize("module", HOST_SIDE)

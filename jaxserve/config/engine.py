@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 from jaxserve.config.groups import (CacheConfig, ModelSettings, ParallelConfig, RunnerConfig,
                                     SchedulerConfig, SpeculativeConfig)
+from jaxserve.config.lora import LoRAConfig
 from jaxserve.config.settings import parse_size
 
 _BUCKETS = ("token_buckets", "seq_buckets")  # any iterable of sizes; kept sorted and unique
@@ -36,6 +37,7 @@ class EngineConfig:
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
     runner: RunnerConfig = dataclasses.field(default_factory=RunnerConfig)
+    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
 
     def __post_init__(self):
         for name, cls in GROUPS.items():
@@ -45,8 +47,12 @@ class EngineConfig:
                                 "EngineConfig.from_kwargs(...)")
 
     def validate(self) -> "EngineConfig":
-        for name in GROUPS:  # no check spans two groups today
+        for name in GROUPS:
             getattr(self, name).validate()
+        if self.lora.enable_lora and self.speculative.speculative_method is not None:
+            raise ValueError("enable_lora=True is invalid: must be off with speculative "
+                             f"decoding (speculative_method={self.speculative.speculative_method!r})"
+                             "; adapters run in plain steps only")
         return self
 
     @staticmethod

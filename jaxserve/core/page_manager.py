@@ -9,7 +9,9 @@ moves data; `fork` returns the page pairs to copy).
 Prefix cache. A full page's key is `hash_fn(parent_key, page_token_ids)`, a chain over the whole
 prefix. A key only names a candidate: a lookup also compares the page's stored token ids and the
 registration serial of its parent page, so neither a hash collision nor a parent that was evicted
-and re-registered with other tokens can return a page whose KV belongs to another prefix.
+and re-registered with other tokens can return a page whose KV belongs to another prefix. A
+request under a LoRA adapter starts its chain from its adapter's root (page_stats.prefix_root:
+a key and a parent serial of its own), so KV computed under one adapter never serves another.
 
 Free list. One OrderedDict in eviction order, taken from the head: uncached pages are put at the
 head (reused first, nothing lost), cached pages appended at the tail (least recently used first).
@@ -30,26 +32,12 @@ on the host yet): that prefix is recomputed, never read wrong.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Sequence
 
 from jaxserve.core.host_prefix_tier import HostPrefixTier
 from jaxserve.core.page_invariants import check_invariants
-from jaxserve.core.page_stats import HashFn, PageStats, stable_page_hash  # noqa: F401 (re-export)
-
-_ROOT_SERIAL = 0  # parent serial of a prefix's first page; registrations count from 1
-NULL_PAGE = 0  # scratch page: what padding writes to, and the stand-in for released pages
-
-
-@dataclass(slots=True)
-class _RequestPages:
-    pages: tuple[int, ...]  # replaced when they change: a chunk holds it as is, no copy
-    num_slots: int
-    num_hashed_pages: int = 0  # leading full pages already registered (or found cached)
-    parent_key: int | None = None  # key of page num_hashed_pages - 1
-    parent_serial: int = _ROOT_SERIAL  # its registration serial
-    can_register: bool = True  # False after a hash collision or a prefix-cache reset
-    num_released_pages: int = 0  # leading pages given back by release_window (NULL_PAGE now)
+from jaxserve.core.page_stats import (  # noqa: F401 (HashFn, stable_page_hash: re-exports)
+    _ROOT_SERIAL, NULL_PAGE, HashFn, PageStats, RequestPages, prefix_root, stable_page_hash)
 
 
 class PageManager:
@@ -101,21 +89,23 @@ class PageManager:
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
 
-    def lookup_prefix(self, token_ids: Sequence[int], record_stats: bool = False) -> list[int]:
+    def lookup_prefix(self, token_ids: Sequence[int], record_stats: bool = False,
+                      lora_id: int = 0) -> list[int]:
         """Pages of the longest cached chain of full pages matching a prefix of token_ids
         (NULL_PAGE for a page found in the host tier: it gets a device page when allocated).
 
         Token ids and parent serials are compared at every hit, so a wrong page is never
         returned. At least the last token is left to compute. No ref count changes. The hit
         statistics count admissions (`allocate`), so a peek before allocating, or a request
-        that waits several steps, is not counted again unless record_stats is set."""
-        pages = [page for page, _ in self._match(token_ids)]
+        that waits several steps, is not counted again unless record_stats is set. lora_id:
+        the adapter the prefix was computed under (0: none)."""
+        pages = [page for page, _ in self._match(token_ids, lora_id)]
         if record_stats:
             self._record(len(token_ids), len(pages) * self.page_size)
         return pages
 
-    def can_allocate(self, token_ids: Sequence[int], num_slots: int) -> bool:
-        return self._can_take(self._match(token_ids), num_slots)
+    def can_allocate(self, token_ids: Sequence[int], num_slots: int, lora_id: int = 0) -> bool:
+        return self._can_take(self._match(token_ids, lora_id), num_slots)
 
     def take_prefix_ops(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """This step's host-tier copies, cleared: stores [(device page, host slot)] and loads
@@ -135,28 +125,32 @@ class PageManager:
 
     # ----------------------------------------------------------------- changes
     def allocate(self, request_id: str, token_ids: Sequence[int], num_slots: int, *,
-                 num_released_pages: int = 0) -> int | None:
+                 num_released_pages: int = 0, lora_id: int = 0) -> int | None:
         """Admit a new request: reuse its cached prefix pages, then fresh pages up to num_slots.
 
         Returns the number of cached tokens reused (a multiple of page_size), or None with nothing
         changed when pages run out. The request holds max(num_slots, cached tokens) slots.
         Successful calls count toward the prefix hit statistics. num_released_pages (a window
-        request swapped back in) NULL_PAGE entries come first; it registers no prefix pages."""
+        request swapped back in) NULL_PAGE entries come first; it registers no prefix pages.
+        lora_id: the adapter its KV is computed under (0: none), whose chain it looks up and
+        registers in."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already holds pages")
         if num_released_pages and (token_ids or num_released_pages * self.page_size > num_slots):
             raise ValueError(f"allocate({request_id!r}): released pages with token ids or slots")
-        matched = self._match(token_ids)
+        matched = self._match(token_ids, lora_id)
         if not self._can_take(matched, num_slots - num_released_pages * self.page_size):
             return None
         cached = self._take_matched(matched)
         num_fresh = max(self.num_pages_for(num_slots) - len(cached) - num_released_pages, 0)
         num_cached_tokens = len(cached) * self.page_size
-        req = _RequestPages(tuple([NULL_PAGE] * num_released_pages + cached
-                                  + [self._pop_free() for _ in range(num_fresh)]),
-                            max(num_slots, num_cached_tokens),
-                            can_register=not num_released_pages,
-                            num_released_pages=num_released_pages)
+        root_key, root_serial = prefix_root(self._hash_fn, lora_id)
+        req = RequestPages(tuple([NULL_PAGE] * num_released_pages + cached
+                                 + [self._pop_free() for _ in range(num_fresh)]),
+                           max(num_slots, num_cached_tokens), parent_key=root_key,
+                           parent_serial=root_serial, can_register=not num_released_pages,
+                           num_released_pages=num_released_pages, root_key=root_key,
+                           root_serial=root_serial)
         if cached:
             req.num_hashed_pages = len(cached)
             req.parent_key = self._key[cached[-1]]
@@ -257,10 +251,11 @@ class PageManager:
             self._take_ref(page)
         num_hashed = min(src.num_hashed_pages, num_pages)
         last = pages[num_hashed - 1] if num_hashed else None
-        self._requests[dst_id] = _RequestPages(
+        self._requests[dst_id] = RequestPages(
             pages, num_pages * self.page_size, num_hashed,
-            None if last is None else self._key[last],
-            _ROOT_SERIAL if last is None else self._serial[last], src.can_register)
+            src.root_key if last is None else self._key[last],
+            src.root_serial if last is None else self._serial[last], src.can_register,
+            root_key=src.root_key, root_serial=src.root_serial)
         return num_pages * self.page_size
 
     def free(self, request_id: str) -> None:
@@ -281,7 +276,7 @@ class PageManager:
             req.can_register = False
 
     # ----------------------------------------------------------------- internals
-    def _get(self, request_id: str) -> _RequestPages:
+    def _get(self, request_id: str) -> RequestPages:
         try:
             return self._requests[request_id]
         except KeyError:
@@ -291,13 +286,13 @@ class PageManager:
         self._query_tokens += num_query_tokens
         self._hit_tokens += num_hit_tokens
 
-    def _match(self, token_ids: Sequence[int]) -> list[tuple[int, int]]:
+    def _match(self, token_ids: Sequence[int], lora_id: int = 0) -> list[tuple[int, int]]:
         """[(device page, key)] of the longest cached chain; NULL_PAGE: found in the host tier."""
         if not self.enable_prefix_caching:
             return []
         ps, host = self.page_size, self.host_tier
         matched: list[tuple[int, int]] = []
-        key, serial = None, _ROOT_SERIAL
+        key, serial = prefix_root(self._hash_fn, lora_id)
         for i in range((len(token_ids) - 1) // ps):  # never the whole prompt: one token computes
             page_tokens = tuple(token_ids[i * ps:(i + 1) * ps])
             key = self._hash_fn(key, page_tokens)
@@ -372,7 +367,7 @@ class PageManager:
             if self._tokens[holder] == page_tokens and self._parent_serial[holder] == parent_serial:
                 return holder  # the same prefix is cached already: keep that entry
             orphan_parent = self._parent_serial[holder]
-            if orphan_parent == _ROOT_SERIAL or orphan_parent in self._live_serials or (
+            if orphan_parent <= _ROOT_SERIAL or orphan_parent in self._live_serials or (
                     self.host_tier is not None and self.host_tier.holds_serial(orphan_parent)):
                 return None
             self._unregister(holder)  # its parent was evicted: unreachable, so replace it

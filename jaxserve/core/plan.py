@@ -101,6 +101,8 @@ class ScheduledChunk:
     token_on_device: bool = False
     # with sampling: which output token it samples (keys derive from (seed, output_index))
     output_index: int = 0
+    # its LoRA adapter's device slot (0: the base model), the same for each of its rows
+    lora_slot: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -117,16 +119,17 @@ class DecodeRows:
     requests whose batch slot already holds their sampling settings and page table, unchanged
     (they came with an earlier chunk of the request in that slot), with a plain SamplingRow (no
     processors, grammar, top or prompt logprobs). Row i is request request_ids[i]; `meta`
-    [D, 5] int64 holds its start position, its token (0: a placeholder when on the device), its
-    batch slot, whether the token is on the device (the step before sampled it), and the
-    output index it samples. sampling is the row its slot holds (chunks() makes the chunks
-    these rows stand for, for any reader that wants objects)."""
+    [D, 6] int64 holds its start position, its token (0: a placeholder when on the device), its
+    batch slot, whether the token is on the device (the step before sampled it), the
+    output index it samples, and its LoRA adapter's device slot (0: none). sampling is the row
+    its slot holds (chunks() makes the chunks these rows stand for, for any reader that wants
+    objects)."""
 
     request_ids: list[str]
     sampling: list[SamplingRow]
     meta: np.ndarray
 
-    POSITION, TOKEN, SLOT, ON_DEVICE, OUTPUT_INDEX = range(5)
+    POSITION, TOKEN, SLOT, ON_DEVICE, OUTPUT_INDEX, LORA_SLOT = range(6)
 
     def __len__(self) -> int:
         return len(self.request_ids)
@@ -138,12 +141,13 @@ class DecodeRows:
 
     @classmethod
     def empty(cls) -> "DecodeRows":
-        return cls([], [], np.zeros((0, 5), np.int64))
+        return cls([], [], np.zeros((0, 6), np.int64))
 
     def chunks(self) -> list[ScheduledChunk]:
         return [ScheduledChunk(rid, (token,), pos, None, row, batch_slot=slot,
-                               token_on_device=bool(dev), output_index=index)
-                for rid, row, (pos, token, slot, dev, index)
+                               token_on_device=bool(dev), output_index=index,
+                               lora_slot=lora)
+                for rid, row, (pos, token, slot, dev, index, lora)
                 in zip(self.request_ids, self.sampling, self.meta.tolist())]
 
 
@@ -197,6 +201,8 @@ class StepPlan:
     # cached pages to host slots [(device page, slot)], host hits into fresh pages [(slot, page)]
     prefix_stores: list[tuple[int, int]] = field(default_factory=list)
     prefix_loads: list[tuple[int, int]] = field(default_factory=list)
+    # LoRA adapters into device slots before the step: [(slot, adapter id)] (core/lora_slots.py)
+    lora_loads: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -235,7 +241,7 @@ class StepPlan:
     @property
     def is_empty(self) -> bool:
         return not (self.chunks or self.decode or self.swap_out or self.swap_in
-                    or self.prefix_stores or self.prefix_loads)
+                    or self.prefix_stores or self.prefix_loads or self.lora_loads)
 
 
 @dataclass

@@ -85,10 +85,10 @@ class RowLayout:
             rows.append(request.sampling_row)
             meta += (start, 0 if pending else outputs[-1] if outputs
                      else request.prompt_token_ids[-1], request.batch_slot, pending,
-                     len(outputs) + pending)
+                     len(outputs) + pending, request.lora_slot)
             request.num_computed_tokens = start + 1
             request.num_pending_tokens = pending + 1
-        plan.decode = DecodeRows(ids, rows, np.array(meta, np.int64).reshape(-1, 5))
+        plan.decode = DecodeRows(ids, rows, np.array(meta, np.int64).reshape(-1, 6))
         chunk_rows.sort(key=lambda item: item[1] != 1)  # decode chunks first (a stable sort)
         chunks, drafts = plan.chunks, plan.drafts
         for request, num_new, table in chunk_rows:

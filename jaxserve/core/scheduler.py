@@ -12,7 +12,8 @@ token is read on the device from the request's batch slot, held while running); 
 Features arrive as objects it asks, never as branches here: the batching policy
 (batching_policy.py: when to admit, what padding costs), the speculation (speculation.py:
 each step's drafter; StepPlan.drafts), the sliding window (sliding_window.py: pages given
-back), prompt sharing of n > 1 samples (prompt_sharing.py), and the row layout
+back), prompt sharing of n > 1 samples (prompt_sharing.py), the LoRA adapters' device slots
+(lora_slots.py: a request runs only with its adapter in a slot), and the row layout
 (row_layout.py: DecodeRows or chunks). Plain Python: no jax, no device arrays, no text (stop
 strings are the engine's job, finish()).
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 import bisect
 
 from jaxserve.core.batching_policy import make_batching_policy
+from jaxserve.core.lora_slots import LoRASlots
 from jaxserve.core.page_manager import PageManager
 from jaxserve.core.plan import StepPlan, SwapIn, SwapOut
 from jaxserve.core.processor_slots import ProcessorSlots
@@ -39,7 +41,8 @@ class Scheduler(SchedulerResults):
                  max_num_batched_tokens: int, max_model_len: int,
                  preemption_mode: str = "recompute", enable_chunked_prefill: bool = True,
                  batching: str = "continuous", swap_space: HostSwapSpace | None = None,
-                 speculation=None, kv_window: int | None = None, decode_rows: bool = False):
+                 speculation=None, kv_window: int | None = None, decode_rows: bool = False,
+                 max_loras: int = 0):
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
             # a prompt (or a recompute's prompt + outputs) is prefilled in one step
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} is too small: "
@@ -71,6 +74,7 @@ class Scheduler(SchedulerResults):
                              RequestStatus.FINISHED: lambda request: None}
         self._dropped_swaps: list[str] = []
         self.processor_slots = ProcessorSlots(max_num_seqs + 1)
+        self.lora_slots = LoRASlots(max_loras)  # LoRA adapters' device slots (0: none served)
         self.layout = RowLayout(page_manager, self.processor_slots)
         self._num_plain_only = 0  # requests only plain steps compute: none speculates meanwhile
         self._num_host_bound = 0  # requests whose inputs need their last token on the host
@@ -95,9 +99,13 @@ class Scheduler(SchedulerResults):
         self.layout.prepare(request, self.decode_rows)
         self._num_plain_only += request.sampling.needs_plain_steps(self._host_drafts)
         self._num_host_bound += request.needs_host_tokens
-        if needed > capacity:
+        if request.lora_id and not self.lora_slots.max_loras:
+            request.error = (f"request names LoRA adapter {request.lora_id}, but this engine "
+                             "serves no adapters (enable_lora is off)")
+        elif needed > capacity:
             request.error = (f"request needs {needed} KV pages ({total} tokens) but the page "
                              f"pool holds {capacity}; lower max_tokens or the prompt length")
+        if request.error is not None:
             request.status = RequestStatus.FINISHED  # (in no queue yet)
             self._finish(request, FinishReason.ERROR)
             return TokenEvent(request.request_id, (), (), FinishReason.ERROR, request.error)
@@ -173,6 +181,7 @@ class Scheduler(SchedulerResults):
         plan.static_padding = self.batching.padding(budget, self.requests)
         self.layout.lay_out(plan, scheduled)
         plan.prefix_stores, plan.prefix_loads = self.pages.take_prefix_ops()
+        plan.lora_loads = self.lora_slots.take_loads()
         return plan
 
     def _schedule_running(self, plan: StepPlan, scheduled, budget: int) -> tuple[int, bool]:
@@ -217,12 +226,14 @@ class Scheduler(SchedulerResults):
     def _schedule_swapped(self, plan: StepPlan, scheduled, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.swapped[0]
-            if request.num_pending_tokens:
-                break  # swapped out while its last step ran: resumes once its token is in
+            if request.num_pending_tokens or not self.lora_slots.can_acquire(request):
+                break  # swapped out while its last step ran: resumes once its token is in;
+                # or every LoRA slot holds an adapter in use: resumes when one is free
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             num_released = self.window.num_dead_pages(request.num_computed_tokens)  # as at swap-out
             if self.pages.allocate(request.request_id, (), request.num_computed_tokens + num_new,
-                                   num_released_pages=num_released) is None:
+                                   num_released_pages=num_released,
+                                   lora_id=request.lora_id) is None:
                 break
             self.swapped.pop(0)
             num_pages = self.pages.num_pages_for(request.num_computed_tokens)
@@ -240,9 +251,10 @@ class Scheduler(SchedulerResults):
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[index]
             if ((request.sampling.structured_outputs is not None and request.grammar is None)
-                    or request.num_pending_tokens):
-                index += 1  # its grammar is still compiling, or (preempted while its last
-                continue    # step ran) its token is not in yet: the others go on without it
+                    or request.num_pending_tokens or not self.lora_slots.can_acquire(request)):
+                index += 1  # its grammar is still compiling, (preempted while its last step
+                continue    # ran) its token is not in yet, or every LoRA slot holds an adapter
+                # in use: the others go on without it
             tokens = request.all_token_ids
             got = self._admit_pages(request, budget)
             if got is None:
@@ -268,25 +280,29 @@ class Scheduler(SchedulerResults):
         pages run out (or its prompt doesn't fit the budget and chunked prefill is off)."""
         tokens = request.prefix_cache_tokens
         source = self.sharing.source_of(request)
-        num_shared = (len(self.pages.lookup_prefix(tokens)) * self.pages.page_size
+        num_shared = (len(self.pages.lookup_prefix(tokens, lora_id=request.lora_id))
+                      * self.pages.page_size
                       if source is None else self.sharing.num_shared_tokens(request))
         num_new = request.num_tokens - num_shared
         if num_new > budget and not self.enable_chunked_prefill:
             return None
         num_new = min(num_new, budget)
         if source is None:
-            return self.pages.allocate(request.request_id, tokens, num_shared + num_new)
+            return self.pages.allocate(request.request_id, tokens, num_shared + num_new,
+                                       lora_id=request.lora_id)
         return self.sharing.fork(source, request, num_shared, num_new)
 
     def _start_running(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING
         self.layout.forget(request.request_id)  # a new slot: its settings and table not sent yet
         request.batch_slot = self._free_batch_slots.pop()  # never empty: <= max_num_seqs run
+        self.lora_slots.acquire(request)  # (the callers checked can_acquire)
         bisect.insort(self.running, request, key=Request.sort_key)
 
     def _release_batch_slot(self, request: Request) -> None:
         self._free_batch_slots.append(request.batch_slot)
         request.batch_slot = 0
+        self.lora_slots.release(request)
         self.layout.forget(request.request_id)
 
     def _pick_victim(self, exclude: set[str]) -> Request:

@@ -67,7 +67,8 @@ def build_chunk(request: Request, num_new: int, pages: PageUpdate | None,
         if end > known:  # its last tokens: the step in flight samples them, placeholders
             tokens += (0,) * (end - known)
     return ScheduledChunk(request.request_id, tokens, start, pages, sampling, k,
-                          first, nxt, request.batch_slot, end > known, output_index)
+                          first, nxt, request.batch_slot, end > known, output_index,
+                          request.lora_slot)
 
 
 def prompt_logprob_entries(chunk: ScheduledChunk, first_row: int,

@@ -40,6 +40,7 @@ class EngineParts:
     scheduler: Scheduler
     runner: object                # runner.protocol.Runner
     info: EngineInfo
+    lora_registry: object = None  # lora.registry.LoRARegistry (None: enable_lora off)
 
 
 def device_kv_budget(fraction: float, devices) -> int | None:
@@ -102,6 +103,27 @@ def host_prefix_tier(cache: CacheConfig, bytes_per_page: int,
     return tier
 
 
+def lora_adapters(config: EngineConfig, model_config, num_processes: int):
+    """The host's LoRA adapters (lora/registry.py), lora_modules read (ids 1, 2, ... in
+    order; a bad adapter is a ValueError before anything compiles); None: enable_lora off."""
+    lora = config.lora
+    if not lora.enable_lora:
+        return None
+    if num_processes > 1:
+        raise ValueError(f"enable_lora is not supported with several JAX processes "
+                         f"({num_processes}) yet: each would need every adapter")
+    from jaxserve.lora.registry import LoRARegistry
+    from jaxserve.lora.request import LoRARequest
+
+    registry = LoRARegistry(model_config, lora.max_lora_rank, lora.num_cpu_loras)
+    for lora_id, (name, path) in enumerate(lora.modules(), 1):
+        registry.resolve(LoRARequest(name, lora_id, path))
+    log.info("LoRA: up to %d adapters on the device, %d in host memory, rank <= %d; read at "
+             "start: %s", lora.max_loras, lora.num_cpu_loras, lora.max_lora_rank,
+             ", ".join(r.lora_name for r in registry.requests) or "none")
+    return registry
+
+
 def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> EngineParts:
     """loaded: a LoadedModel (None: load config.model.model). Compiles every step before
     returning."""
@@ -155,6 +177,7 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
     log.info("KV cache: %d pages x %d tokens = %d tokens, %.1f MiB", num_pages - 1,
              cache.page_size, (num_pages - 1) * cache.page_size,
              num_pages * cache.page_size * kv_per_token / 2**20)
+    lora_registry = lora_adapters(config, mc, jax.process_count())
     tier = host_prefix_tier(cache, cache.page_size * kv_per_token, jax.process_count())
     pages = PageManager(num_pages, cache.page_size, cache.enable_prefix_caching,
                         host_tier=tier)
@@ -172,7 +195,8 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
         kv_window=reusable_window(mc.layer_windows, *draft_windows),
         # steady decoders as plan.DecodeRows: ModelRunner's plain steps lay them out (the
         # speculative runner and static batching's padding read chunks)
-        decode_rows=speculation.policy is None and sched.batching == "continuous")
+        decode_rows=speculation.policy is None and sched.batching == "continuous",
+        max_loras=config.lora.max_loras if lora_registry is not None else 0)
     # The steps are traced inside `using`: where the CPU kernels are built, and whether.
     kernels = cpu_ffi.KernelSettings(run.cpu_kernels, run.cpu_kernel_cache_dir,
                                      run.cpu_kernel_compiler)
@@ -186,7 +210,9 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
                 jax.default_backend(), sched.max_num_batched_tokens),
             seq_buckets=run.seq_buckets,
             compile_cache_dir=run.compile_cache_dir, mesh=mesh,
-            host_prefix_slots=0 if tier is None else tier.num_slots))
+            host_prefix_slots=0 if tier is None else tier.num_slots,
+            max_loras=scheduler.lora_slots.max_loras, max_lora_rank=config.lora.max_lora_rank,
+            lora_registry=lora_registry))
         with phase(log, "warm-up: trace, compile (or read the compile cache) and run every "
                         "step bucket"):
             runner.warmup(progress=progress)
@@ -214,4 +240,4 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
     log.info("engine ready in %.1f s: model %.1f s, page pool + warm-up %.1f s", total,
              loaded_s, total - loaded_s)
     return EngineParts(config, mc, loaded.tokenizer, max_model_len, dtype_name, mesh, speculation,
-                       pages, scheduler, runner, info)
+                       pages, scheduler, runner, info, lora_registry)

@@ -87,6 +87,7 @@ class Engine:
         self.scheduler = parts.scheduler
         self.runner = parts.runner
         self.info = parts.info
+        self.lora_registry = parts.lora_registry  # None: enable_lora off
         self._outputs = OutputProcessor(self.tokenizer)
         self._pending_events: list[TokenEvent] = []
         self.grammars = None        # a GrammarCompiler, made by the first structured request
@@ -125,9 +126,12 @@ class Engine:
     # ---- requests ---------------------------------------------------------------------
     def make_request(self, prompt: str | list[int] | None = None,
                      params: SamplingParams | None = None, *, request_id: str | None = None,
-                     priority: int = 0, prompt_token_ids: list[int] | None = None) -> Request:
+                     priority: int = 0, prompt_token_ids: list[int] | None = None,
+                     lora_request=None) -> Request:
         """Tokenize, then check the request at intake (core/intake.py: every check on a
-        request); raises intake.RequestError naming the field, the value and the limit."""
+        request); raises intake.RequestError naming the field, the value and the limit.
+        lora_request: a LoRARequest (jaxserve/lora/request.py) to run under, its adapter read
+        on first use (a bad one: RequestError on field lora_request)."""
         params = params or SamplingParams()
         if isinstance(prompt, (list, tuple)):
             prompt, prompt_token_ids = None, list(prompt)
@@ -141,6 +145,7 @@ class Engine:
             prompt_token_ids, field = self.tokenizer.encode(prompt), "prompt"
         ids = [int(t) for t in prompt_token_ids]
         intake.check_request(self.info, ids, params, prompt_field=field)
+        lora_id = 0 if lora_request is None else self._lora_id(lora_request)
         if params.structured_outputs is not None:
             self._grammar_compiler().submit(params.structured_outputs)  # compiles off-thread
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
@@ -148,7 +153,17 @@ class Engine:
         return Request(f"{external_id}-{next(self._serials)}", ids, params, seed,
                        eos_token_ids=tuple(self.tokenizer.eos_token_ids), priority=priority,
                        bad_words_ids=bad_words_ids(self.tokenizer, params.bad_words),
-                       external_id=external_id)
+                       external_id=external_id, lora_id=lora_id)
+
+    def _lora_id(self, lora_request) -> int:
+        """The adapter id of a request's LoRARequest (read the first time it is named)."""
+        if self.lora_registry is None:
+            raise intake.RequestError("lora_request", "lora_request is given, but this engine "
+                                      "serves no LoRA adapters (start it with enable_lora)")
+        try:
+            return self.lora_registry.resolve(lora_request)
+        except ValueError as exc:
+            raise intake.RequestError("lora_request", str(exc)) from None
 
     def add(self, request: Request) -> None:
         """Queue a made request; with sampling.n > 1 its other samples too (ids

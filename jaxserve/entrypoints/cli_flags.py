@@ -121,6 +121,8 @@ def add_engine_flags(parser: argparse.ArgumentParser, with_model: bool = True) -
             kwargs.update(type=size_type(plain), metavar="SIZE")
         elif "bool" in hint:
             kwargs["action"] = BoolFlag
+        elif "tuple[str" in hint:
+            kwargs.update(type=str, nargs="+", metavar=meta.get("unit") or "TEXT")
         elif "tuple" in hint:
             kwargs.update(type=int, nargs="+", metavar="N")
         elif "float" in hint:

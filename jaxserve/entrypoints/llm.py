@@ -50,7 +50,10 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: str | Sequence, sampling_params=None, *, use_tqdm: bool = True,
-                 priorities: Sequence[int] | None = None) -> list[RequestOutput]:
+                 priorities: Sequence[int] | None = None,
+                 lora_request=None) -> list[RequestOutput]:
+        """lora_request: a LoRARequest for every prompt, or a list of one (or None) per
+        prompt, as vLLM's (the engine must be started with enable_lora)."""
         prompts = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or self.default_sampling_params] * len(prompts)
@@ -61,8 +64,16 @@ class LLM:
         # Only finished outputs are read here: the engine makes no per-step snapshots for them
         # (as vLLM's LLM.generate asks for RequestOutputKind.FINAL_ONLY).
         final = {id(sp): dataclasses.replace(sp, output_kind="final_only") for sp in params}
+        if isinstance(lora_request, (list, tuple)):
+            if len(lora_request) != len(prompts):
+                raise ValueError(f"got {len(lora_request)} lora_requests for {len(prompts)} "
+                                 "prompts")
+            loras = list(lora_request)
+        else:
+            loras = [lora_request] * len(prompts)
         requests = [self.engine.make_request(p, final[id(sp)],
-                                             priority=priorities[i] if priorities else 0)
+                                             priority=priorities[i] if priorities else 0,
+                                             lora_request=loras[i])
                     for i, (p, sp) in enumerate(zip(prompts, params))]
         for request in requests:
             self.engine.add(request)

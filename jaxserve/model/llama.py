@@ -5,7 +5,8 @@ One forward pass over the ragged token batch of a step, reading and writing the 
 cache. What differs between families is read from data, never from the family's name: the
 `Family` record (norm kind, q/k norm, sandwich norms, embedding scale) and the checkpoint's
 `ModelConfig` (biases, activation, partial rotary, RoPE and sliding window per layer, attention
-scale, logit soft-caps, experts: model/moe.py).
+scale, logit soft-caps, experts: model/moe.py). With LoRA adapters each projection adds its
+token rows' adapter deltas (model/lora.py).
 
 With `layer_loop="scan"` the layer weights stay stacked [L, ...] and `jax.lax.scan` walks them
 (compile time flat in depth). A scan body is one static layer, so when layers differ in their
@@ -27,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.model import layers, moe, rope
+from jaxserve.model import lora as lora_ops
 from jaxserve.model.qlinear import QuantizedWeight, head, linear, lookup
 from jaxserve.model.quant import QuantizedTensor
 from jaxserve.model import pytrees  # noqa: F401  (registers the step inputs as pytrees)
@@ -126,10 +128,11 @@ class Llama(nnx.Module):
 
     def __call__(self, inputs: ModelInputs, metadata: AttentionMetadata,
                  kv: tuple[jax.Array, jax.Array], attention: PagedAttention, *,
-                 return_hidden: bool = False):
+                 return_hidden: bool = False, lora: lora_ops.LoRAStacks | None = None):
         """Returns (logits [R, V] float32, updated kv), and with return_hidden the last layer's
         output of every row [T, D] too (model.logits of it: every row's logits). K/V pages:
-        [L, N, page_size, Hkv, Dh].
+        [L, N, page_size, Hkv, Dh]. lora: the resident adapters (model/lora.py), each row's
+        slot in inputs.lora_slots; None: no adapters.
 
         The attention backend prepares its per-step metadata once here, before the layer loop;
         every layer then reads the same prepared object."""
@@ -143,13 +146,19 @@ class Llama(nnx.Module):
         page_size = kv[0].shape[2]
         write_page = inputs.slot_mapping // page_size
         write_offset = inputs.slot_mapping % page_size
+        adapters = (None if lora is None
+                    else lora_ops.StepAdapters(lora, inputs.lora_slots, x.dtype))
 
         def norm(h, weight):
             return layers.rms_norm(h, weight, cfg.rms_norm_eps, family.norm_plus_one)
 
-        def layer(x, k_pages, v_pages, idx, w, kind: LayerKind):
+        def layer(x, k_pages, v_pages, idx, w, kind: LayerKind, lw):
+            def proj(h, key):  # a projection, and the rows' adapter deltas (lw: the layer's)
+                y = linear(h, w[key])
+                return y if adapters is None else adapters.add(y, h, lw, key)
+
             h = norm(x, w["attn_norm"])
-            q, k, v = linear(h, w["wq"]), linear(h, w["wk"]), linear(h, w["wv"])
+            q, k, v = proj(h, "wq"), proj(h, "wk"), proj(h, "wv")
             if cfg.attention_bias:
                 q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
             q = q.reshape(-1, cfg.num_heads, cfg.head_dim)     # [T, Hq, Dh]
@@ -165,7 +174,7 @@ class Llama(nnx.Module):
                              sliding_window=kind.sliding_window,
                              soft_cap=cfg.attn_logit_softcap,
                              sinks=w.get("sinks"))  # [T, Hq, Dh]
-            out = linear(attn.reshape(x.shape[0], cfg.q_size).astype(x.dtype), w["wo"])
+            out = proj(attn.reshape(x.shape[0], cfg.q_size).astype(x.dtype), "wo")
             if cfg.output_bias:
                 out = out + w["bo"]
             if family.sandwich_norms:
@@ -174,8 +183,9 @@ class Llama(nnx.Module):
             h = norm(x, w["mlp_norm"])
             if cfg.num_experts:
                 out = moe.moe_mlp(h, w, cfg, self.experts)
-            else:
-                out = layers.gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], cfg.hidden_act)
+            else:  # layers.gated_mlp, each projection through proj
+                act = layers.ACTIVATIONS[cfg.hidden_act]
+                out = proj(act(proj(h, "w_gate")) * proj(h, "w_up"), "w_down")
             if family.sandwich_norms:
                 out = norm(out, w["post_mlp_norm"])
             return x + out, k_pages, v_pages
@@ -184,16 +194,18 @@ class Llama(nnx.Module):
         if self.layer_loop == "scan":
             def body(carry, xs):
                 x, k_pages, v_pages = carry
-                idx, w = xs
-                return layer(x, k_pages, v_pages, idx, w, self.kinds[0]), None
+                idx, w, lw = xs
+                return layer(x, k_pages, v_pages, idx, w, self.kinds[0], lw), None
 
             idxs = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+            lws = {} if lora is None else lora_ops.stacked_weights(lora)
             (x, k_pages, v_pages), _ = jax.lax.scan(body, (x, k_pages, v_pages),
-                                                    (idxs, self.layers.as_dict()))
+                                                    (idxs, self.layers.as_dict(), lws))
         else:
             for i, weights in enumerate(self.layers):
+                lw = {} if lora is None else lora_ops.layer_weights(lora, i)
                 x, k_pages, v_pages = layer(x, k_pages, v_pages, jnp.int32(i),
-                                            weights.as_dict(), self.kinds[i])
+                                            weights.as_dict(), self.kinds[i], lw)
 
         logits = self.logits(x[inputs.logits_indices])
         if return_hidden:

@@ -1,5 +1,6 @@
 """ModelRunner: owns every device array of a plain step (weights, KV pages, host swap copies,
-the logits processors' state, the InputBatch's per-slot page tables and last tokens).
+the logits processors' state, the InputBatch's per-slot page tables and last tokens, the
+resident LoRA adapters' stacks: lora/device.py, written before the step whose plan loads them).
 
 It turns a StepPlan into StepInputs laid out in one buffer (runner/prepare_inputs.py, which
 updates the persistent InputBatch (runner/input_batch.py) from the plan; step_layout.py)
@@ -47,6 +48,7 @@ from jaxserve.runner.protocol import StepResult
 from jaxserve.runner.sampler import prompt_logprobs, sample, top_logprobs
 from jaxserve.runner.tensor_parallel import Placement
 from jaxserve.model.step_layout import PackedStepInputs, layouts_for
+from jaxserve.lora.device import DeviceLoRA
 
 log = logging.getLogger(__name__)
 
@@ -99,10 +101,10 @@ def unpack(packed: np.ndarray, num_chunks: int, with_top: bool = False) -> StepR
 def plain_step(graphdef, attention, state, kv, inputs: PackedStepInputs):
     """unpack (step_layout.py) -> forward -> logits processors -> sample (+ top-k logprobs, +
     prompt logprobs). kv: (KV pages, processor state, last tokens and page tables by slot:
-    input_batch.py).
+    input_batch.py[, the LoRA stacks: lora/device.py, read only]).
     Returns ((packed [2, S, 1 + K] i32, prompt [2, T, 1 + K] i32), kv); the prompt part is
     fetched only by steps that asked for it."""
-    kv_pages, processors, last_tokens, tables = kv
+    kv_pages, processors, last_tokens, tables, *lora = kv
     inputs = packed_inputs.unpack(inputs)
     tables, page_table = input_batch.apply_table_updates(tables, inputs.tables)
     inputs = dataclasses.replace(inputs, attention=dataclasses.replace(
@@ -111,7 +113,7 @@ def plain_step(graphdef, attention, state, kv, inputs: PackedStepInputs):
     rows = dataclasses.replace(inputs.model, token_ids=input_batch.feed_tokens(
         inputs.model.token_ids, inputs.model.token_slots, last_tokens))
     logits, kv_pages, hidden = model(rows, inputs.attention, kv_pages, attention,
-                                     return_hidden=True)
+                                     return_hidden=True, lora=lora[0] if lora else None)
     sp = inputs.sampling
     logits = logits_processors.apply_if_any(logits, sp, processors)
     logits = maybe_apply_bitmask(logits, sp.grammar_bitmask, sp.has_grammar, sp.any_grammar)
@@ -121,7 +123,7 @@ def plain_step(graphdef, attention, state, kv, inputs: PackedStepInputs):
     packed = pack(tokens, logprobs, top_logprobs(logits, sp))
     prompt_ids, prompt_lps = prompt_logprobs(model, hidden, sp)
     prompt = jnp.stack([prompt_ids, jax.lax.bitcast_convert_type(prompt_lps, jnp.int32)])
-    return (packed, prompt), (kv_pages, processors, last_tokens, tables)
+    return (packed, prompt), (kv_pages, processors, last_tokens, tables, *lora)
 
 
 @dataclasses.dataclass
@@ -144,10 +146,13 @@ class ModelRunner:
                  max_num_batched_tokens: int, dtype: str = "auto",
                  attention_impl: str = "auto", layer_loop: str = "auto",
                  token_buckets=None, seq_buckets=None, compile_cache_dir: str | None = None,
-                 mesh=None, host_prefix_slots: int = 0):
+                 mesh=None, host_prefix_slots: int = 0, max_loras: int = 0,
+                 max_lora_rank: int = 16, lora_registry=None):
         """mesh: a ("tp",) jax Mesh to shard weights, KV pages and the step over (None: one
         device); see runner/tensor_parallel.py. host_prefix_slots: pages of the prefix cache's
-        host tier (runner/host_prefix_pool.py) each cache of this runner keeps."""
+        host tier (runner/host_prefix_pool.py) each cache of this runner keeps. max_loras > 0:
+        that many LoRA adapters resident at once, of rank up to max_lora_rank
+        (lora/device.py), read from lora_registry (lora/registry.py) as plans load them."""
         backend = jax.default_backend()
         enable_compile_cache(compile_cache_dir)
         self.model_config = model_config
@@ -173,12 +178,19 @@ class ModelRunner:
         step = functools.partial(plain_step, self.graphdef, self.attention)
         self.mask_words = -(-model_config.vocab_size // 32)  # grammar bitmask words per row
         self._unused_bitmasks: dict[tuple[int, int], jax.Array] = {}
-        self.layouts = layouts_for(self.buckets.shapes(), p, self.mask_words)
-        self.step = CompiledStep("step", step, state,
-                                 (self.cache, self.processors, self.input_batch.last_tokens,
-                                  self.input_batch.device_tables),
+        self.lora, self.lora_registry = None, lora_registry
+        if max_loras:
+            self.lora = DeviceLoRA(model_config, max_loras, max_lora_rank, self.dtype,
+                                   self.placement.replicated,
+                                   per_layer=self.layer_loop == "unroll")
+        self.layouts = layouts_for(self.buckets.shapes(), p, self.mask_words,
+                                   lora=self.lora is not None)
+        caches = (self.cache, self.processors, self.input_batch.last_tokens,
+                  self.input_batch.device_tables) + ((self.lora,) if self.lora else ())
+        self.step = CompiledStep("step", step, state, caches,
                                  self.buckets, lambda shape: self.layouts[shape].new(),
-                                 **self.placement.jit_shardings(processor_state=True))
+                                 **self.placement.jit_shardings(processor_state=True,
+                                                                lora=self.lora is not None))
 
     def _place_unused_bitmasks(self) -> None:
         """A device-resident [S, W] bitmask per bucket, for steps without grammars, placed
@@ -211,6 +223,8 @@ class ModelRunner:
         self.cache.warmup()
         self.processors.warmup()
         self.input_batch.warmup()
+        if self.lora is not None:
+            self.lora.warmup()
 
     def wait(self) -> None:
         self._launcher.drain()  # every launched step has its arrays
@@ -251,6 +265,8 @@ class ModelRunner:
         """On the launcher thread: the plan's swaps, processor fills and page-table rows the
         step does not carry, then its step."""
         self.cache.apply_swaps(plan)
+        if plan.lora_loads:
+            self.lora.apply_loads(plan.lora_loads, self.lora_registry)
         self.processors.apply_inits(plan)
         self.input_batch.write_unsent(unsent_rows)
         return None if inputs is None else self.step.run(inputs)

@@ -45,11 +45,12 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
     num_steady = plan.num_decode_rows
     num_seqs = num_steady + len(chunks)
     # every chunk's scalars in one pass: start, tokens, pages (below), slot, token on device,
-    # first token, prompt-logprob rows, output index, samples [n, 9] (per request and step)
+    # first token, prompt-logprob rows, output index, samples, LoRA slot [n, 10] (per request
+    # and step)
     meta = np.array([(c.start_position, len(c.token_ids), 0, c.batch_slot,
                       c.token_on_device, c.token_ids[0], len(c.prompt_logprob_next),
-                      c.output_index, c.sampling is not None)
-                     for c in chunks], np.int64).reshape(len(chunks), 9)
+                      c.output_index, c.sampling is not None, c.lora_slot)
+                     for c in chunks], np.int64).reshape(len(chunks), 10)
     if num_steady:  # the same scalars of plan.decode's rows, before the chunks'
         if batch is None:
             raise ValueError("plan.decode rows need the runner's InputBatch (batch=)")
@@ -87,6 +88,8 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
         _layout_with_slots(b, chunks, meta, slots, num_decode, page_size, host, num_steady)
     _fill_sampling(b, chunks, meta, slots, None if batch is None else batch.sampling,
                    mask_words, num_steady)
+    if b.model.lora_slots is not None:  # a request's rows are contiguous, in meta's order
+        b.model.lora_slots[:int(lens.sum())] = np.repeat(meta[:, 9], lens)
     a = b.attention
     row = int(a.cu_q_lens[num_seqs])
     a.num_decode_seqs[...] = num_decode
@@ -108,11 +111,12 @@ _SETTINGS = (("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_
 
 def _steady_meta(decode) -> np.ndarray:
     """build_step_inputs' per-chunk scalars of plan.decode's rows, from its arrays."""
-    d, meta = decode.meta, np.empty((len(decode.meta), 9), np.int64)
+    d, meta = decode.meta, np.empty((len(decode.meta), 10), np.int64)
     meta[:, 0], meta[:, 1], meta[:, 2] = d[:, decode.POSITION], 1, 0
     meta[:, 3], meta[:, 4] = d[:, decode.SLOT], d[:, decode.ON_DEVICE]
     meta[:, 5], meta[:, 6] = d[:, decode.TOKEN], 0
     meta[:, 7], meta[:, 8] = d[:, decode.OUTPUT_INDEX], 1
+    meta[:, 9] = d[:, decode.LORA_SLOT]
     return meta
 
 
