@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # engine_probe
 
 PROMPT_LEN = 16
 QUICK = dict(batches="1,4,8", experts=8, hidden=64, moe_intermediate=32, layers=2, vocab=256,
@@ -82,23 +83,16 @@ def build_llm(config, tokenizer, batches: list[int], steps: int, quantization: s
 
 
 def decode_step_seconds(engine, batch: int, steps: int, vocab: int, seed: int) -> list[float]:
-    """Seconds per engine step with `batch` requests all decoding."""
+    """Seconds per engine step with `batch` requests of distinct prompts all decoding."""
     import numpy as np
 
+    from engine_probe import _decode_steps
     from jaxserve.core.request import SamplingParams
 
     rng = np.random.default_rng(seed)
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
-    waiting = {engine.add_request(rng.integers(3, vocab, PROMPT_LEN).tolist(), params)
-               for _ in range(batch)}
-    while waiting:  # prefill: until every request has its first token
-        waiting -= {o.request_id for o in engine.step() if o.new_token_ids}
-    times = []
-    while engine.has_unfinished():
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    return times[:-1]
+    prompts = [rng.integers(3, vocab, PROMPT_LEN).tolist() for _ in range(batch)]
+    return _decode_steps(engine, prompts, [params] * batch)
 
 
 def main() -> int:

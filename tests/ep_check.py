@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import conftest  # noqa: E402,F401  (the test session's compile cache settings)
 import jax  # noqa: E402  (after XLA_FLAGS)
+import sharding_report  # noqa: E402
 from arch_oracle import ENGINE, NUM_GREEDY  # noqa: E402
 
 from jaxserve import SamplingParams  # noqa: E402
@@ -52,22 +53,8 @@ RUNS = {
 WATCHED = ("router", "e_gate", "e_down", "wq")
 
 
-def describe(array) -> dict:
-    sharding = array.sharding
-    return {"shape": list(array.shape), "spec": str(getattr(sharding, "spec", None)),
-            "shard_shape": list(array.addressable_shards[0].data.shape),
-            "devices": len(sharding.device_set),
-            "replicated": bool(sharding.is_fully_replicated)}
-
-
 def watched_shardings(state) -> dict:
-    """WATCHED leaves of layer 0 (or the stacked arrays) -> their sharding."""
-    found = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-        keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
-        if keys[-1] in WATCHED and (len(keys) < 3 or keys[1] == 0):
-            found[keys[-1]] = describe(leaf)
-    return found
+    return sharding_report.watched_shardings(state, WATCHED)
 
 
 def serve(loaded, batch, **settings) -> dict:

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402  (after XLA_FLAGS)
+import sharding_report  # noqa: E402
 from scale_out_fixtures import LEAN_ENGINE, mixed_requests, save_tiny_checkpoint  # noqa: E402
 
 from jaxserve.entrypoints.llm import LLM  # noqa: E402
@@ -35,22 +36,8 @@ RUNS = [  # (tensor_parallel_size, layer_loop, preemption_mode)
 WATCHED = ("embed", "lm_head", "final_norm", "wq", "wk", "wo", "w_down", "inv_freq")
 
 
-def describe(array) -> dict:
-    sharding = array.sharding
-    return {"shape": list(array.shape), "spec": str(getattr(sharding, "spec", None)),
-            "shard_shape": list(array.addressable_shards[0].data.shape),
-            "devices": len(sharding.device_set),
-            "replicated": bool(sharding.is_fully_replicated)}
-
-
 def state_shardings(state) -> dict:
-    """WATCHED leaves of layer 0 (or the stacked arrays) -> their sharding."""
-    found = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-        keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
-        if keys[-1] in WATCHED and (len(keys) < 3 or keys[1] == 0):
-            found[keys[-1]] = describe(leaf)
-    return found
+    return sharding_report.watched_shardings(state, WATCHED)
 
 
 SPEC_RUNS = {  # name -> speculative settings, served with tensor_parallel_size 2
@@ -72,7 +59,7 @@ def serve(checkpoint: Path, tp: int, layer_loop: str, preemption_mode: str, **sp
     return {"tokens": [o.token_ids for o in outs],
             "preemptions": sched.num_preemptions, "swaps": sched.num_swaps,
             "weights": state_shardings(runner.state),
-            "kv": [describe(x) for x in runner.kv],
+            "kv": [sharding_report.describe(x) for x in runner.kv],
             "inputs_replicated": all(s.is_fully_replicated for s in step_inputs),
             "num_step_inputs": len(step_inputs),
             "num_input_leaves": len(jax.tree.leaves(runner.step.empty_inputs(shape)))}
@@ -110,7 +97,7 @@ def main() -> int:
             result["runs"][name] = serve(checkpoint, 2, "unroll", "recompute", **spec)
         result["runs"]["host_tier"] = serve_twice_with_host_tier(checkpoint)
         restored = tensor_parallel.load_model(str(checkpoint), make_mesh(2), progress=False)
-        result["restored"] = {name: describe(restored.params[name])
+        result["restored"] = {name: sharding_report.describe(restored.params[name])
                               for name in ("layers.wq", "layers.wk", "layers.w_up", "embed")}
         narrow = save_tiny_checkpoint(Path(tmp) / "narrow", num_heads=4, num_kv_heads=2)
         result["errors"] = {
