@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import arch_oracle
 
@@ -47,7 +48,20 @@ def expert_use(loaded, batch) -> np.ndarray:
 
 
 class MoESuite(arch_oracle.ArchSuite):
-    """ArchSuite plus the MoE checks."""
+    """ArchSuite plus the MoE checks. The transformers 4 copy shares the transformers 5 copy's
+    weights file, and test_both_config_layouts_read_the_same_config shows both configs read the
+    same ModelConfig, so the forward checks run on the transformers 5 copy only."""
+
+    @pytest.mark.parametrize("layer_loop", ["unroll", "scan"])
+    def test_last_position_logits_match_transformers(self, case, layer_loop):
+        got = arch_oracle.last_logits(case.load("transformers5"), case.batch,
+                                      layer_loop=layer_loop)
+        arch_oracle.assert_logits_close(got, case.want_logits)
+
+    def test_greedy_tokens_through_the_engine_match_transformers(self, case):
+        got, num_preemptions = arch_oracle.engine_greedy(case.load("transformers5"), case.batch,
+                                                         **self.engine_settings)
+        arch_oracle.assert_greedy_equal(got, case.want_greedy, num_preemptions)
 
     def test_bfloat16_runs_the_same_decoder_within_bfloat16_error(self, case):
         """As ArchSuite's, except that one prompt may differ by more: the top-k choice is
