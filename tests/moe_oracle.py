@@ -29,8 +29,9 @@ def make_moe_case(directory: Path, model_type: str, *, v4_renames: dict | None =
 
 
 def expert_use(loaded, batch) -> np.ndarray:
-    """How many tokens of `batch` each layer-0 expert receives, computed from the loaded weights
-    through the family's router ([E] counts)."""
+    """[E] counts of the experts layer 0's router picks for the tokens of `batch`, fed their
+    normalised embeddings: a stand-in for the router's real input (the attention output added
+    to them) that shows whether the random router spreads tokens over its experts at all."""
     import jax.numpy as jnp
 
     from jaxserve.model import layers, moe
