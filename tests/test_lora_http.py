@@ -203,3 +203,26 @@ def test_runtime_updating_needs_an_explicit_flag():
     assert not runtime_updating_allowed({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "0"})
     assert runtime_updating_allowed({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
     assert runtime_updating_allowed({"JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING": "1"})
+
+
+def test_grpc_lora_name_selects_the_adapter_and_an_unknown_one_is_invalid_argument(
+        server, case):
+    import grpc
+
+    from jaxserve.entrypoints.grpc.pb import jaxserve_pb2 as pb
+    from jaxserve.entrypoints.grpc.pb import jaxserve_pb2_grpc as pb_grpc
+
+    def generate(name, prompt):
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), lora_name=name,
+                                     sampling=pb.SamplingParams(max_tokens=N, temperature=0.0,
+                                                                ignore_eos=True))
+        return [t for r in stub.Generate(request, timeout=120) for t in r.token_ids]
+
+    with grpc.insecure_channel(server.grpc_address) as channel:
+        stub = pb_grpc.JaxServeStub(channel)
+        for name, prompt, want in zip(lora_oracle.ASSIGN, case.batch, case.want_greedy):
+            assert generate(name or "", prompt) == want, name
+        with pytest.raises(grpc.RpcError) as err:
+            generate("a9", case.batch[0])
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "lora_name='a9' names no LoRA adapter" in err.value.details()
