@@ -159,7 +159,8 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             await context.abort(*status_for_exception(exc, validating=True))
         stream = async_engine.generate(text, params, request_id=request.request_id or None,
                                        priority=request.priority, prompt_token_ids=token_ids,
-                                       deadline=_deadline(context), lora_request=lora)
+                                       deadline=_deadline(context),
+                                       **({} if lora is None else {"lora_request": lora}))
         started, error, reported = False, None, set()
         # aclosing: however this handler ends (cancelled, deadline, error), the engine's
         # iterator is closed, which aborts an unfinished request.

@@ -183,7 +183,8 @@ class OpenAIServing(ChatServing):
         deadline = None if timeout is None else time.monotonic() + timeout
         streams = [self.async_engine.generate(None, p, request_id=f"{request_id}-{i}",
                                               prompt_token_ids=ids, deadline=deadline,
-                                              lora_request=lora_request)
+                                              **({} if lora_request is None
+                                                 else {"lora_request": lora_request}))
                    for i, (ids, p) in enumerate(zip(prompts, params))]
         firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
         failed = next((f for f in firsts if isinstance(f, BaseException)), None)
