@@ -2,7 +2,8 @@
 
     python tests/http_server_main.py [--api-key KEY] [--max-queued-requests N]
         [--step-delay-ms MS] [--model tiny-bpe|fixtures] [--chat-template FILE]
-        [engine overrides]
+        [engine overrides] [--model-dir DIR] [--lora-modules name=path ...] [--max-loras N]
+        [--max-cpu-loras N]
         [security flags: --ssl-certfile FILE --ssl-keyfile FILE --ssl-ca-certs FILE ...]
 
 The model is the tiny random Llama with the tiny byte-level BPE vocabulary and ChatML template
@@ -152,6 +153,11 @@ def main() -> int:
     parser.add_argument("--step-delay-ms", type=float, default=0.0,
                         help="sleep before every engine step (keeps requests in flight long "
                              "enough for drain and disconnect tests)")
+    parser.add_argument("--model-dir", default=None,
+                        help="serve this checkpoint directory instead of --model")
+    parser.add_argument("--lora-modules", nargs="+", default=None)
+    parser.add_argument("--max-loras", type=int, default=None)
+    parser.add_argument("--max-cpu-loras", type=int, default=None)
     add_security_flags(parser)
     args = parser.parse_args()
     if args.step_delay_ms:
@@ -162,13 +168,22 @@ def main() -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     overrides = {k: v for k, v in (("max_queued_requests", args.max_queued_requests),
                                    ("max_num_seqs", args.max_num_seqs),
-                                   ("seq_buckets", args.seq_buckets)) if v is not None}
+                                   ("seq_buckets", args.seq_buckets),
+                                   ("max_loras", args.max_loras),
+                                   ("max_cpu_loras", args.max_cpu_loras),
+                                   ("lora_modules", args.lora_modules)) if v is not None}
+    if args.lora_modules is not None or args.max_loras is not None:
+        overrides.update(enable_lora=True, max_lora_rank=16)
+    loaded = fixtures_loaded() if args.model == "fixtures" else tiny_bpe_loaded()
+    if args.model_dir:
+        from jaxserve.model.loader import load_model
+        loaded = load_model(args.model_dir, progress=False)
     config = EngineConfig.from_kwargs(**{**SMALL_ENGINE, **overrides})
     template = Path(args.chat_template).read_text() if args.chat_template else None
     http = HttpSettings(port=0, served_model_name=args.served_model_name,
                         max_body_bytes=args.max_body_bytes, chat_template=template)
     return run_server(config, host="127.0.0.1", port=0, shutdown_timeout=args.shutdown_timeout,
-                      loaded=fixtures_loaded() if args.model == "fixtures" else tiny_bpe_loaded(),
+                      loaded=loaded,
                       http=http, security=security_config_from_args(args))
 
 

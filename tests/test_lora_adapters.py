@@ -180,7 +180,7 @@ def test_the_registry_reads_each_adapter_once_and_refuses_conflicts(base, tmp_pa
     with pytest.raises(ValueError, match="rank r=4 exceeds max_lora_rank=2"):
         LoRARegistry(config, 2, 2).resolve(LoRARequest("good", 1, str(good)))
     registry.resolve(LoRARequest("second", 8, str(good)))
-    with pytest.raises(ValueError, match="holds max_cpu_loras=2 adapters already"):
+    with pytest.raises(ValueError, match="holds max_cpu_loras=2 adapters, all in use"):
         registry.resolve(LoRARequest("third", 9, str(good)))
     assert len(registry) == 2 and [r.lora_int_id for r in registry.requests] == [7, 8]
 

@@ -21,6 +21,7 @@ strings are the engine's job, finish()).
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 
 from jaxserve.core.batching_policy import make_batching_policy
 from jaxserve.core.lora_slots import LoRASlots
@@ -75,6 +76,7 @@ class Scheduler(SchedulerResults):
         self._dropped_swaps: list[str] = []
         self.processor_slots = ProcessorSlots(max_num_seqs + 1)
         self.lora_slots = LoRASlots(max_loras)  # LoRA adapters' device slots (0: none served)
+        self.lora_refs: Counter = Counter()     # adapter id -> unfinished requests under it
         self.layout = RowLayout(page_manager, self.processor_slots)
         self._num_plain_only = 0  # requests only plain steps compute: none speculates meanwhile
         self._num_host_bound = 0  # requests whose inputs need their last token on the host
@@ -93,6 +95,7 @@ class Scheduler(SchedulerResults):
         needed = self.pages.num_pages_for(total)
         capacity = self.pages.num_pages - 1
         self.requests[request.request_id] = request
+        self.lora_refs[request.lora_id] += bool(request.lora_id)
         request.stop_ids = self._stop_sets.of(request)
         request.max_output_tokens = min(request.sampling.max_tokens,
                                         self.max_model_len - request.num_tokens)
@@ -132,6 +135,10 @@ class Scheduler(SchedulerResults):
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]
+        if request.lora_id:
+            self.lora_refs[request.lora_id] -= 1
+            if not self.lora_refs[request.lora_id]:
+                del self.lora_refs[request.lora_id]
         self._num_plain_only -= request.sampling.needs_plain_steps(self._host_drafts)
         self._num_host_bound -= request.needs_host_tokens
 

@@ -103,30 +103,38 @@ class AsyncEngine:
     async def generate(self, prompt=None, params: SamplingParams | None = None, *,
                        request_id: str | None = None, priority: int = 0,
                        prompt_token_ids: list[int] | None = None,
-                       deadline: float | None = None) -> AsyncIterator[RequestOutput]:
+                       deadline: float | None = None,
+                       lora_request=None) -> AsyncIterator[RequestOutput]:
         """Stream outputs of one request; leaving the iterator early aborts the request.
+        lora_request: the LoRARequest to run under (None: the base model).
         deadline: a time.monotonic() instant; past it the request is dropped (still waiting:
         before it uses the device) and the stream raises DeadlineExceededError."""
         self._check_alive()
         prompt, prompt_token_ids = await self._tokenized(prompt, prompt_token_ids)
         request = self.engine.make_request(prompt, params, request_id=request_id,
-                                           priority=priority, prompt_token_ids=prompt_token_ids)
-        if request.sampling.structured_outputs is not None:
-            # An invalid schema / regex / grammar raises its ValueError here, before queueing.
-            await asyncio.wrap_future(
-                self.engine.grammars.submit(request.sampling.structured_outputs))
+                                           priority=priority, prompt_token_ids=prompt_token_ids,
+                                           lora_request=lora_request)
         rid = request.external_id
         stream: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            self._check_alive()
-            limit = self.engine.config.scheduler.max_queued_requests
-            queued = self.engine.stats.num_waiting + self._num_pending_adds
-            if limit is not None and queued >= limit:
-                raise QueueFullError(f"waiting queue is full (max_queued_requests={limit})")
-            if rid in self._streams:
-                raise ValueError(f"request_id {rid!r} is already in use")
-            self._streams[rid] = (asyncio.get_running_loop(), stream)
-            self._num_pending_adds += 1
+        try:
+            if request.sampling.structured_outputs is not None:
+                # An invalid schema / regex / grammar raises its ValueError here, before
+                # queueing.
+                await asyncio.wrap_future(
+                    self.engine.grammars.submit(request.sampling.structured_outputs))
+            with self._lock:
+                self._check_alive()
+                limit = self.engine.config.scheduler.max_queued_requests
+                queued = self.engine.stats.num_waiting + self._num_pending_adds
+                if limit is not None and queued >= limit:
+                    raise QueueFullError(f"waiting queue is full (max_queued_requests={limit})")
+                if rid in self._streams:
+                    raise ValueError(f"request_id {rid!r} is already in use")
+                self._streams[rid] = (asyncio.get_running_loop(), stream)
+                self._num_pending_adds += 1
+        except BaseException:
+            self.engine.release_lora(request)  # never queued
+            raise
         self._inbox.put(("add", (request, deadline)))
         finished = False
         try:
@@ -183,6 +191,7 @@ class AsyncEngine:
             with self._lock:
                 self._num_pending_adds -= 1
                 if request.external_id not in self._streams:
+                    self.engine.release_lora(request)
                     return  # already ended (shutdown's abort_all)
                 self.engine.add(request)
         except Exception as exc:  # one bad request must not stop the loop

@@ -117,7 +117,7 @@ def lora_adapters(config: EngineConfig, model_config, num_processes: int):
 
     registry = LoRARegistry(model_config, lora.max_lora_rank, lora.num_cpu_loras)
     for lora_id, (name, path) in enumerate(lora.modules(), 1):
-        registry.resolve(LoRARequest(name, lora_id, path))
+        registry.queued(registry.resolve(LoRARequest(name, lora_id, path)))
     log.info("LoRA: up to %d adapters on the device, %d in host memory, rank <= %d; read at "
              "start: %s", lora.max_loras, lora.num_cpu_loras, lora.max_lora_rank,
              ", ".join(r.lora_name for r in registry.requests) or "none")

@@ -103,7 +103,10 @@ class Engine:
         self._in_flight = None  # (plan, the runner's pending step) dispatched, not yet read
         self.num_overlapped_steps = 0  # steps dispatched before their predecessor was read
         self._publish_stats()
-        self.metrics = EngineMetrics(lambda: self.stats, self.info)
+        if self.lora_registry is not None:  # an adapter a request uses is never evicted
+            self.lora_registry.in_use = lambda lora_id: lora_id in self.stats.lora_in_use
+        self.metrics = EngineMetrics(lambda: self.stats, self.info, self.lora_registry,
+                                     self.scheduler.lora_slots.max_loras)
 
     def close(self) -> None:
         """Release the runner (multi-host: stop the followers). Idempotent."""
@@ -145,9 +148,9 @@ class Engine:
             prompt_token_ids, field = self.tokenizer.encode(prompt), "prompt"
         ids = [int(t) for t in prompt_token_ids]
         intake.check_request(self.info, ids, params, prompt_field=field)
-        lora_id = 0 if lora_request is None else self._lora_id(lora_request)
         if params.structured_outputs is not None:
             self._grammar_compiler().submit(params.structured_outputs)  # compiles off-thread
+        lora_id = 0 if lora_request is None else self._lora_id(lora_request)  # (last: pending)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
         external_id = request_id or uuid.uuid4().hex
         return Request(f"{external_id}-{next(self._serials)}", ids, params, seed,
@@ -168,6 +171,18 @@ class Engine:
     def add(self, request: Request) -> None:
         """Queue a made request; with sampling.n > 1 its other samples too (ids
         "<request_id>#<i>", seeds sample_seed(seed, i)), which share its prompt's KV pages."""
+        try:
+            self._add(request)
+        finally:  # queued (or refused): the adapter's use is the scheduler's to count now
+            self.release_lora(request)
+
+    def release_lora(self, request: Request) -> None:
+        """The request made by make_request is queued, or will never be: its adapter's
+        pending count ends (call once per made request; add does)."""
+        if request.lora_id and self.lora_registry is not None:
+            self.lora_registry.queued(request.lora_id)
+
+    def _add(self, request: Request) -> None:
         n = request.sampling.n
         limit = self.config.scheduler.max_queued_requests
         if limit is not None and self.scheduler.num_waiting + n > limit:

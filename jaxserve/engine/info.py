@@ -52,6 +52,11 @@ class EngineStats:
     host_prefix_hit_tokens: int = 0
     host_prefix_bytes_to_host: int = 0
     host_prefix_bytes_to_device: int = 0
+    lora_running: tuple[int, ...] = ()     # adapter ids of running requests, sorted
+    lora_waiting: tuple[int, ...] = ()     # adapter ids of waiting or swapped ones, sorted
+    lora_in_use: frozenset = frozenset()   # adapter ids of every unfinished request
+    lora_slot_loads: int = 0               # adapters written into device slots
+    lora_slot_evictions: int = 0           # idle adapters whose device slot was taken
 
 
 def engine_stats(scheduler, pages, num_steps: int) -> EngineStats:
@@ -64,8 +69,20 @@ def engine_stats(scheduler, pages, num_steps: int) -> EngineStats:
         num_swaps=scheduler.num_swaps, num_steps=num_steps, kv_usage=pages.usage,
         num_free_pages=pages.num_free, prefix_query_tokens=pages.prefix_query_tokens,
         prefix_hit_tokens=pages.prefix_hit_tokens,
+        **_lora_stats(scheduler),
         **({} if host is None else dict(
             host_prefix_pages=host.num_used, host_prefix_capacity_pages=host.num_slots,
             host_prefix_hit_tokens=host.hit_tokens,
             host_prefix_bytes_to_host=host.bytes_to_host,
             host_prefix_bytes_to_device=host.bytes_to_device)))
+
+
+def _lora_stats(scheduler) -> dict:
+    if not scheduler.lora_slots.max_loras:
+        return {}
+    ids = lambda requests: tuple(sorted({r.lora_id for r in requests if r.lora_id}))
+    slots = scheduler.lora_slots
+    return dict(lora_running=ids(scheduler.running),
+                lora_waiting=ids(scheduler.waiting + scheduler.swapped),
+                lora_in_use=frozenset(scheduler.lora_refs), lora_slot_loads=slots.num_loads,
+                lora_slot_evictions=slots.num_evictions)

@@ -9,12 +9,18 @@ Two kinds, as prometheus_client intends them:
   finish reasons), queue waits and step durations are recorded by the engine thread as they
   happen.
 
+With LoRA adapters served, vLLM's `vllm:lora_requests_info` gauge (labels running_lora_adapters
+and waiting_lora_adapters, the adapters' names comma-separated, and max_lora; its value the
+scrape's time, as vLLM sets it) lets routers route by adapter, next to counters of adapter loads
+and evictions into device slots and host memory.
+
 Each engine owns its own CollectorRegistry (tests and benchmarks build several engines in one
 process). `jaxserve serve --metrics-port` exposes it over HTTP. No jax here.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -71,12 +77,44 @@ class _EngineStateCollector(Collector):
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
 
 
+class _LoRACollector(Collector):
+    """The adapters in use (vLLM's gauge) and adapter loads and evictions, at scrape time."""
+
+    def __init__(self, stats: Callable[[], EngineStats], adapters, max_loras: int):
+        self.stats, self.adapters, self.max_loras = stats, adapters, max_loras
+
+    def collect(self) -> Iterable:
+        st, names = self.stats(), self.adapters.name_of
+        info = GaugeMetricFamily(
+            "vllm:lora_requests_info", "Running and waiting LoRA adapters (names, "
+            "comma-separated); the value is the time of the scrape.",
+            labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+        info.add_metric([",".join(names(i) for i in st.lora_running),
+                         ",".join(names(i) for i in st.lora_waiting), str(self.max_loras)],
+                        time.time())
+        yield info
+        for name, doc, value in (
+                ("lora_slot_loads", "LoRA adapters written into a device slot.",
+                 st.lora_slot_loads),
+                ("lora_slot_evictions", "Idle LoRA adapters whose device slot another took.",
+                 st.lora_slot_evictions),
+                ("lora_host_loads", "LoRA adapters read into host memory.",
+                 self.adapters.num_loads),
+                ("lora_host_evictions", "Idle LoRA adapters dropped from host memory for "
+                 "another (max_cpu_loras).", self.adapters.num_evictions)):
+            yield CounterMetricFamily(PREFIX + name, doc, value=value)
+
+
 class EngineMetrics:
-    def __init__(self, stats: Callable[[], EngineStats], info: EngineInfo | None = None):
+    def __init__(self, stats: Callable[[], EngineStats], info: EngineInfo | None = None,
+                 lora_registry=None, max_loras: int = 0):
         """stats: returns the engine's latest snapshot (called at scrape time); info: the
-        engine's start-up facts (the weights' bytes on device)."""
+        engine's start-up facts (the weights' bytes on device); lora_registry: the engine's
+        LoRA adapters (lora/registry.py; None: none served), max_loras device slots."""
         self.registry = registry = CollectorRegistry()
         registry.register(_EngineStateCollector(stats))
+        if lora_registry is not None:
+            registry.register(_LoRACollector(stats, lora_registry, max_loras))
         if info is not None:
             weights = Gauge(PREFIX + "model_weight_bytes",
                             "Bytes of the model's weights on device (all shards; quantized "

@@ -40,6 +40,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jaxserve.config.tool_calls import ToolCallSettings
+from jaxserve.core.intake import RequestError
 from jaxserve.core.request import SamplingParams
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.entrypoints.client_limits import ClientLimitError, grpc_client
@@ -153,11 +154,13 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             text, token_ids, params, replies = await self._prompt(async_engine, request,
                                                                   params)
             params, splitter = convert.chat_reasoning(self.reasoning, request, token_ids, params)
+            lora = _lora_request(async_engine, request.lora_name)
         except Exception as exc:
             await context.abort(*status_for_exception(exc, validating=True))
         stream = async_engine.generate(text, params, request_id=request.request_id or None,
                                        priority=request.priority, prompt_token_ids=token_ids,
-                                       deadline=_deadline(context))
+                                       deadline=_deadline(context),
+                                       **({} if lora is None else {"lora_request": lora}))
         started, error, reported = False, None, set()
         # aclosing: however this handler ends (cancelled, deadline, error), the engine's
         # iterator is closed, which aborts an unfinished request.
@@ -308,3 +311,16 @@ class GrpcServer:
         await self.begin_drain()
         await self.wait_idle(time.monotonic() + timeout)
         await self.stop(grace=0.5)
+
+
+def _lora_request(async_engine: AsyncEngine, name: str):
+    """The LoRARequest GenerateRequest.lora_name names (None: empty, the base model)."""
+    if not name:
+        return None
+    registry = async_engine.engine.lora_registry
+    lora = None if registry is None else registry.lookup(name)
+    if lora is None:
+        served = [] if registry is None else [r.lora_name for r in registry.requests]
+        raise RequestError("lora_name", f"lora_name={name!r} names no LoRA adapter this "
+                                        f"server serves (served: {', '.join(served) or 'none'})")
+    return lora

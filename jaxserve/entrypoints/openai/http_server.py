@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP front end: FastAPI routes, auth, error shapes, health, and its server.
 
 Routes: POST /v1/completions, /v1/chat/completions, /v1/responses (stateless, over the chat
-path: responses.py), GET /v1/models, /health, /metrics,
-/version, POST /tokenize, /detokenize (vLLM's shapes). Request bodies are pydantic models
+path: responses.py), GET /v1/models (LoRA adapters too), /health, /metrics,
+/version, POST /tokenize, /detokenize, /v1/load_lora_adapter, /v1/unload_lora_adapter
+(lora_routes.py) (vLLM's shapes). Request bodies are pydantic models
 (openai_protocol.py); the translation to engine calls is OpenAIServing's (openai_serving.py);
 this module only routes, gates, reports the request fields it ignored (one warning per request
 and the X-Jaxserve-Ignored-Fields header on its answer, stream and error included: ignored.py),
@@ -50,6 +51,7 @@ from jaxserve.config.tool_calls import ToolCallSettings
 from jaxserve.entrypoints.openai import protocol as api
 from jaxserve.entrypoints.openai.http_gate import Gate, GateState
 from jaxserve.entrypoints.openai.errors import OpenAIError, bad_request
+from jaxserve.entrypoints.openai.lora_routes import adapter_cards, add_lora_routes
 from jaxserve.entrypoints.openai.ignored import IGNORED_FIELDS_HEADER, describe, ignored_fields
 from jaxserve.entrypoints.openai.responses import create_response
 from jaxserve.entrypoints.openai.responses_protocol import ResponseObject, ResponsesRequest
@@ -204,7 +206,10 @@ def build_app(settings: HttpSettings, state: GateState,
         s = serving()
         return api.ModelList(data=[api.ModelCard(
             id=s.model_name, created=state.started, root=s.info.model_name,
-            max_model_len=s.info.max_model_len, vocab_size=s.info.vocab_size)])
+            max_model_len=s.info.max_model_len, vocab_size=s.info.vocab_size)]
+            + adapter_cards(s, state.started))
+
+    add_lora_routes(app, serving, _ERRORS)
 
     @app.post("/tokenize", response_model=api.TokenizeResponse, responses=_ERRORS)
     async def tokenize(request: api.TokenizeCompletionRequest | api.TokenizeChatRequest,

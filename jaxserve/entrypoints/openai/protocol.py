@@ -341,6 +341,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "jaxserve"
     root: str
+    parent: str | None = None  # a LoRA adapter's base model (None: a base model)
     max_model_len: int
     vocab_size: int
 

@@ -56,7 +56,7 @@ def response_header(serving, request: ResponsesRequest) -> dict:
     fmt = request.text.format if request.text is not None else None
     return {
         "id": new_id("resp"), "object": "response", "created_at": int(time.time()),
-        "model": serving.model_name, "instructions": request.instructions,
+        "model": request.model or serving.model_name, "instructions": request.instructions,
         "max_output_tokens": request.max_output_tokens, "temperature": request.temperature,
         "top_p": request.top_p, "tools": tools,
         "tool_choice": (choice.model_dump() if hasattr(choice, "model_dump") else

@@ -68,10 +68,23 @@ class OpenAIServing(ChatServing):
         self.reasoning = ReasoningFormat.load(reasoning_parser, self.tokenizer)  # None: off
 
     # ---- checks ------------------------------------------------------------------------------
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
+    def check_model(self, name: str | None):
+        """The LoRARequest of the adapter `name` names (None: the base model); 404 for a name
+        this server does not serve."""
+        if name is None or name == self.model_name:
+            return None
+        registry = self.async_engine.engine.lora_registry
+        lora = None if registry is None else registry.lookup(name)
+        if lora is None:
             raise OpenAIError(404, f"model {name!r} does not exist: this server serves "
-                                   f"{self.model_name!r}", "model", "model_not_found")
+                                   f"{self.model_name!r}" + self._adapter_names(),
+                              "model", "model_not_found")
+        return lora
+
+    def _adapter_names(self) -> str:
+        registry = self.async_engine.engine.lora_registry
+        names = [r.lora_name for r in registry.requests] if registry is not None else []
+        return f" and the LoRA adapters {', '.join(map(repr, names))}" if names else ""
 
     @staticmethod
     def constraint(request) -> tuple[StructuredOutputs | None, str | None]:
@@ -163,12 +176,15 @@ class OpenAIServing(ChatServing):
     # ---- engine ------------------------------------------------------------------------------
     async def _start(self, request_id: str, prompts: list[list[int]],
                      params: list[SamplingParams], prompt_field: str,
-                     constraint_field: str | None = None, timeout: float | None = None):
-        """Submit every prompt; (first output, stream) each, or one error for all (the
-        submitted ones are aborted)."""
+                     constraint_field: str | None = None, timeout: float | None = None,
+                     lora_request=None):
+        """Submit every prompt (under lora_request's adapter; None: the base model); (first
+        output, stream) each, or one error for all (the submitted ones are aborted)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         streams = [self.async_engine.generate(None, p, request_id=f"{request_id}-{i}",
-                                              prompt_token_ids=ids, deadline=deadline)
+                                              prompt_token_ids=ids, deadline=deadline,
+                                              **({} if lora_request is None
+                                                 else {"lora_request": lora_request}))
                    for i, (ids, p) in enumerate(zip(prompts, params))]
         firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
         failed = next((f for f in firsts if isinstance(f, BaseException)), None)
@@ -178,15 +194,16 @@ class OpenAIServing(ChatServing):
             raise error_for_exception(failed, prompt_field, constraint_field)
         return list(zip(firsts, streams))
 
-    def _header(self, request_id: str, kind: str, created: int) -> dict:
-        return {"id": request_id, "object": kind, "created": created, "model": self.model_name,
+    def _header(self, request_id: str, kind: str, created: int, lora=None) -> dict:
+        model = self.model_name if lora is None else lora.lora_name
+        return {"id": request_id, "object": kind, "created": created, "model": model,
                 "system_fingerprint": self.fingerprint}
 
     # ---- /v1/completions -----------------------------------------------------------------------
     async def completions(self, request: api.CompletionRequest):
         """An api.Completion, or (streaming) an async iterator of SSE event strings. Prompt p's
         sample i is choice p * n + i, as in vLLM."""
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         check_supported(request)
         constraint, constraint_field = self.constraint(request)
         prompts, texts = await self._completion_prompts(request.prompt)
@@ -199,12 +216,12 @@ class OpenAIServing(ChatServing):
                   for ids in prompts]
         request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         started = await self._start(request_id, prompts, params, "prompt", constraint_field,
-                                    request.timeout)
+                                    request.timeout, lora)
         echoes = [None] * len(prompts)
         if request.echo:
             echoes = [t if t is not None else await self._in_thread(self.tokenizer.decode, ids)
                       for t, ids in zip(texts, prompts)]
-        header = self._header(request_id, "text_completion", created)
+        header = self._header(request_id, "text_completion", created, lora)
         if request.stream:
             return EventStream(self._completion_stream(request, header, started, echoes),
                                started)

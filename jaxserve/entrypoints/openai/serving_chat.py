@@ -79,7 +79,7 @@ class ChatServing:
     # ---- /v1/chat/completions ------------------------------------------------------------------
     async def chat(self, request: api.ChatCompletionRequest):
         """An api.ChatCompletion, or (streaming) an async iterator of SSE event strings."""
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         check_supported(request)
         constraint, constraint_field = self.constraint(request)
         plan, ids = await self._in_thread(self._chat_input, request)
@@ -97,8 +97,8 @@ class ChatServing:
             params = reasoning.constrain(params)
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         started = await self._start(request_id, [ids], [params], "messages", constraint_field,
-                                    request.timeout)
-        header = self._header(request_id, "chat.completion", created)
+                                    request.timeout, lora)
+        header = self._header(request_id, "chat.completion", created, lora)
         if request.stream:
             header["object"] = "chat.completion.chunk"
             return EventStream(self._chat_stream(request, plan, header, started, reasoning),
