@@ -173,11 +173,14 @@ class ModelConfig:
             "layers.wv": (L, D, self.kv_size),
             "layers.wo": (L, self.q_size, D),
             "layers.mlp_norm": (L, D),
+            "layers.w_gate": (L, D, F),
+            "layers.w_up": (L, D, F),
+            "layers.w_down": (L, F, D),
             "final_norm": (D,),
         }
-        if not self.num_experts:
-            shapes.update({"layers.w_gate": (L, D, F), "layers.w_up": (L, D, F),
-                           "layers.w_down": (L, F, D)})
+        if self.num_experts:  # (this order keeps random_params' draws of dense models)
+            for name in ("layers.w_gate", "layers.w_up", "layers.w_down"):
+                del shapes[name]
         if self.attention_bias:
             shapes["layers.bq"] = (L, self.q_size)
             shapes["layers.bk"] = (L, self.kv_size)
