@@ -189,8 +189,15 @@ class ModelRunner:
                   self.input_batch.device_tables) + ((self.lora,) if self.lora else ())
         self.step = CompiledStep("step", step, state, caches,
                                  self.buckets, lambda shape: self.layouts[shape].new(),
-                                 **self.placement.jit_shardings(processor_state=True,
-                                                                lora=self.lora is not None))
+                                 **self.placement.jit_shardings(
+                                     processor_state=True, lora=self.lora_shardings))
+
+    @property
+    def lora_shardings(self):
+        """The LoRA stacks' shardings for a step's jit (None: no adapters, or one device)."""
+        if self.lora is None or self.mesh is None:
+            return None
+        return self.placement.replicated
 
     def _place_unused_bitmasks(self) -> None:
         """A device-resident [S, W] bitmask per bucket, for steps without grammars, placed
