@@ -155,6 +155,16 @@ class Placement:
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.kv_sharding)
         return zeros(), zeros()
 
+    def lora_shardings(self, targets, per_layer: bool) -> dict | None:
+        """{target: (A's sharding, B's sharding)} of the LoRA stacks (model/sharding.py's
+        lora_specs), or None without a mesh."""
+        if self.mesh is None:
+            return None
+        specs = sharding.lora_specs(self.config, targets, self.tensor_parallel_size, per_layer,
+                                    self.expert_parallel_size)
+        return {name: (NamedSharding(self.mesh, a), NamedSharding(self.mesh, b))
+                for name, (a, b) in specs.items()}
+
     @property
     def kv_sharding(self) -> NamedSharding | None:
         return None if self.mesh is None else sharding.kv_sharding(self.mesh)
@@ -175,8 +185,8 @@ class Placement:
         (K, V) pair or a tuple of num_caches pairs, each in the KV sharding; with_out False:
         the step returns (None, kv). processor_state: kv is (KV pair, the logits processors'
         four arrays, batch tokens, page tables by slot; all but the KV replicated). lora: the
-        LoRA stacks' shardings (lora_shardings), when kv ends with the stacks (None: no
-        stacks)."""
+        LoRA stacks' shardings (lora/device.py's DeviceLoRA.shardings, from lora_shardings)
+        when kv ends with the stacks (None: no stacks)."""
         if self.mesh is None:
             return {}
         pair = (self.kv_sharding, self.kv_sharding)
