@@ -132,10 +132,12 @@ def slots() -> np.ndarray:
     return np.array([0 if name is None else lora_id(name) for name in ASSIGN], np.int32)
 
 
-def engine_greedy_tp(case: LoRACase, tensor_parallel_size: int, **settings) -> list[list[int]]:
+def engine_greedy_tp(case: LoRACase, tensor_parallel_size: int,
+                     **settings) -> tuple[list[list[int]], dict]:
     """The engine's greedy tokens for case.batch under ASSIGN's adapters on
     tensor_parallel_size fake CPU devices (XLA_FLAGS must be set before jax starts, hence a
-    fresh interpreter)."""
+    fresh interpreter), and how the adapter stacks were placed: target -> {"a" | "b":
+    [PartitionSpec entries, one device's shard shape, the full shape]} of layer 0's arrays."""
     import json
     import os
     import subprocess
@@ -155,11 +157,19 @@ def engine_greedy_tp(case: LoRACase, tensor_parallel_size: int, **settings) -> l
               "params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)\n"
               "loras = [None if x is None else LoRARequest(*x) for x in spec['loras']]\n"
               "outs = llm.generate(spec['batch'], params, use_tqdm=False, lora_request=loras)\n"
-              "print(json.dumps([o.token_ids for o in outs]))\n")
+              "def placed(x):\n"
+              "    return [list(x.sharding.spec), list(x.sharding.shard_shape(x.shape)),\n"
+              "            list(x.shape)]\n"
+              "first = lambda x: x[0] if isinstance(x, tuple) else x\n"
+              "stacks = llm.engine.runner.lora.arrays.weights\n"
+              "placement = {name: {'a': placed(first(a)), 'b': placed(first(b))}\n"
+              "             for name, (a, b) in stacks.items()}\n"
+              "print(json.dumps([[o.token_ids for o in outs], placement]))\n")
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={tensor_parallel_size}")
     proc = subprocess.run([sys.executable, "-c", script], input=json.dumps(spec),
                           capture_output=True, text=True, env=env, timeout=600,
                           cwd=Path(__file__).parent.parent)
     assert proc.returncode == 0, f"tensor-parallel LoRA engine failed:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    tokens, placement = json.loads(proc.stdout.strip().splitlines()[-1])
+    return tokens, placement

@@ -206,8 +206,9 @@ def test_a_lora_request_with_a_bad_field_is_refused(args, words):
     (dict(enable_lora=True, lora_modules=["no-path"]), "lora_modules='no-path' is invalid"),
     (dict(enable_lora=True, lora_modules=["a=/x", "a=/y"]), "one entry per adapter name"),
     (dict(enable_lora=True, lora_modules=["a=/x", "b=/y"]), "at most max_cpu_loras (1)"),
-    (dict(enable_lora=True, speculative_method="ngram", num_speculative_tokens=2),
-     "must be off with speculative decoding"),
+    (dict(enable_lora=True, speculative_method="draft", num_speculative_tokens=2,
+          speculative_draft="layers:1"),
+     "enable_lora=True is invalid with speculative_method='draft'"),
 ])
 def test_bad_lora_settings_are_refused_naming_the_setting(settings, words):
     from jaxserve import EngineConfig

@@ -76,13 +76,25 @@ def test_engine_greedy_tokens_under_mixed_adapters_match_peft_through_preemption
 
 
 def test_tensor_parallel_engine_with_adapters_gives_the_same_greedy_tokens(case):
-    """Two fake CPU devices: base weights sharded on heads and FFN, adapter stacks
-    replicated; the same mixed batch through the same preemption."""
+    """Two fake CPU devices: base weights sharded on heads and FFN, each adapter stack
+    sharded as its base weight (column-split projections: A replicated, B split on its output
+    columns; row-split ones: A split on its input rows, B replicated); the same mixed batch
+    through the same preemption."""
     settings = {**arch_oracle.ENGINE, "enable_lora": True,
                 "max_loras": len(lora_oracle.ADAPTERS),
                 "max_lora_rank": lora_oracle.MAX_LORA_RANK}
-    got = lora_oracle.engine_greedy_tp(case, 2, **settings)
+    got, placement = lora_oracle.engine_greedy_tp(case, 2, **settings)
     assert got == case.want_greedy, f"TP 2 with adapters: {got}, want {case.want_greedy}"
+    assert sorted(placement) == sorted(["wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"])
+    for name, arrays in placement.items():
+        (a_spec, a_shard, a_shape), (b_spec, b_shard, b_shape) = arrays["a"], arrays["b"]
+        if name in ("wo", "w_down"):  # input rows split, like the base weight
+            want = ([a_shape[0] // 2, a_shape[1]], b_shape)
+            assert a_spec[0] == "tp" and not any(b_spec), f"{name}: {arrays}"
+        else:  # output columns split, like the base weight
+            want = (a_shape, [b_shape[0], b_shape[1] // 2])
+            assert not any(a_spec) and b_spec[-1] == "tp", f"{name}: {arrays}"
+        assert (a_shard, b_shard) == want, f"{name}: shards {a_shard}, {b_shard}"
 
 
 def test_attention_adapters_on_a_mixture_of_experts_model_give_peft_logits(tmp_path):

@@ -49,10 +49,10 @@ class EngineConfig:
     def validate(self) -> "EngineConfig":
         for name in GROUPS:
             getattr(self, name).validate()
-        if self.lora.enable_lora and self.speculative.speculative_method is not None:
-            raise ValueError("enable_lora=True is invalid: must be off with speculative "
-                             f"decoding (speculative_method={self.speculative.speculative_method!r})"
-                             "; adapters run in plain steps only")
+        if self.lora.enable_lora and self.speculative.speculative_method == "draft":
+            raise ValueError("enable_lora=True is invalid with speculative_method='draft': a "
+                             "draft model has no adapter slots (speculative_method='ngram' "
+                             "works with adapters)")
         return self
 
     @staticmethod

@@ -11,7 +11,8 @@ zero-padded to R (the extra products are exact zeros) and a target it lacks is z
 writing one into a slot (`write`: a jitted, donated dynamic_update_slice per array, compiled
 at warm-up) replaces arrays of the same shape and dtype and never recompiles the step, which
 takes `arrays` (a model/lora.py LoRAStacks) as one of its donated caches and hands them back
-unchanged.
+unchanged. Under tensor parallelism the stacks are sharded like the base weights they adapt
+(model/sharding.py's lora_specs: A on the base's input axis, B on its output axis).
 
 The runner calls `apply_loads(plan.lora_loads, registry)` before each step, on the thread that
 launches steps, so writes and steps keep their order. Which adapter goes into which slot is
@@ -60,28 +61,37 @@ def _write_slot(stacks: LoRAStacks, slot, new) -> LoRAStacks:
 
 class DeviceLoRA:
     def __init__(self, model_config, max_loras: int, max_lora_rank: int, dtype=jnp.float32,
-                 sharding=None, per_layer: bool = True):
-        """sharding: where the stacks live (None: the default device; tensor parallel:
-        replicated); per_layer: L arrays per target (the unrolled loop), else stacked."""
+                 placement=None, per_layer: bool = True):
+        """placement: a runner/tensor_parallel.py Placement whose mesh the stacks are sharded
+        over as its lora_shardings say (None, or one without a mesh: the default device);
+        per_layer: L arrays per target (the unrolled loop), else stacked."""
         self.num_layers = model_config.num_layers
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.targets = lora_targets(model_config)
         s, n, r = max_loras, self.num_layers, max_lora_rank
-        zeros = lambda shape: jax.device_put(jnp.zeros(shape, dtype), sharding)
-        if per_layer:
-            weights = {name: (tuple(zeros((d_in, s * r)) for _ in range(n)),
-                              tuple(zeros((s * r, d_out)) for _ in range(n)))
-                       for name, (d_in, d_out) in self.targets.items()}
-        else:
-            weights = {name: (zeros((n, d_in, s * r)), zeros((n, s * r, d_out)))
-                       for name, (d_in, d_out) in self.targets.items()}
+        by_target = (None if placement is None
+                     else placement.lora_shardings(self.targets, per_layer))
+        zeros = lambda shape, sharding: jax.device_put(jnp.zeros(shape, dtype), sharding)  # noqa: E731
+        weights, shardings = {}, {}
+        for name, (d_in, d_out) in self.targets.items():
+            a_sharding, b_sharding = (None, None) if by_target is None else by_target[name]
+            if per_layer:
+                weights[name] = (tuple(zeros((d_in, s * r), a_sharding) for _ in range(n)),
+                                 tuple(zeros((s * r, d_out), b_sharding) for _ in range(n)))
+                shardings[name] = ((a_sharding,) * n, (b_sharding,) * n)
+            else:
+                weights[name] = (zeros((n, d_in, s * r), a_sharding),
+                                 zeros((n, s * r, d_out), b_sharding))
+                shardings[name] = (a_sharding, b_sharding)
         self.arrays = LoRAStacks(weights, max_loras)
+        # The stacks' shardings as a LoRAStacks (a step's jit pins its output to them), or None
+        self.shardings = None if by_target is None else LoRAStacks(shardings, max_loras)
         self.nbytes = sum(x.nbytes for x in jax.tree.leaves(self.arrays))
         log.info("LoRA: %d slots x rank %d on %s, %.1f MiB", max_loras, r,
                  ", ".join(self.targets), self.nbytes / 2**20)
-        shardings = {} if sharding is None else {"out_shardings": sharding}
-        self._write = jax.jit(_write_slot, donate_argnums=(0,), **shardings)
+        out = {} if self.shardings is None else {"out_shardings": self.shardings}
+        self._write = jax.jit(_write_slot, donate_argnums=(0,), **out)
 
     def warmup(self) -> None:
         """Compile the slot write (zeros into slot 1, which holds zeros until a load)."""

@@ -179,6 +179,26 @@ def param_specs(config: ModelConfig, tensor_parallel_size: int, per_layer: bool 
     return specs
 
 
+def lora_specs(config: ModelConfig, targets, tensor_parallel_size: int,
+               per_layer: bool = False, expert_parallel_size: int = 1
+               ) -> dict[str, tuple[PartitionSpec, PartitionSpec]]:
+    """{target: (A's spec, B's spec)} of the LoRA stacks (model/lora.py: A [L, in, N * R],
+    B [L, N * R, out]; per_layer: without L), consistent with the base weight's: A takes the
+    base's input axis, B its output axis, the slots' rank columns are never split. So a
+    column-split projection (wq, wk, wv, w_gate, w_up) has A replicated and B split on its
+    output columns, and a row-split one (wo, w_down) A split on its input rows and B
+    replicated: x @ A is then a partial sum per device, added into the base matmul's partial
+    sums before their all-reduce."""
+    rules = rules_for(config, tensor_parallel_size, expert_parallel_size)
+    lead = () if per_layer else ("layers",)
+    specs = {}
+    for name in targets:
+        _, d_in, d_out = PARAM_AXES[f"layers.{name}"]
+        specs[name] = (spec((*lead, d_in, "lora_rank"), rules),
+                       spec((*lead, "lora_rank", d_out), rules))
+    return specs
+
+
 def quantized_specs(config: ModelConfig, name: str, quantized, tensor_parallel_size: int,
                     per_layer: bool = False, expert_parallel_size: int = 1
                     ) -> dict[str, PartitionSpec]:

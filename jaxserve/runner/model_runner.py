@@ -181,7 +181,7 @@ class ModelRunner:
         self.lora, self.lora_registry = None, lora_registry
         if max_loras:
             self.lora = DeviceLoRA(model_config, max_loras, max_lora_rank, self.dtype,
-                                   self.placement.replicated,
+                                   self.placement,
                                    per_layer=self.layer_loop == "unroll")
         self.layouts = layouts_for(self.buckets.shapes(), p, self.mask_words,
                                    lora=self.lora is not None)
@@ -189,8 +189,13 @@ class ModelRunner:
                   self.input_batch.device_tables) + ((self.lora,) if self.lora else ())
         self.step = CompiledStep("step", step, state, caches,
                                  self.buckets, lambda shape: self.layouts[shape].new(),
-                                 **self.placement.jit_shardings(processor_state=True,
-                                                                lora=self.lora is not None))
+                                 **self.placement.jit_shardings(
+                                     processor_state=True, lora=self.lora_shardings))
+
+    @property
+    def lora_shardings(self):
+        """The LoRA stacks' shardings for a step's jit (None: no adapters, or one device)."""
+        return None if self.lora is None else self.lora.shardings
 
     def _place_unused_bitmasks(self) -> None:
         """A device-resident [S, W] bitmask per bucket, for steps without grammars, placed

@@ -155,6 +155,16 @@ class Placement:
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.kv_sharding)
         return zeros(), zeros()
 
+    def lora_shardings(self, targets, per_layer: bool) -> dict | None:
+        """{target: (A's sharding, B's sharding)} of the LoRA stacks (model/sharding.py's
+        lora_specs), or None without a mesh."""
+        if self.mesh is None:
+            return None
+        specs = sharding.lora_specs(self.config, targets, self.tensor_parallel_size, per_layer,
+                                    self.expert_parallel_size)
+        return {name: (NamedSharding(self.mesh, a), NamedSharding(self.mesh, b))
+                for name, (a, b) in specs.items()}
+
     @property
     def kv_sharding(self) -> NamedSharding | None:
         return None if self.mesh is None else sharding.kv_sharding(self.mesh)
@@ -170,19 +180,22 @@ class Placement:
         return backend if self.mesh is None else _ShardedAttention(backend, self.mesh)
 
     def jit_shardings(self, num_caches: int = 1, with_out: bool = True,
-                      processor_state: bool = False, lora: bool = False) -> dict:
+                      processor_state: bool = False, lora=None) -> dict:
         """jax.jit keywords for a step -> (out, kv): out (packed tokens) replicated, kv one
         (K, V) pair or a tuple of num_caches pairs, each in the KV sharding; with_out False:
         the step returns (None, kv). processor_state: kv is (KV pair, the logits processors'
-        four arrays, batch tokens, page tables by slot; all but the KV replicated), and with
-        lora the LoRA stacks after them (replicated)."""
+        four arrays, batch tokens, page tables by slot; all but the KV replicated). lora: the
+        LoRA stacks' shardings (lora/device.py's DeviceLoRA.shardings, from lora_shardings)
+        when kv ends with the stacks (None: no stacks)."""
         if self.mesh is None:
             return {}
         pair = (self.kv_sharding, self.kv_sharding)
         kv = pair if num_caches == 1 else (pair,) * num_caches
         if processor_state:  # (KV, processors, batch tokens, page tables), plain steps
             kv = (kv, (self.replicated,) * 4, self.replicated, self.replicated)
-            kv += (self.replicated,) * lora
+            kv += (lora,) if lora is not None else ()
+        elif lora is not None:
+            kv = (kv, lora)
         return {"out_shardings": (sharding.replicated(self.mesh) if with_out else None, kv)}
 
     @property

@@ -8,6 +8,8 @@ target's first N layers, so it works in the target's own cache. The draft model 
 the same tensor-parallel Placement as the target. All steps are compiled and timed at warm-up:
 the timings give the policy the cost of speculating at each batch size. Serving never
 compiles. It never decides what runs or how many tokens to propose: the scheduler and policy do.
+With LoRA adapters (n-gram only) the verify step reads the base runner's adapter stacks and
+each row, draft rows included, runs under its request's adapter slot.
 """
 
 from __future__ import annotations
@@ -50,12 +52,20 @@ class SpeculativeRunner(RunsInDispatch):
         self.draft_cache = None  # a draft model's own paged KV cache, when it has one
         self.sync = None
         w = base.mask_words
-        empty = lambda shape: empty_spec_inputs(*shape, p, k, self.with_draft_model, w)  # noqa: E731
+        self.lora = base.lora  # the resident LoRA adapters (lora/device.py) or None
+        empty = lambda shape: empty_spec_inputs(*shape, p, k, self.with_draft_model, w,  # noqa: E731
+                                                lora=self.lora is not None)
         if draft is None:
-            fn = functools.partial(step.ngram_step, base.graphdef, base.attention, k)
-            self.verify = CompiledStep("speculative verify", fn, base.state, (base.cache,),
-                                       buckets, empty, **base.placement.jit_shardings())
+            fn = functools.partial(step.ngram_step, base.graphdef, base.attention, k,
+                                   self.lora is not None)
+            caches = (base.cache,) + ((self.lora,) if self.lora is not None else ())
+            self.verify = CompiledStep("speculative verify", fn, base.state, caches, buckets,
+                                       empty, **base.placement.jit_shardings(
+                                           lora=base.lora_shardings))
             return
+        if self.lora is not None:
+            raise ValueError("enable_lora=True is invalid with speculative_method='draft': a "
+                             "draft model has no adapter slots (use speculative_method='ngram')")
         config, params, shares_target = draft
         placement = Placement(base.mesh, config)
         draft_graphdef, draft_state = placement.model(params, base.dtype, base.layer_loop)
@@ -155,7 +165,9 @@ class SpeculativeRunner(RunsInDispatch):
                                                 tables=self.base.input_batch.host_tables))
             return self.base.execute(plan)
         self.base.cache.apply_swaps(plan)
+        if plan.lora_loads:  # adapters this step's requests need, into their slots first
+            self.lora.apply_loads(plan.lora_loads, self.base.lora_registry)
         inputs = build_spec_inputs(plan, self.buckets, self.base.page_size, self.k,
                                    self.with_draft_model, self.base.input_batch.host_tables,
-                                   self.base.mask_words)
+                                   self.base.mask_words, lora=self.lora is not None)
         return unpack(np.asarray(self.verify.run(inputs)), len(plan.chunks))

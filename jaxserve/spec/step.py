@@ -22,11 +22,11 @@ from jaxserve.model.step_inputs import SpecStepInputs, StepInputs, VerifyInputs
 
 
 def _verify(graphdef, attention, k, state, kv, step: StepInputs, verify: VerifyInputs,
-            draft_probs):
+            draft_probs, lora=None):
     sp = step.sampling
     num_req = step.attention.kv_lens.shape[0]
     model = nnx.merge(graphdef, state)
-    logits, kv = model(step.model, step.attention, kv, attention)  # [R, V]
+    logits, kv = model(step.model, step.attention, kv, attention, lora=lora)  # [R, V]
     logits = maybe_apply_bitmask(logits, verify.grammar_bitmask, verify.has_grammar,
                                  verify.any_grammar)  # a draft its grammar refuses: -inf
     seq = jnp.minimum(verify.row_seq, num_req - 1)  # padding rows borrow request 0's settings
@@ -39,9 +39,16 @@ def _verify(graphdef, attention, k, state, kv, step: StepInputs, verify: VerifyI
     return packed, kv
 
 
-def ngram_step(graphdef, attention, k, state, kv, inputs: SpecStepInputs):
-    """Verify host-proposed drafts (q one-hot). Returns (packed [2, S, k+1], kv)."""
-    return _verify(graphdef, attention, k, state, kv, inputs.step, inputs.verify, None)
+def ngram_step(graphdef, attention, k, with_lora, state, kv, inputs: SpecStepInputs):
+    """Verify host-proposed drafts (q one-hot). Returns (packed [2, S, k+1], kv).
+
+    with_lora: kv is (the KV pages, the LoRA stacks: model/lora.py, read and handed back
+    unchanged), and each row, draft rows included, adds its adapter slot's deltas
+    (inputs.step.model.lora_slots)."""
+    pages, lora = kv if with_lora else (kv, None)
+    packed, pages = _verify(graphdef, attention, k, state, pages, inputs.step, inputs.verify,
+                            None, lora)
+    return packed, ((pages, lora) if with_lora else pages)
 
 
 def draft_model_step(graphdef, draft_graphdef, attention, draft_attention, k, own_cache,
