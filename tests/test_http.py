@@ -168,6 +168,22 @@ def test_completion_logprobs_0_are_the_sampled_tokens_logprobs_streamed_or_not(c
     assert offsets == choice.logprobs.text_offset
 
 
+def test_streamed_text_offsets_follow_the_tokens_while_a_stop_string_holds_text_back(client,
+                                                                                     offline):
+    """Each "x" could start the stop string "xy", so its text is sent one chunk late; the
+    streamed text_offset still give every token its own place, as the whole response's do."""
+    x = offline.tokenizer.token_to_id("x")
+    kw = dict(model=MODEL, prompt="log me", max_tokens=5, logprobs=0, stop=["xy"],
+              temperature=0.0, extra_body={"allowed_token_ids": [x]})
+    whole = client.completions.create(**kw).choices[0]
+    assert whole.text == "xxxxx" and whole.logprobs.text_offset == [0, 1, 2, 3, 4]
+    chunks = list(client.completions.create(**kw, stream=True))
+    offsets = [o for c in chunks if c.choices[0].logprobs
+               for o in c.choices[0].logprobs.text_offset]
+    assert offsets == whole.logprobs.text_offset
+    assert "".join(c.choices[0].text for c in chunks) == whole.text
+
+
 def test_chat_logprobs_true_gives_each_sampled_token_with_its_bytes(server, client, offline):
     messages = [{"role": "user", "content": "log me"}]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5,

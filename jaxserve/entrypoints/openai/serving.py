@@ -261,7 +261,9 @@ class OpenAIServing(ChatServing):
 
     async def _completion_stream(self, request, header, started, echoes):
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        finals, offsets, done = [], {}, set()  # per choice index: text sent so far; finished
+        # per choice index: where its next token's text starts (the tokens' own text, which
+        # runs ahead of the text sent while a possible stop string is held back); finished
+        finals, offsets, done = [], {}, set()
         try:
             async with contextlib.aclosing(merged(started)) as outs:
                 async for p, out in outs:
@@ -275,7 +277,7 @@ class OpenAIServing(ChatServing):
                         echo = echoes[p] if index not in offsets else None
                         choice = self._completion_choice(request, out, sample, p, echo,
                                                          offsets.get(index, 0), delta=True)
-                        offsets[index] = offsets.get(index, 0) + len(choice["text"])
+                        offsets[index] = _next_offset(choice, offsets.get(index, 0))
                         if reason:
                             done.add(index)
                         chunk = dict(header, choices=[choice])
@@ -310,3 +312,12 @@ class OpenAIServing(ChatServing):
             raise error_for_exception(exc) from None
         return api.DetokenizeResponse(
             prompt=await self._in_thread(self.tokenizer.decode, request.tokens))
+
+
+def _next_offset(choice: dict, offset: int) -> int:
+    """Where the text of a streamed choice's next token starts: after this chunk's last token
+    (logprobs' tokens and text_offset), else after the text this chunk sent."""
+    lps = choice["logprobs"]
+    if lps and lps["tokens"]:
+        return lps["text_offset"][-1] + len(lps["tokens"][-1])
+    return offset + len(choice["text"])
