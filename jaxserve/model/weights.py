@@ -186,8 +186,8 @@ def to_hf_state_dict(config: ModelConfig, params: dict[str, np.ndarray]) -> dict
     for i in range(config.num_layers):
         for hf_suffix, ours in config.family.hf_expert_stacked.items():
             parts = [params[f"layers.{name}"][i] for name in ours]
-            stacked = np.stack(parts, axis=-1).reshape(*parts[0].shape[:-1], -1)  # interleaved
-            state[f"model.layers.{i}.{hf_suffix}"] = np.ascontiguousarray(stacked)
+            joined = np.stack(parts, axis=-1).reshape(*parts[0].shape[:-1], -1)  # interleaved
+            state[f"model.layers.{i}.{hf_suffix}"] = np.ascontiguousarray(joined)
         for hf_suffix in config.family.hf_fused:
             parts = [params[f"layers.{name}"][i].T for name, _ in hf_fused_parts(config, hf_suffix)]
             state[f"model.layers.{i}.{hf_suffix}"] = np.ascontiguousarray(np.concatenate(parts))
