@@ -121,8 +121,8 @@ def main() -> int:
             str(Path(tmp) / "ckpt"), spec["batch"], **RUNS["ep2xtp2"])
     # int8 experts split over the devices (q, scales) serve int8's tokens on one device
     for run, settings in (("int8", {}), ("ep2xtp2_int8", RUNS["ep2xtp2"])):
-        result["models"][name][run] = serve(load_model(directory, progress=False, quantization="int8"),
-                                            spec["batch"], **settings)
+        int8 = load_model(directory, progress=False, quantization="int8")
+        result["models"][name][run] = serve(int8, spec["batch"], **settings)
     result["dense"] = dense_with_expert_parallel([p[:20] for p in spec["batch"]])
     Path(sys.argv[2]).write_text(json.dumps(result))
     return 0

@@ -167,7 +167,8 @@ def _experts(d: dict, family: Family) -> dict:
                norm_topk_prob=bool(d.get(family.norm_topk_key, True))
                if family.norm_topk_key else True)
     if family.expert_activation == "clamped_swiglu":
-        out.update(swiglu_alpha=d.get("swiglu_alpha", 1.702), swiglu_limit=d.get("swiglu_limit", 7.0))
+        out.update(swiglu_alpha=d.get("swiglu_alpha", 1.702),
+                   swiglu_limit=d.get("swiglu_limit", 7.0))
     return out
 
 

@@ -74,7 +74,8 @@ def _our_names(hf_name: str, config: ModelConfig, from_hf_layer: dict, from_hf_e
             ours, expert = from_hf_expert[parts[3]]
             return [(f"layers.{ours}", None)], int(parts[2]), expert
         if parts[3] in config.family.hf_expert_stacked:
-            return ([(f"layers.{name}", None) for name in config.family.hf_expert_stacked[parts[3]]],
+            stacked = config.family.hf_expert_stacked[parts[3]]
+            return ([(f"layers.{name}", None) for name in stacked],
                     int(parts[2]), None)
         if parts[3] in config.family.hf_fused:
             return ([(f"layers.{name}", rows) for name, rows in hf_fused_parts(config, parts[3])],

@@ -7,7 +7,8 @@ data only; it must not import jax.
 
 from __future__ import annotations
 
-from jaxserve.model.families import gemma3, gpt_oss, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe
+from jaxserve.model.families import (gemma3, gpt_oss, llama, mistral, mixtral, phi3, qwen2, qwen3,
+                                     qwen3_moe)
 from jaxserve.model.families.base import Family
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (

@@ -3,8 +3,9 @@
 Every field has Llama's behaviour as its default, so a family file states only its differences
 (norm kind, MLP activation, q/k norm, extra norms, embedding scale, biases, fused tensors, how
 `sliding_window` applies to layers, GGUF naming, and for a mixture-of-experts family how its
-router scores experts and where its expert tensors live). The model, the config reader and the loaders read
-these fields; none of them branches on a family's name. Data only: no jax, no file access.
+router scores experts and where its expert tensors live). The model, the config reader and the
+loaders read these fields; none of them branches on a family's name. Data only: no jax, no file
+access.
 """
 
 from __future__ import annotations
