@@ -144,7 +144,7 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
     returning."""
     import jax
 
-    from jaxserve.model import cpu_ffi
+    from jaxserve.model import cpu_ffi, hub_cache
     from jaxserve.model.sharding import flat_mesh, make_mesh, parallel_sizes
     from jaxserve.runner import multihost, tensor_parallel
     from jaxserve.runner.buckets import powers_of_two
@@ -162,8 +162,9 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
     mesh = make_mesh(parallel.tensor_parallel_size, parallel.expert_parallel_groups)
     if loaded is None:  # a checkpoint is restored straight into the mesh's shardings
         with phase(log, f"loading model {model.model!r} on {jax.default_backend()}"):
-            loaded = tensor_parallel.load_model(model.model, mesh, progress=progress,
-                                                quantization=model.quantization)
+            loaded = tensor_parallel.load_model(
+                hub_cache.with_revision(model.model, model.revision), mesh,
+                progress=progress, quantization=model.quantization)
     loaded = quantize(loaded, model.quantization)  # a float LoadedModel given by the caller
     loaded_s = time.perf_counter() - start
     mc = loaded.config
