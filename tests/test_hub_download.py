@@ -9,7 +9,6 @@ import socket
 import huggingface_hub
 import numpy as np
 import pytest
-from huggingface_hub.errors import LocalEntryNotFoundError
 
 from jaxserve.entrypoints.cli import main
 from jaxserve.model import hub_cache
