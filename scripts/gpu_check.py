@@ -17,6 +17,11 @@ each; if the CLI has no offline bench yet it says so and skips that part. Then t
 this device: `jaxserve bench overhead` (the tiny random model's host time per step by
 phase and the device's busy fraction at 1 / 16 / 64 / 256 requests), and the default model's
 decode tokens/s with 1 / 16 / 64 / 256 requests all decoding (prefill excluded; decode_rates).
+Last, the parts it shares with scripts/tpu_check.py (jaxserve/bench/device_check.py): the
+default model's greedy tokens against the CPU float32 oracle (agreement rate), the decode
+tokens/s next to the roofline bound (weights + KV bytes per step over the chip's nominal
+bandwidth from model/device_defaults.py, or --hbm-gbps), each engine's build (compile) time and
+the peak device memory, in one table.
 Everything fits well inside 10 minutes. Without a GPU it exits with status 2, unless
 --allow-cpu, which runs a tiny bf16 batch with the kernels in interpret mode (the Mosaic GPU
 simulator when JAX has it), no offline bench, and the host-loop part at 1 and 4 requests: a
@@ -42,7 +47,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxserve.model.device_select import select  # noqa: E402
+from jaxserve.bench import device_check  # noqa: E402
+from jaxserve.bench.device_check import decode_rates  # noqa: E402,F401 (also imported by tests)
+from jaxserve.engine.memory_profile import device_memory_bytes  # noqa: E402
+from jaxserve.model import device_defaults  # noqa: E402
+from jaxserve.model.device_select import DeviceDescription, select  # noqa: E402
 from jaxserve.model.loader import load_model  # noqa: E402
 from pallas_kernels import reference  # noqa: E402
 from pallas_kernels.paged_attention import paged_attention  # noqa: E402
@@ -56,8 +65,9 @@ TINY = dict(num_seqs=4, num_kv_heads=2, num_heads=8, head_dim=64, max_context=12
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hbm-gbps", type=float, default=4800.0,
-                        help="device HBM bandwidth in GB/s (H200: 4800)")
+    parser.add_argument("--hbm-gbps", type=float, default=None,
+                        help="device HBM bandwidth in GB/s; default: the chip's nominal one "
+                             "from jaxserve/model/device_defaults.py (H200: 4800)")
     parser.add_argument("--iters", type=int, default=20, help="timed runs per function")
     parser.add_argument("--bench-args", default="--num-requests 64 --output-len 64",
                         help="extra arguments for `jaxserve bench offline`")
@@ -181,6 +191,10 @@ def main() -> int:
     on_gpu = backend == "gpu"
     selection = select()  # what `--attention-impl auto --dtype auto` runs on this device
     print(selection.describe())
+    device = jax.local_devices()[0]
+    description = DeviceDescription.from_device(device)
+    chip = device_defaults.chip(description, device_memory_bytes(device))
+    bandwidth = args.hbm_gbps or chip.bandwidth_gbs
     interpret = False
     if not on_gpu:
         try:
@@ -205,7 +219,7 @@ def main() -> int:
                                             ragged))):
         jitted = {label: jax.jit(fns[index]) for label, fns in paths.items()}
         ok &= check_and_time(name, jitted, jitted["reference"], batch, kv_bytes,
-                             args.hbm_gbps, iters)
+                             bandwidth or 4800.0, iters)
     print(f"kernel checks took {time.perf_counter() - started:.1f} s")
     if on_gpu:
         run_engine_bench(list(reversed(paths)), args.bench_args, args.bench_timeout)
@@ -214,12 +228,25 @@ def main() -> int:
     counts = args.decode_counts if on_gpu else "1,4"
     steps = args.decode_steps if on_gpu else 4
     run_overhead_bench(counts, steps, 2 * args.bench_timeout)  # four fresh processes
+    rows = [("device", f"{description} as {chip.name}", f"nominal {bandwidth or '?'} GB/s"),
+            ("kernels vs reference", "see above", "OK" if ok else "FAIL")]
+    loaded = load_model("default", progress=False)
+    prompts = device_check.PROMPTS if on_gpu else device_check.PROMPTS[:2]
+    max_tokens = 32 if on_gpu else 8
+    want = device_check.oracle_tokens(prompts, max_tokens)
+    got = device_check.greedy_tokens(loaded, prompts, max_tokens, max_num_seqs=8,
+                                     max_num_batched_tokens=64, max_model_len=256)
+    rate = device_check.agreement(got, want)
+    rows.append(("greedy tokens vs CPU float32", f"{100 * rate:.1f}% agreement "
+                 f"({len(prompts)} prompts x {max_tokens})", "OK" if rate >= 0.8 else "LOW"))
+    rows += device_check.decode_rows(decode_rates(
+        loaded, [int(n) for n in counts.split(",")], steps, bandwidth_gbs=bandwidth))
+    peak = device_check.peak_memory_bytes()
+    rows.append(("peak device memory", "not reported by this backend" if peak is None
+                 else f"{peak / 2**30:.2f} GiB", ""))
     print(f"\ndefault model, {steps} decode steps timed with N requests all decoding "
           f"(greedy, 32-token prompts, prefill excluded; backend {jax.default_backend()}):")
-    for r in decode_rates(load_model("default", progress=False),
-                          [int(n) for n in counts.split(",")], steps):
-        print(f"  N={r['n']:4d}  {r['ms_per_step']:8.2f} ms/step  "
-              f"{r['tokens_per_s']:10.1f} decode tok/s")
+    print(device_check.table(rows))
     return 0 if ok else 1
 
 
@@ -229,42 +256,6 @@ def run_overhead_bench(counts: str, steps: int, timeout: float) -> None:
            "--steps", str(steps)]
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     run_and_print(cmd, env, timeout)
-
-
-def decode_rates(loaded, counts: list[int], steps: int, prompt_len: int = 32) -> list[dict]:
-    """The model's decode speed with N requests all decoding, for each N in counts: one engine
-    each (buckets for just that N and its prefill), the N requests prefilled first, then
-    `steps` steps timed. Returns [{n, ms_per_step, tokens_per_s}] (tokens: those the timed
-    steps returned)."""
-    from jaxserve.entrypoints.llm import LLM
-    from jaxserve.core.request import SamplingParams
-
-    results = []
-    for n in counts:
-        prefill = min(max(64, n * prompt_len), 2048)
-        llm = LLM("decode-rate", loaded=loaded, progress=False, max_num_seqs=n,
-                  max_num_batched_tokens=prefill, token_buckets=tuple(sorted({n, prefill})),
-                  seq_buckets=(n,), max_model_len=prompt_len + steps + 16,
-                  enable_prefix_caching=False)
-        engine = llm.engine
-        # none ends before the timed steps do: the first prefilled decode while the rest prefill
-        params = SamplingParams(max_tokens=steps + 4 + -(-n * prompt_len // prefill),
-                                temperature=0.0, ignore_eos=True)
-        span = min(1000, loaded.config.vocab_size - 3)
-        waiting = {engine.add_request([3 + (7 * i + j) % span for j in range(prompt_len)],
-                                      params) for i in range(n)}
-        while waiting:  # prefill: until every request has its first token
-            waiting -= {o.request_id for o in engine.step() if o.new_token_ids}
-        num_tokens, start = 0, time.perf_counter()
-        for _ in range(steps):
-            num_tokens += sum(len(o.new_token_ids) for o in engine.step())
-        wall = time.perf_counter() - start
-        while engine.has_unfinished():
-            engine.step()
-        llm.close()
-        results.append({"n": n, "ms_per_step": 1000 * wall / steps,
-                        "tokens_per_s": num_tokens / wall})
-    return results
 
 
 if __name__ == "__main__":

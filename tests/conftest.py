@@ -17,6 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".jax_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# Tests never reach the Hugging Face hub: a hub id not in the cache is an error, not a download
+# (tests/test_hub_download.py lifts this only around a mocked hub client).
+os.environ["HF_HUB_OFFLINE"] = "1"
 
 # Engine shapes most engine tests share (same shapes -> compile-cache hits across engines).
 SMALL_ENGINE = dict(max_num_seqs=16, max_num_batched_tokens=32, max_model_len=512,

@@ -113,25 +113,6 @@ def test_gpu_memory_utilization_is_a_fraction_exclusive_with_explicit_sizes():
         EngineConfig.from_kwargs(gpu_memory_utilization=0.5, kv_cache_memory=1 << 20)
 
 
-class _Device:
-    def __init__(self, stats):
-        self.stats = stats
-
-    def memory_stats(self):
-        return self.stats
-
-
-def test_gpu_memory_utilization_gives_the_kv_pool_the_fraction_less_the_weights():
-    from jaxserve.engine.builder import device_kv_budget
-
-    gib = 1 << 30
-    devices = [_Device({"bytes_limit": 10 * gib, "bytes_in_use": 2 * gib})] * 2
-    assert device_kv_budget(0.5, devices) == 2 * 3 * gib
-    assert device_kv_budget(0.9, [_Device(None)]) is None, "CPU: no figures, no budget"
-    with pytest.raises(ValueError, match="no room"):
-        device_kv_budget(0.1, devices)
-
-
 def test_serve_takes_the_model_as_a_positional_like_vllm():
     assert _serve("some/dir").model_tag == "some/dir"
     assert main(["serve", "a.gguf", "--model", "b.gguf"]) == 2, "two different models"

@@ -38,6 +38,8 @@ class EngineConfig:
     speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
     runner: RunnerConfig = dataclasses.field(default_factory=RunnerConfig)
     lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
+    # the flat names the caller set (from_kwargs' keywords, replace's changes); not compared
+    explicit: frozenset = dataclasses.field(default=frozenset(), compare=False)
 
     def __post_init__(self):
         for name, cls in GROUPS.items():
@@ -54,6 +56,12 @@ class EngineConfig:
                              "draft model has no adapter slots (speculative_method='ngram' "
                              "works with adapters)")
         return self
+
+    def is_explicit(self, name: str) -> bool:
+        """Whether the caller set flat setting `name`: given to from_kwargs / replace, or (a
+        config built from groups directly) different from the field's default."""
+        s = _SETTINGS[name]
+        return name in self.explicit or getattr(getattr(self, s.group), name) != s.field.default
 
     @staticmethod
     def settings() -> list[Setting]:
@@ -76,8 +84,8 @@ class EngineConfig:
             if name in _BUCKETS and value is not None:
                 value = tuple(sorted(set(int(b) for b in value)))
             per_group[s.group][name] = value
-        return cls(**{name: GROUPS[name](**values)
-                      for name, values in per_group.items()}).validate()
+        return cls(**{name: GROUPS[name](**values) for name, values in per_group.items()},
+                   explicit=frozenset(n for n, v in kwargs.items() if v is not None)).validate()
 
     def as_kwargs(self) -> dict:
         """Every setting by its flat name: from_kwargs(**config.as_kwargs()) == config."""
@@ -85,10 +93,12 @@ class EngineConfig:
 
     def replace(self, **changes) -> "EngineConfig":
         """A validated copy with some flat settings changed (`config.replace(num_pages=64)`)."""
-        return type(self).from_kwargs(**{**self.as_kwargs(), **changes})
+        config = type(self).from_kwargs(**{**self.as_kwargs(), **changes})
+        return dataclasses.replace(config, explicit=self.explicit | frozenset(changes))
 
 
-GROUPS: dict[str, type] = typing.get_type_hints(EngineConfig)  # attribute name -> group class
+GROUPS: dict[str, type] = {  # attribute name -> group class
+    name: cls for name, cls in typing.get_type_hints(EngineConfig).items() if name != "explicit"}
 
 
 def _settings() -> dict[str, Setting]:

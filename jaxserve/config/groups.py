@@ -22,7 +22,11 @@ class ModelSettings:
     model: str = setting(
         "default", "'default' (the embedded SmolLM2-135M-Instruct), a .gguf file, a Hugging "
         "Face directory, a jaxserve (Orbax) checkpoint directory, or a Hugging Face hub id "
-        "org/name[@revision] already in the local hub cache (never downloaded)", vllm="=")
+        "org/name[@revision][/file.gguf] (from the local hub cache; downloaded there first "
+        "unless HF_HUB_OFFLINE=1 or `serve --offline`)", vllm="=")
+    revision: str | None = setting(
+        None, "hub ids: the branch, tag or commit to load (as org/name@revision); unset: main",
+        unit="revision", vllm="=")
     dtype: str = setting(
         "auto", "weight and activation float type; auto: float32 on CPU, bfloat16 on TPU/GPU",
         choices=DTYPES, vllm="=")

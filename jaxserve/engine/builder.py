@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 from jaxserve.config import CacheConfig, EngineConfig
+from jaxserve.engine import memory_profile
 from jaxserve.engine.info import EngineInfo
 from jaxserve.core.host_prefix_tier import HostPrefixTier
 from jaxserve.entrypoints.logging_setup import phase
@@ -43,32 +44,13 @@ class EngineParts:
     lora_registry: object = None  # lora.registry.LoRARegistry (None: enable_lora off)
 
 
-def device_kv_budget(fraction: float, devices) -> int | None:
-    """vLLM's --gpu-memory-utilization: the KV pool gets `fraction` of each device's memory
-    less what is already in use there (the loaded weights), summed over the devices the pool is
-    sharded on. None where the backend reports no memory figures (the CPU)."""
-    budget = 0
-    for device in devices:
-        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-        if not stats or "bytes_limit" not in stats:
-            return None
-        free = int(fraction * stats["bytes_limit"]) - stats.get("bytes_in_use", 0)
-        if free <= 0:
-            raise ValueError(f"gpu_memory_utilization={fraction} leaves no room for the KV "
-                             f"pool on {device}: {stats.get('bytes_in_use', 0) / 2**30:.2f} "
-                             f"GiB of {stats['bytes_limit'] / 2**30:.2f} GiB are in use")
-        budget += free
-    return budget
-
-
-def size_page_pool(config: EngineConfig, kv_bytes_per_token: int, max_model_len: int,
-                   device_budget: int | None = None) -> int:
-    """Pages for the KV pool: given directly, or from a byte budget (page 0 included).
-    device_budget: bytes from gpu_memory_utilization (device_kv_budget), when set."""
+def size_page_pool(config: EngineConfig, kv_bytes_per_token: int, max_model_len: int) -> int:
+    """Pages for the KV pool: given directly, or from kv_cache_memory's byte budget (page 0
+    included). gpu_memory_utilization's pool is sized after profiling (memory_profile.py)."""
     cache = config.cache
     if cache.num_pages is not None:
         return cache.num_pages
-    budget = cache.kv_cache_memory if device_budget is None else device_budget
+    budget = cache.kv_cache_memory
     if budget is None:  # enough for every sequence at full length, within a default budget
         budget = min(DEFAULT_KV_CACHE_MEMORY, config.scheduler.max_num_seqs
                      * (max_model_len + cache.page_size) * kv_bytes_per_token)
@@ -124,22 +106,55 @@ def lora_adapters(config: EngineConfig, model_config, num_processes: int):
     return registry
 
 
+def with_device_defaults(config: EngineConfig, device) -> EngineConfig:
+    """config with the per-device defaults (model/device_defaults.py) for what the user left
+    unset on `device` (a jax Device), each choice logged with its reason."""
+    from jaxserve.model import device_defaults, device_select
+
+    description = device_select.DeviceDescription.from_device(device)
+    config, choices = device_defaults.apply(config, description,
+                                            memory_profile.device_memory_bytes(device))
+    for choice in choices:
+        device_select.log_choice(choice.field, str(choice.value), choice.reason, description)
+    return config
+
+
+def make_scheduler(config: EngineConfig, pages: PageManager, swap: HostSwapSpace,
+                   max_model_len: int, speculation, model_config, lora_registry) -> Scheduler:
+    """The scheduler over the page pool, with the speculation, sliding-window and LoRA seams
+    the engine's parts need."""
+    sched = config.scheduler
+    # Pages no layer of the target (nor of a draft sharing its page tables) can see again
+    # go back to the pool as requests advance: only when every layer has a sliding window.
+    draft_windows = () if speculation.draft is None else (speculation.draft[0].layer_windows,)
+    return Scheduler(
+        pages, max_num_seqs=sched.max_num_seqs,
+        max_num_batched_tokens=sched.max_num_batched_tokens, max_model_len=max_model_len,
+        preemption_mode=sched.preemption_mode, enable_chunked_prefill=sched.enable_chunked_prefill,
+        batching=sched.batching, swap_space=swap, speculation=speculation.policy,
+        kv_window=reusable_window(model_config.layer_windows, *draft_windows),
+        # steady decoders as plan.DecodeRows: ModelRunner's plain steps lay them out (the
+        # speculative runner and static batching's padding read chunks)
+        decode_rows=speculation.policy is None and sched.batching == "continuous",
+        max_loras=config.lora.max_loras if lora_registry is not None else 0)
+
+
 def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> EngineParts:
     """loaded: a LoadedModel (None: load config.model.model). Compiles every step before
     returning."""
     import jax
 
-    from jaxserve.model import cpu_ffi
+    from jaxserve.model import cpu_ffi, hub_cache
     from jaxserve.model.sharding import flat_mesh, make_mesh, parallel_sizes
     from jaxserve.runner import multihost, tensor_parallel
-    from jaxserve.runner.buckets import powers_of_two, token_buckets_for
+    from jaxserve.runner.buckets import powers_of_two
     from jaxserve.runner.cpu_threads import lower_xla_cpu_threads
     from jaxserve.runner.model_runner import ModelRunner, resolve_dtype
     from jaxserve.spec.setup import Speculation
     from jaxserve.model.loader import quantize
     from jaxserve.model.quant import report
 
-    config = config.validate()
+    config = with_device_defaults(config.validate(), jax.local_devices()[0])
     model, cache, sched, run = config.model, config.cache, config.scheduler, config.runner
     start = time.perf_counter()
     parallel = config.parallel
@@ -147,8 +162,9 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
     mesh = make_mesh(parallel.tensor_parallel_size, parallel.expert_parallel_groups)
     if loaded is None:  # a checkpoint is restored straight into the mesh's shardings
         with phase(log, f"loading model {model.model!r} on {jax.default_backend()}"):
-            loaded = tensor_parallel.load_model(model.model, mesh, progress=progress,
-                                                quantization=model.quantization)
+            loaded = tensor_parallel.load_model(
+                hub_cache.with_revision(model.model, model.revision), mesh,
+                progress=progress, quantization=model.quantization)
     loaded = quantize(loaded, model.quantization)  # a float LoadedModel given by the caller
     loaded_s = time.perf_counter() - start
     mc = loaded.config
@@ -165,54 +181,51 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
     speculation = Speculation.build(config, loaded, progress=progress)
     itemsize = jax.numpy.dtype(dtype).itemsize
     kv_per_token = mc.kv_bytes_per_token(itemsize) + speculation.draft_kv_bytes_per_token(itemsize)
-    device_budget = None
-    if cache.gpu_memory_utilization is not None:
-        devices = mesh.devices.flat if mesh is not None else jax.local_devices()[:1]
-        device_budget = device_kv_budget(cache.gpu_memory_utilization, devices)
-        if device_budget is None:
-            log.warning("gpu_memory_utilization=%s is ignored on the %s backend (no device "
-                        "memory figures): set kv_cache_memory for the KV pool's size",
-                        cache.gpu_memory_utilization, jax.default_backend())
-    num_pages = size_page_pool(config, kv_per_token, max_model_len, device_budget)
-    log.info("KV cache: %d pages x %d tokens = %d tokens, %.1f MiB", num_pages - 1,
-             cache.page_size, (num_pages - 1) * cache.page_size,
-             num_pages * cache.page_size * kv_per_token / 2**20)
+    devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
+    profile = (cache.gpu_memory_utilization is not None
+               and memory_profile.memory_stats(devices[0]) is not None)
+    if cache.gpu_memory_utilization is not None and not profile:
+        log.warning("gpu_memory_utilization=%s is ignored on the %s backend (no device "
+                    "memory figures): set kv_cache_memory for the KV pool's size",
+                    cache.gpu_memory_utilization, jax.default_backend())
+    # profiling: the runner starts on a 2-page pool and gets its real one once the largest
+    # step's memory is known
+    num_pages = 2 if profile else size_page_pool(config, kv_per_token, max_model_len)
     lora_registry = lora_adapters(config, mc, jax.process_count())
     tier = host_prefix_tier(cache, cache.page_size * kv_per_token, jax.process_count())
-    pages = PageManager(num_pages, cache.page_size, cache.enable_prefix_caching,
-                        host_tier=tier)
     max_pages = -(-max_model_len // cache.page_size)
-    swap = HostSwapSpace(cache.swap_space, cache.page_size * kv_per_token,
-                         page_buckets=powers_of_two(1, max_pages))
-    # Pages no layer of the target (nor of a draft sharing its page tables) can see again
-    # go back to the pool as requests advance: only when every layer has a sliding window.
-    draft_windows = () if speculation.draft is None else (speculation.draft[0].layer_windows,)
-    scheduler = Scheduler(
-        pages, max_num_seqs=sched.max_num_seqs,
-        max_num_batched_tokens=sched.max_num_batched_tokens, max_model_len=max_model_len,
-        preemption_mode=sched.preemption_mode, enable_chunked_prefill=sched.enable_chunked_prefill,
-        batching=sched.batching, swap_space=swap, speculation=speculation.policy,
-        kv_window=reusable_window(mc.layer_windows, *draft_windows),
-        # steady decoders as plan.DecodeRows: ModelRunner's plain steps lay them out (the
-        # speculative runner and static batching's padding read chunks)
-        decode_rows=speculation.policy is None and sched.batching == "continuous",
-        max_loras=config.lora.max_loras if lora_registry is not None else 0)
     # The steps are traced inside `using`: where the CPU kernels are built, and whether.
     kernels = cpu_ffi.KernelSettings(run.cpu_kernels, run.cpu_kernel_cache_dir,
                                      run.cpu_kernel_compiler)
     with cpu_ffi.using(kernels):
-        runner = speculation.wrap(ModelRunner(
+        base = ModelRunner(
             mc, loaded.params, num_pages=num_pages, page_size=cache.page_size,
             max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens, dtype=model.dtype,
             attention_impl=run.attention_impl, layer_loop=run.layer_loop,
-            token_buckets=run.token_buckets or token_buckets_for(
-                jax.default_backend(), sched.max_num_batched_tokens),
-            seq_buckets=run.seq_buckets,
+            token_buckets=run.token_buckets, seq_buckets=run.seq_buckets,
             compile_cache_dir=run.compile_cache_dir, mesh=mesh,
             host_prefix_slots=0 if tier is None else tier.num_slots,
-            max_loras=scheduler.lora_slots.max_loras, max_lora_rank=config.lora.max_lora_rank,
-            lora_registry=lora_registry))
+            max_loras=config.lora.max_loras if lora_registry is not None else 0,
+            max_lora_rank=config.lora.max_lora_rank, lora_registry=lora_registry)
+        if profile:
+            with phase(log, "memory profile: compile the largest bucket, size the KV pool"):
+                plan = memory_profile.plan_pool(
+                    cache.gpu_memory_utilization, devices, base.profile_step_memory(),
+                    cache.page_size * kv_per_token, cache.page_size, max_model_len)
+            num_pages = memory_profile.agree_across_processes(plan.num_pages)
+            log.info("%s", plan.describe())
+            base.resize_kv_pool(num_pages)
+        log.info("KV cache: %d pages x %d tokens = %d tokens, %.1f MiB", num_pages - 1,
+                 cache.page_size, (num_pages - 1) * cache.page_size,
+                 num_pages * cache.page_size * kv_per_token / 2**20)
+        pages = PageManager(num_pages, cache.page_size, cache.enable_prefix_caching,
+                            host_tier=tier)
+        swap = HostSwapSpace(cache.swap_space, cache.page_size * kv_per_token,
+                             page_buckets=powers_of_two(1, max_pages))
+        scheduler = make_scheduler(config, pages, swap, max_model_len, speculation, mc,
+                                   lora_registry)
+        runner = speculation.wrap(base)
         with phase(log, "warm-up: trace, compile (or read the compile cache) and run every "
                         "step bucket"):
             runner.warmup(progress=progress)

@@ -139,6 +139,8 @@ def http_settings_from_args(args):
 
 def cmd_serve(args) -> int:
     from jaxserve.entrypoints.serve import run_server
+    if args.offline:  # read by model/hub_cache.py when the model loads (and by huggingface_hub)
+        os.environ["HF_HUB_OFFLINE"] = "1"
     security = security_config_from_args(args)  # refused here, before the model loads
     reasoning = reasoning_settings_from_args(args)  # (an unknown parser too)
     return run_server(engine_config_from_args(args), host=args.host, port=args.port,
@@ -202,6 +204,10 @@ def _add_serve(sub) -> None:
                             "HTTP, no key: docs/security.md); default: off")
     front.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds to drain in-flight requests after SIGTERM; default: 30")
+    serve.add_argument("--offline", action="store_true",
+                       help="never contact the Hugging Face hub: a hub id must already be in "
+                            "the local cache (sets HF_HUB_OFFLINE=1); default: a hub id not in "
+                            "the cache is downloaded")
     add_reasoning_flags(serve)
     add_security_flags(serve)
     add_tool_call_flags(serve)

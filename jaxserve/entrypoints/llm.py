@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.engine import generation_defaults
 from jaxserve.config import EngineConfig
+from jaxserve.model import hub_cache
 from jaxserve.engine.engine import Engine, frozen_heap
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.core.request import SamplingParams
@@ -33,7 +34,8 @@ class LLM:
         self.engine = Engine(self.config, loaded=loaded, progress=progress)
         # generate(prompts) without params: the model's generation_config.json, as vLLM does
         self.default_sampling_params = generation_defaults.sampling_params(
-            {}, generation_defaults.read_generation_defaults(model))
+            {}, generation_defaults.read_generation_defaults(
+                hub_cache.with_revision(model, self.config.model.revision)))
 
     def close(self) -> None:
         """Release the engine's runner (multi-host: stop the followers)."""

@@ -2,8 +2,9 @@
 
 A spec is "default" (the embedded SmolLM2-135M-Instruct GGUF), a .gguf file, a Hugging Face
 directory (config.json + *.safetensors + tokenizer.json), a jaxserve checkpoint directory
-(written by `convert`), or a Hugging Face hub id `org/name[@revision][/file.gguf]` in the local
-hub cache (hub_cache; a local path of the same name wins). Every path returns the same
+(written by `convert`), or a Hugging Face hub id `org/name[@revision][/file.gguf]` from the
+local hub cache, downloaded there first unless offline (hub_cache; a local path of the same
+name wins). Every path returns the same
 LoadedModel layout, so the model never knows where its weights came from; with a quantization
 mode its matrices come back quantized (model/quant.py; a GGUF's blocks are mapped tensor by
 tensor, model/gguf_quant.py). This module only
@@ -58,7 +59,8 @@ def _load(spec: str, progress: bool, quantization: str) -> LoadedModel:
         return model
     path = Path(spec).expanduser()
     if not path.exists() and hub_cache.looks_like_hub_id(spec):
-        model = _load_path(hub_cache.resolve_hub_id(spec), progress, quantization)
+        model = _load_path(hub_cache.resolve_hub_id(spec, download=True), progress,
+                           quantization)
         # a snapshot directory is named by its commit hash: the hub id is the model's name
         model.config = dataclasses.replace(model.config, name=hub_cache.hub_repo_id(spec))
         model.source = f"{spec} ({model.source})"

@@ -93,6 +93,11 @@ class CompiledStep:
                  sorted(shapes), traced, compiled, workers,
                  time.perf_counter() - start - compiled)
 
+    def compile_only(self, shape: tuple[int, int]) -> jax.stages.Compiled:
+        """Bucket `shape` compiled and returned, not kept (start-up reads its memory_analysis()
+        before the KV pool is sized: engine/memory_profile.py)."""
+        return self._jitted.lower(self._leaves, self.kv, self.empty_inputs(shape)).compile()
+
     def input_shardings(self, shape: tuple[int, int]):
         """The inputs pytree's shardings the bucket's executable was compiled for (under a
         mesh XLA may shard an input, e.g. a bitmask over the vocabulary axis)."""

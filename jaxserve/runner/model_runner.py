@@ -175,7 +175,6 @@ class ModelRunner:
                                       self.placement.replicated)
         self._launcher = StepLauncher()
         self.attention = self.placement.attention(self.attention_impl, page_size)
-        step = functools.partial(plain_step, self.graphdef, self.attention)
         self.mask_words = -(-model_config.vocab_size // 32)  # grammar bitmask words per row
         self._unused_bitmasks: dict[tuple[int, int], jax.Array] = {}
         self.lora, self.lora_registry = None, lora_registry
@@ -185,12 +184,34 @@ class ModelRunner:
                                    per_layer=self.layer_loop == "unroll")
         self.layouts = layouts_for(self.buckets.shapes(), p, self.mask_words,
                                    lora=self.lora is not None)
+        self.step = self._compiled_step(state)
+
+    def _compiled_step(self, state) -> CompiledStep:
+        step = functools.partial(plain_step, self.graphdef, self.attention)
         caches = (self.cache, self.processors, self.input_batch.last_tokens,
                   self.input_batch.device_tables) + ((self.lora,) if self.lora else ())
-        self.step = CompiledStep("step", step, state, caches,
-                                 self.buckets, lambda shape: self.layouts[shape].new(),
-                                 **self.placement.jit_shardings(
-                                     processor_state=True, lora=self.lora_shardings))
+        return CompiledStep("step", step, state, caches,
+                            self.buckets, lambda shape: self.layouts[shape].new(),
+                            **self.placement.jit_shardings(
+                                processor_state=True, lora=self.lora_shardings))
+
+    def profile_step_memory(self):
+        """The largest bucket compiled (not kept) and its memory_analysis(): what one step
+        needs beside the weights and the KV pool (engine/memory_profile.py's StepMemory)."""
+        from jaxserve.engine.memory_profile import StepMemory
+
+        shape = max(self.buckets.shapes())
+        return StepMemory.of(shape, self.step.compile_only(shape))
+
+    def resize_kv_pool(self, num_pages: int) -> None:
+        """A new zeroed pool of num_pages (before warm-up: start-up sizes the pool after
+        profile_step_memory ran against a small one); the old pool is released first."""
+        if self.step._executables:
+            raise RuntimeError("resize_kv_pool must run before warmup()")
+        self.cache.arrays = None
+        self.num_pages = num_pages
+        self.cache = self.new_cache(self.placement)
+        self.step = self._compiled_step(self.step.state)
 
     @property
     def lora_shardings(self):
