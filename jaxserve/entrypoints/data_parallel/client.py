@@ -304,7 +304,7 @@ class DataParallelClient:
         elif kind == wire.ERR:
             p = self._by_wire.get(item[1])
             if p is not None:
-                self._finish(p, pickle.loads(item[2]))
+                self._finish(p, wire.load_error(item[2]))
         elif kind == wire.STATS:
             state = self.ranks[item[1]]
             state.stats, state.exposition = pickle.loads(item[2]), item[3]

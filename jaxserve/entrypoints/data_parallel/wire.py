@@ -51,12 +51,21 @@ def output_item(out: RequestOutput) -> list:
 
 
 def error_item(request_id: str, exc: BaseException) -> list:
+    """An exception as its class, args and attributes: pickling an exception alone calls its
+    class with its args, which a class with other constructor arguments (RequestError) fails."""
     try:
-        data = pickle.dumps(exc)
-        pickle.loads(data)  # an exception whose constructor takes other arguments fails here
-    except Exception:
-        data = pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))
+        data = pickle.dumps((type(exc), exc.args, vars(exc)))
+    except Exception:  # a class or attribute pickle cannot name
+        data = pickle.dumps((RuntimeError, (f"{type(exc).__name__}: {exc}",), {}))
     return [ERR, request_id, data]
+
+
+def load_error(data: bytes) -> BaseException:
+    cls, args, attributes = pickle.loads(data)
+    exc = cls.__new__(cls, *args)
+    exc.args = args
+    exc.__dict__.update(attributes)
+    return exc
 
 
 class OutputRebuilder:
