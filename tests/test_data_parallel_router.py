@@ -130,3 +130,21 @@ def test_an_error_crosses_the_wire_as_its_own_type():
     exc = wire.load_error(item[2])
     assert isinstance(exc, RequestError), f"got {exc!r}"
     assert (exc.field, str(exc), exc.exceeds_kv_pool) == ("max_tokens", "too many", True)
+
+
+@pytest.mark.parametrize("cls_path", ["jaxserve.engine.async_engine.AsyncEngine",
+                                      "jaxserve.entrypoints.data_parallel.client."
+                                      "DataParallelClient"])
+def test_both_engine_clients_have_every_member_the_front_ends_use(cls_path):
+    import importlib
+
+    from jaxserve.entrypoints.engine_client import EngineClient
+
+    module, name = cls_path.rsplit(".", 1)
+    cls = getattr(importlib.import_module(module), name)
+    members = [m for m in vars(EngineClient) if not m.startswith("_")]
+    members += list(EngineClient.__annotations__)
+    source = __import__("inspect").getsource(cls)
+    missing = [m for m in members
+               if not hasattr(cls, m) and f"self.{m} =" not in source and f"self.{m}:" not in source]
+    assert not missing, f"{name} lacks {missing}"
