@@ -335,7 +335,11 @@ def main(argv: list[str] | None = None) -> int:
         # Multi-host: every process joins the JAX cluster first; process 0 runs the command
         # (its engine stops the followers when it closes), the others run its plans
         # (jaxserve/entrypoints/distributed.py).
-        joined = distributed.join_cluster(distributed.settings_from_args(args))
+        cluster = distributed.settings_from_args(args)
+        if getattr(args, "data_parallel_size", 1) > 1 and cluster.enabled:
+            raise ValueError("--data-parallel-size > 1 runs on one host: it cannot be combined "
+                             "with the multi-host --distributed flags")
+        joined = distributed.join_cluster(cluster)
         if joined and not distributed.is_leader():
             return distributed.follow(engine_config_from_args(args))
         return args.func(args) or 0
