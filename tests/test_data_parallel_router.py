@@ -145,6 +145,6 @@ def test_both_engine_clients_have_every_member_the_front_ends_use(cls_path):
     members = [m for m in vars(EngineClient) if not m.startswith("_")]
     members += list(EngineClient.__annotations__)
     source = __import__("inspect").getsource(cls)
-    missing = [m for m in members
-               if not hasattr(cls, m) and f"self.{m} =" not in source and f"self.{m}:" not in source]
+    missing = [m for m in members if not hasattr(cls, m)
+               and f"self.{m} =" not in source and f"self.{m}:" not in source]
     assert not missing, f"{name} lacks {missing}"
