@@ -274,7 +274,8 @@ def test_engine_finishes_other_than_stop_or_length_end_the_call_with_a_status(se
 
     engine = SimpleNamespace(tokenizer=served.engine.tokenizer)
     fake = SimpleNamespace(engine=engine, error=None, generate=generate,
-                           limits=PromptLimits(4096, 1 << 20), clients=ClientLimits())
+                           limits=PromptLimits(4096, 1 << 20), clients=ClientLimits(),
+                           rank_health=lambda: None)
     expected = {1001: "RESOURCE_EXHAUSTED", 10: "INTERNAL", 7: "ABORTED"}
     with ServerThread(fake) as server, JaxServeClient(server.address, timeout=10) as client:
         for length, code in expected.items():
@@ -287,7 +288,7 @@ def test_health_turns_not_serving_and_calls_unavailable_when_the_engine_dies(ser
     from jaxserve.entrypoints.grpc.background import ServerThread
 
     dying = SimpleNamespace(engine=served.engine, error=None,  # stands in for an AsyncEngine
-                            limits=served.async_engine.limits)
+                            limits=served.async_engine.limits, rank_health=lambda: None)
     with ServerThread(dying) as server, JaxServeClient(server.address, timeout=10) as client:
         assert client.health("jaxserve.v1.JaxServe") == "SERVING"
         dying.error = RuntimeError("device lost")

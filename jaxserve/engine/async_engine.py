@@ -89,6 +89,10 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    def rank_health(self) -> dict[int, str] | None:
+        """Per data-parallel rank health (entrypoints/data_parallel/); one engine has none."""
+        return None
+
     def abort_all(self, error: BaseException) -> int:
         """End every open stream with `error` and abort its request (shutdown after the drain
         timeout); returns how many there were."""

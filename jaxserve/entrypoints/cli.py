@@ -146,7 +146,8 @@ def cmd_serve(args) -> int:
     return run_server(engine_config_from_args(args), host=args.host, port=args.port,
                       shutdown_timeout=args.shutdown_timeout, metrics_port=args.metrics_port,
                       http=http_settings_from_args(args), security=security,
-                      reasoning=reasoning, tool_calls=tool_call_settings_from_args(args))
+                      reasoning=reasoning, tool_calls=tool_call_settings_from_args(args),
+                      data_parallel_size=args.data_parallel_size)
 
 
 def cmd_convert(args) -> int:
@@ -172,6 +173,16 @@ def cmd_bench(args) -> int:
         return prefix_tier_main(args, engine_config_from_args(args))
     from jaxserve.bench.serve import run_serve_bench
     return run_serve_bench(args)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
 
 
 def _add_serve(sub) -> None:
@@ -202,6 +213,11 @@ def _add_serve(sub) -> None:
     front.add_argument("--metrics-port", type=int, default=None,
                        help="also serve Prometheus metrics at http://HOST:PORT/metrics (plain "
                             "HTTP, no key: docs/security.md); default: off")
+    front.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
+                       metavar="N", help="engine processes behind these front ends, each on "
+                       "its own devices (CPU: its share of the cores); requests go to the one "
+                       "with the most prefix-cache overlap, then the least queued work "
+                       "(docs/scale_out.md) (vLLM: same name); default: 1")
     front.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds to drain in-flight requests after SIGTERM; default: 30")
     serve.add_argument("--offline", action="store_true",
@@ -325,7 +341,11 @@ def main(argv: list[str] | None = None) -> int:
         # Multi-host: every process joins the JAX cluster first; process 0 runs the command
         # (its engine stops the followers when it closes), the others run its plans
         # (jaxserve/entrypoints/distributed.py).
-        joined = distributed.join_cluster(distributed.settings_from_args(args))
+        cluster = distributed.settings_from_args(args)
+        if getattr(args, "data_parallel_size", 1) > 1 and cluster.enabled:
+            raise ValueError("--data-parallel-size > 1 runs on one host: it cannot be combined "
+                             "with the multi-host --distributed flags")
+        joined = distributed.join_cluster(cluster)
         if joined and not distributed.is_leader():
             return distributed.follow(engine_config_from_args(args))
         return args.func(args) or 0

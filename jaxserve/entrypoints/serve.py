@@ -7,6 +7,9 @@ in-flight calls drained for up to shutdown_timeout seconds, the rest ended UNAVA
 aborted in the engine; then the process exits 0, its exit closing the listener (never a
 grpc stop that would CANCEL racing calls: process.exit_now). If the engine fails: every
 in-flight call INTERNAL, health NOT_SERVING, new calls UNAVAILABLE, exit 1.
+data_parallel_size N > 1: N engine processes behind the same front ends instead of one engine
+here (entrypoints/data_parallel/: a rank that dies fails its own requests only; the server
+goes down as above once every rank is dead).
 
 Composes grpc/server.py's GrpcServer, openai/http_server.py's HttpServer, the Engine, its
 AsyncEngine and the metrics endpoint; it handles no request itself.
@@ -37,14 +40,20 @@ async def serve(engine_config: EngineConfig, host: str, port: int, shutdown_time
                 loaded=None, metrics_port: int | None = None, http=None,
                 exit_process: bool = False, security: SecurityConfig | None = None,
                 reasoning: ReasoningSettings | None = None,
-                tool_calls: ToolCallSettings | None = None) -> int:
+                tool_calls: ToolCallSettings | None = None,
+                data_parallel_size: int = 1) -> int:
     """run_server's body, on the running event loop; returns the exit code. http: an
     http_server.HttpSettings to serve the OpenAI HTTP API too, over the same AsyncEngine (None:
     gRPC only). exit_process: once drained, end the process with the code (see exit_now).
     security: API keys and TLS files for both ports, read and checked before either listens;
     reasoning: both ports' reasoning parser (None: http's own, none on gRPC); tool_calls: both
-    front ends' tool-calling settings (None: the defaults)."""
+    front ends' tool-calling settings (None: the defaults); data_parallel_size: engine
+    processes (1: one engine in this process)."""
     from jaxserve.engine.engine import Engine
+
+    if data_parallel_size > 1 and loaded is not None:
+        raise ValueError("data_parallel_size > 1 loads the model in each rank process: a "
+                         "preloaded model (loaded) cannot be given")
 
     parser = None if reasoning is None else reasoning.reasoning_parser
     if reasoning is not None and http is not None:
@@ -71,11 +80,17 @@ async def serve(engine_config: EngineConfig, host: str, port: int, shutdown_time
             raise
         log.info("jaxserve HTTP (OpenAI API) server listening on %s (/health 503 until the "
                  "engine is ready)", fronts[1].url)
-    loading = in_daemon_thread(lambda: Engine(engine_config, loaded=loaded))
+    if data_parallel_size > 1:
+        from jaxserve.entrypoints.data_parallel.client import DataParallelClient
+        loading = asyncio.ensure_future(
+            DataParallelClient.launch(engine_config, data_parallel_size))
+    else:
+        loading = in_daemon_thread(lambda: Engine(engine_config, loaded=loaded))
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if not loading.done():
         log.info("stop signal during loading: exiting without serving")
+        loading.cancel()  # data parallel: ends the rank processes
         await asyncio.gather(*(front.shutdown(0) for front in fronts))
         return 0
     try:
@@ -85,7 +100,8 @@ async def serve(engine_config: EngineConfig, host: str, port: int, shutdown_time
         await handle.server.stop(0)
         await asyncio.gather(*(front.shutdown(0) for front in fronts[1:]))
         raise
-    async_engine = AsyncEngine(engine)
+    async_engine = engine if data_parallel_size > 1 else AsyncEngine(engine)
+    engine = async_engine.engine
     async_engine.start()
     metrics_http = None
     if metrics_port is not None:
@@ -140,13 +156,15 @@ def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int =
                shutdown_timeout: float = 30.0, loaded=None, metrics_port: int | None = None,
                http=None, security: SecurityConfig | None = None,
                reasoning: ReasoningSettings | None = None,
-               tool_calls: ToolCallSettings | None = None) -> int:
+               tool_calls: ToolCallSettings | None = None, data_parallel_size: int = 1) -> int:
     """The server process: serve until SIGTERM/SIGINT, drain, then end the process with exit
     code 0 (1 when the engine failed); it returns only when loading fails or a stop signal came
     during loading, and raises ValueError before listening when security's files are bad.
     http: HttpSettings to serve the OpenAI HTTP API too (None: off); security: API keys and
     TLS for both (None: neither); reasoning: both ports' reasoning parser; tool_calls: both
-    front ends' tool-calling settings."""
+    front ends' tool-calling settings; data_parallel_size: engine processes behind the front
+    ends (1: one engine in this process)."""
     return asyncio.run(serve(engine_config, host, port, shutdown_timeout, loaded=loaded,
                              metrics_port=metrics_port, http=http, exit_process=True,
-                             security=security, reasoning=reasoning, tool_calls=tool_calls))
+                             security=security, reasoning=reasoning, tool_calls=tool_calls,
+                             data_parallel_size=data_parallel_size))

@@ -279,10 +279,23 @@ class GrpcServer:
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self._watch = asyncio.ensure_future(self._watch_engine(async_engine))
 
+    async def _set_rank_health(self, ranks: dict[int, str] | None, known: dict) -> None:
+        """Data parallelism: service data_parallel_rank_<r> follows rank r's health."""
+        for rank, status in (ranks or {}).items():
+            if known.get(rank) != status:
+                known[rank] = status
+                await self.health.set(f"data_parallel_rank_{rank}", (
+                    health_pb2.HealthCheckResponse.SERVING if status == "serving"
+                    else health_pb2.HealthCheckResponse.NOT_SERVING))
+
     async def _watch_engine(self, async_engine: AsyncEngine, period: float = 0.05) -> None:
-        """Health NOT_SERVING once the engine thread has died (calls then get UNAVAILABLE)."""
+        """Health NOT_SERVING once the engine thread has died (calls then get UNAVAILABLE);
+        with data-parallel ranks, each rank's own service too."""
+        known: dict[int, str] = {}
+        await self._set_rank_health(async_engine.rank_health(), known)
         while async_engine.error is None:
             await asyncio.sleep(period)
+            await self._set_rank_health(async_engine.rank_health(), known)
         log.error("the engine failed (%r): health NOT_SERVING", async_engine.error)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.engine_dead.set()

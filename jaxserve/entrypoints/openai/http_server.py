@@ -223,9 +223,12 @@ def build_app(settings: HttpSettings, state: GateState,
     @app.get("/health")
     async def health():
         reason = state.unavailable()
+        ranks = None if state.serving is None else state.serving.async_engine.rank_health()
+        extra = {} if ranks is None else {"data_parallel_ranks": {str(r): s
+                                                                  for r, s in ranks.items()}}
         if reason is None:
-            return {"status": "serving"}
-        return JSONResponse({"status": "unavailable", "reason": reason}, 503)
+            return {"status": "serving", **extra}
+        return JSONResponse({"status": "unavailable", "reason": reason, **extra}, 503)
 
     @app.get("/metrics")
     async def metrics():
