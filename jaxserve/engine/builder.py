@@ -16,7 +16,9 @@ from dataclasses import dataclass
 
 from jaxserve.config import CacheConfig, EngineConfig
 from jaxserve.engine.info import EngineInfo
+from jaxserve.config.kv_events import parse_kv_events_config
 from jaxserve.core.host_prefix_tier import HostPrefixTier
+from jaxserve.core.kv_events import KVEventLog
 from jaxserve.entrypoints.logging_setup import phase
 from jaxserve.core.page_manager import PageManager
 from jaxserve.core.scheduler import Scheduler
@@ -179,8 +181,10 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
              num_pages * cache.page_size * kv_per_token / 2**20)
     lora_registry = lora_adapters(config, mc, jax.process_count())
     tier = host_prefix_tier(cache, cache.page_size * kv_per_token, jax.process_count())
+    events = (KVEventLog(cache.page_size)
+              if parse_kv_events_config(cache.kv_events_config).enabled else None)
     pages = PageManager(num_pages, cache.page_size, cache.enable_prefix_caching,
-                        host_tier=tier)
+                        host_tier=tier, events=events)
     max_pages = -(-max_model_len // cache.page_size)
     swap = HostSwapSpace(cache.swap_space, cache.page_size * kv_per_token,
                          page_buckets=powers_of_two(1, max_pages))

@@ -85,6 +85,8 @@ async def serve(engine_config: EngineConfig, host: str, port: int, shutdown_time
         await handle.server.stop(0)
         await asyncio.gather(*(front.shutdown(0) for front in fronts[1:]))
         raise
+    if http is not None and http.served_model_name:  # vllm:* metrics' model_name label
+        engine.metrics.vllm.set_model_name(http.served_model_name)
     async_engine = AsyncEngine(engine)
     async_engine.start()
     metrics_http = None
