@@ -27,6 +27,8 @@ CLI_VALUES = {
     "swap_space": (["--swap-space", "1"], 1 << 30),
     "host_prefix_cache_size": (["--host-prefix-cache-size", "1MiB"], 1 << 20),
     "enable_prefix_caching": (["--no-enable-prefix-caching"], False),
+    "kv_events_config": (["--kv-events-config", '{"enable_kv_cache_events": true}'],
+                         '{"enable_kv_cache_events": true}'),
     "max_num_seqs": (["--max-num-seqs", "8"], 8),
     "max_num_batched_tokens": (["--max-num-batched-tokens", "512"], 512),
     "preemption_mode": (["--preemption-mode", "swap"], "swap"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jaxserve.config.kv_events import parse_kv_events_config
 from jaxserve.config.settings import (BATCHING_MODES, CPU_KERNEL_MODES, DTYPES, LAYER_LOOPS,
                                       PREEMPTION_MODES, QUANTIZATIONS, SPECULATIVE_METHODS, need,
                                       setting)
@@ -77,6 +78,11 @@ class CacheConfig:
         unit="bytes", cli_plain_unit="B")
     enable_prefix_caching: bool = setting(
         True, "share KV pages of equal prompt prefixes between requests", vllm="=")
+    kv_events_config: str | None = setting(
+        None, "publish the prefix cache's changes as vLLM's KV-cache events: a JSON object "
+        "with vLLM's keys (enable_kv_cache_events, publisher zmq or null, endpoint, "
+        "replay_endpoint, buffer_steps, hwm, max_queue_size, topic; docs/kv_events.md); unset: "
+        "off", unit="JSON", vllm="=")
 
     def validate(self) -> None:
         need(self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0, "page_size",
@@ -99,6 +105,7 @@ class CacheConfig:
         need(self.host_prefix_cache_size == 0 or self.enable_prefix_caching,
              "host_prefix_cache_size", self.host_prefix_cache_size,
              "0 when enable_prefix_caching is off (it is the prefix cache's second tier)")
+        parse_kv_events_config(self.kv_events_config)  # (its own errors name the key)
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,16 @@ at a time; a full tier drops its least recently stored entry to make room.
 
 Only integers and token tuples: this module must not import jax or hold KV (the runner's
 HostPrefixPool does, runner/host_prefix_pool.py). Its byte budget follows the swap space's
-rules (swap_space.py): bytes over `kv_bytes_per_page`, rounded down to whole pages.
+rules (swap_space.py): bytes over `kv_bytes_per_page`, rounded down to whole pages. With a
+KVEventLog in `events` (set by the PageManager), each store and drop is logged as medium "CPU".
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+
+from jaxserve.core.kv_events import MEDIUM_HOST
 
 
 @dataclass(slots=True)
@@ -59,6 +62,7 @@ class HostPrefixTier:
         self.hit_tokens = 0
         self.stored_pages = 0
         self.loaded_pages = 0
+        self.events = None  # a KVEventLog (kv_events.py), or None
 
     @property
     def num_used(self) -> int:
@@ -85,6 +89,8 @@ class HostPrefixTier:
         self._entries[key] = entry
         self._serials.add(serial)
         self.stored_pages += 1
+        if self.events is not None:
+            self.events.copied(key, tokens, MEDIUM_HOST)
         return entry.slot
 
     def take(self, key: int) -> HostEntry:
@@ -107,6 +113,8 @@ class HostPrefixTier:
         entry = self._entries.pop(key)
         self._serials.discard(entry.serial)
         self._free_slots.append(entry.slot)
+        if self.events is not None:
+            self.events.removed(key, MEDIUM_HOST)
         return entry
 
     def check_invariants(self) -> None:

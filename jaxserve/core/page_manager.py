@@ -27,6 +27,10 @@ runner each step's copies: stores (device page -> host slot, before the step ove
 page) and loads (host slot -> the fresh device page a host hit was given, before the step
 reads it). A host entry whose store is still pending this step does not match (its KV is not
 on the host yet): that prefix is recomputed, never read wrong.
+
+KV events (optional, kv_events.py): with a KVEventLog, every registration of a full page (on the
+device: commit, or a host hit brought back), every removal (eviction, replacement) and a reset
+are logged there, the host tier's own stores and drops too, for the engine to publish.
 """
 
 from __future__ import annotations
@@ -35,14 +39,17 @@ from collections import OrderedDict
 from typing import Sequence
 
 from jaxserve.core.host_prefix_tier import HostPrefixTier
+from jaxserve.core.kv_events import KVEventLog
 from jaxserve.core.page_invariants import check_invariants
+from jaxserve.core.prefix_match import match_prefix
 from jaxserve.core.page_stats import (  # noqa: F401 (HashFn, stable_page_hash: re-exports)
     _ROOT_SERIAL, NULL_PAGE, HashFn, PageStats, RequestPages, prefix_root, stable_page_hash)
 
 
 class PageManager:
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
-                 hash_fn: HashFn | None = None, host_tier: HostPrefixTier | None = None):
+                 hash_fn: HashFn | None = None, host_tier: HostPrefixTier | None = None,
+                 events: KVEventLog | None = None):
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {num_pages}")
         if page_size < 1:
@@ -65,7 +72,9 @@ class PageManager:
         self._hit_tokens = 0
         if host_tier is not None and not enable_prefix_caching:
             raise ValueError("a host prefix tier needs enable_prefix_caching")
-        self.host_tier = host_tier
+        self.host_tier, self.events = host_tier, events
+        if host_tier is not None:
+            host_tier.events = events
         self._pending_stores: dict[int, int] = {}  # host slot -> device page, this step
         self._pending_loads: list[tuple[int, int]] = []  # (host slot, device page), this step
 
@@ -141,7 +150,7 @@ class PageManager:
         matched = self._match(token_ids, lora_id)
         if not self._can_take(matched, num_slots - num_released_pages * self.page_size):
             return None
-        cached = self._take_matched(matched)
+        cached = self._take_matched(matched, lora_id)
         num_fresh = max(self.num_pages_for(num_slots) - len(cached) - num_released_pages, 0)
         num_cached_tokens = len(cached) * self.page_size
         root_key, root_serial = prefix_root(self._hash_fn, lora_id)
@@ -234,6 +243,9 @@ class PageManager:
                 if holder is None:
                     req.can_register = False  # a true hash collision: stop caching this request
                     return
+                if holder == page and self.events is not None:  # registered just now
+                    self.events.stored(key, req.parent_key if req.parent_serial > _ROOT_SERIAL
+                                       else None, page_tokens, -req.root_serial)
             req.num_hashed_pages = i + 1
             req.parent_key, req.parent_serial = key, self._serial[holder]
 
@@ -272,6 +284,8 @@ class PageManager:
         if self.host_tier is not None:
             self.host_tier.clear()
             self._pending_stores.clear()  # pending loads stay: their pages count as computed
+        if self.events is not None:
+            self.events.cleared()
         for req in self._requests.values():
             req.can_register = False
 
@@ -287,29 +301,7 @@ class PageManager:
         self._hit_tokens += num_hit_tokens
 
     def _match(self, token_ids: Sequence[int], lora_id: int = 0) -> list[tuple[int, int]]:
-        """[(device page, key)] of the longest cached chain; NULL_PAGE: found in the host tier."""
-        if not self.enable_prefix_caching:
-            return []
-        ps, host = self.page_size, self.host_tier
-        matched: list[tuple[int, int]] = []
-        key, serial = prefix_root(self._hash_fn, lora_id)
-        for i in range((len(token_ids) - 1) // ps):  # never the whole prompt: one token computes
-            page_tokens = tuple(token_ids[i * ps:(i + 1) * ps])
-            key = self._hash_fn(key, page_tokens)
-            page = self._cached.get(key)
-            if page is not None:
-                if self._tokens[page] != page_tokens or self._parent_serial[page] != serial:
-                    break
-                matched.append((page, key))
-                serial = self._serial[page]
-                continue
-            entry = None if host is None else host.get(key)
-            if (entry is None or entry.tokens != page_tokens or entry.parent_serial != serial
-                    or entry.slot in self._pending_stores):
-                break
-            matched.append((NULL_PAGE, key))
-            serial = entry.serial
-        return matched
+        return match_prefix(self, token_ids, lora_id)
 
     def _can_take(self, matched: list[tuple[int, int]], num_slots: int) -> bool:
         on_device = [page for page, _ in matched if page != NULL_PAGE]  # host hits need pages
@@ -317,7 +309,7 @@ class PageManager:
         num_cached_free = sum(1 for p in on_device if self._ref[p] == 0)
         return num_fresh <= len(self._free) - num_cached_free
 
-    def _take_matched(self, matched: list[tuple[int, int]]) -> list[int]:
+    def _take_matched(self, matched: list[tuple[int, int]], lora_id: int) -> list[int]:
         """Hold the matched chain: a ref on each device page, and for each host hit a fresh
         device page registered under the entry's identity, with its load pending."""
         for page, _ in matched:
@@ -326,11 +318,14 @@ class PageManager:
         # Off the host tier before any page is popped: those evictions must not drop them.
         entries = {key: self.host_tier.take(key) for page, key in matched if page == NULL_PAGE}
         pages = []
-        for page, key in matched:
+        for i, (page, key) in enumerate(matched):
             if page == NULL_PAGE:
                 entry, page = entries[key], self._pop_free()
                 self._adopt(page, key, entry.tokens, entry.serial, entry.parent_serial)
                 self._pending_loads.append((entry.slot, page))
+                if self.events is not None:
+                    self.events.stored(key, matched[i - 1][1] if i else None, entry.tokens,
+                                       lora_id)
             pages.append(page)
         return pages
 
@@ -383,6 +378,8 @@ class PageManager:
         self._live_serials[serial] = page
 
     def _unregister(self, page: int) -> None:
+        if self.events is not None:
+            self.events.removed(self._key[page])
         del self._cached[self._key[page]]
         del self._live_serials[self._serial[page]]
         self._key[page] = self._tokens[page] = None

@@ -21,6 +21,7 @@ an error. No device work, no scheduling decisions here.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import heapq
 import logging
 import queue
@@ -178,6 +179,14 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
+    async def run_on_engine(self, fn):
+        """fn(engine)'s result, run on the engine thread between steps (e.g. resetting the
+        prefix cache); EngineDeadError if the engine stops first."""
+        self._check_alive()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", (fn, done)))
+        return await asyncio.wrap_future(done)
+
     # ---- engine thread ----------------------------------------------------------------
     def _deliver(self, request_id: str, item) -> None:
         with self._lock:
@@ -219,6 +228,12 @@ class AsyncEngine:
                 out = self.engine.abort(payload)
                 if out is not None:
                     self._deliver(payload, out)
+            elif kind == "call":
+                fn, done = payload
+                try:
+                    done.set_result(fn(self.engine))
+                except Exception as exc:
+                    done.set_exception(exc)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
@@ -255,7 +270,7 @@ class AsyncEngine:
         for rid in [r for r in self._queued_at if self._status(r) != RequestStatus.WAITING]:
             started = self._queued_at.pop(rid)
             if self._status(rid) is not None:
-                self.engine.metrics.queue_time.observe(now - started)
+                self.engine.metrics.observe_queue_time(now - started)
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:  # after this, generate() refuses new requests
@@ -278,6 +293,17 @@ class AsyncEngine:
                 self.engine.close()
             except Exception:
                 log.exception("closing the engine failed")
+            self._refuse_calls()
+
+    def _refuse_calls(self) -> None:
+        """Calls still in the inbox when the loop ends get EngineDeadError."""
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "call":
+                payload[1].set_exception(EngineDeadError("the engine stopped"))
 
     def _serve(self) -> None:
         while not self._stopping:

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from jaxserve.config import CacheConfig, EngineConfig
 from jaxserve.engine import memory_profile
 from jaxserve.engine.info import EngineInfo
+from jaxserve.config.kv_events import parse_kv_events_config
 from jaxserve.core.host_prefix_tier import HostPrefixTier
+from jaxserve.core.kv_events import KVEventLog
 from jaxserve.entrypoints.logging_setup import phase
 from jaxserve.core.page_manager import PageManager
 from jaxserve.core.scheduler import Scheduler
@@ -193,6 +195,8 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
     num_pages = 2 if profile else size_page_pool(config, kv_per_token, max_model_len)
     lora_registry = lora_adapters(config, mc, jax.process_count())
     tier = host_prefix_tier(cache, cache.page_size * kv_per_token, jax.process_count())
+    events = (KVEventLog(cache.page_size)
+              if parse_kv_events_config(cache.kv_events_config).enabled else None)
     max_pages = -(-max_model_len // cache.page_size)
     # The steps are traced inside `using`: where the CPU kernels are built, and whether.
     kernels = cpu_ffi.KernelSettings(run.cpu_kernels, run.cpu_kernel_cache_dir,
@@ -220,7 +224,7 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
                  cache.page_size, (num_pages - 1) * cache.page_size,
                  num_pages * cache.page_size * kv_per_token / 2**20)
         pages = PageManager(num_pages, cache.page_size, cache.enable_prefix_caching,
-                            host_tier=tier)
+                            host_tier=tier, events=events)
         swap = HostSwapSpace(cache.swap_space, cache.page_size * kv_per_token,
                              page_buckets=powers_of_two(1, max_pages))
         scheduler = make_scheduler(config, pages, swap, max_model_len, speculation, mc,

@@ -30,7 +30,9 @@ from contextlib import contextmanager
 from jaxserve.config import EngineConfig
 from jaxserve.core import intake
 from jaxserve.engine.builder import EngineParts, build_engine
+from jaxserve.config.kv_events import parse_kv_events_config
 from jaxserve.engine.info import engine_stats
+from jaxserve.engine.kv_events import make_publisher
 from jaxserve.engine.metrics import EngineMetrics
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.outputs import RequestOutput
@@ -107,11 +109,16 @@ class Engine:
             self.lora_registry.in_use = lambda lora_id: lora_id in self.stats.lora_in_use
         self.metrics = EngineMetrics(lambda: self.stats, self.info, self.lora_registry,
                                      self.scheduler.lora_slots.max_loras)
+        # The prefix cache's changes, sent off this thread (engine/kv_events.py); the page
+        # manager logs them only when the config turns events on.
+        self.kv_events = make_publisher(parse_kv_events_config(
+            self.config.cache.kv_events_config))
 
     def close(self) -> None:
         """Release the runner (multi-host: stop the followers). Idempotent."""
         if not self._closed:
             self._closed = True
+            self.kv_events.close()
             self.runner.close()
             if self.grammars is not None:
                 self.grammars.close()
@@ -222,6 +229,15 @@ class Engine:
         self._publish_stats()
         return outs[0] if outs else None
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's reset_prefix_cache: subscribers to the KV events
+        get AllBlocksCleared); running requests keep their pages. Engine thread only."""
+        self.pages.reset_prefix_cache()
+        if self.pages.events:
+            self.kv_events.publish(self.pages.events.take())
+        self._publish_stats()
+        return True
+
     def has_unfinished(self) -> bool:
         # A step in flight when no request is unfinished holds only finished ones' rows: the
         # next step reads and drops it.
@@ -282,6 +298,8 @@ class Engine:
         self.num_steps += 1
         with self.timings.phase("emit"):
             outputs = self._process(events)
+            if self.pages.events:  # (None: events off; empty: nothing changed)
+                self.kv_events.publish(self.pages.events.take())
             self._publish_stats()
             self.metrics.observe_outputs(outputs)
         self.metrics.observe_step(time.perf_counter() - start)

@@ -14,6 +14,9 @@ and waiting_lora_adapters, the adapters' names comma-separated, and max_lora; it
 scrape's time, as vLLM sets it) lets routers route by adapter, next to counters of adapter loads
 and evictions into device slots and host memory.
 
+The same state and events are also exposed under vLLM's names and labels (`vllm:*`,
+vllm_metrics.py), for the routers and autoscalers that read a vLLM server's metrics.
+
 Each engine owns its own CollectorRegistry (tests and benchmarks build several engines in one
 process). `jaxserve serve --metrics-port` exposes it over HTTP. No jax here.
 """
@@ -29,6 +32,7 @@ from prometheus_client.registry import Collector
 
 from jaxserve.engine.info import EngineInfo, EngineStats
 from jaxserve.engine.outputs import RequestOutput
+from jaxserve.engine.vllm_metrics import VllmMetrics
 
 PREFIX = "jaxserve_"
 # Seconds: CPU steps take tens to hundreds of ms, accelerator steps a few ms; queues add more.
@@ -107,12 +111,16 @@ class _LoRACollector(Collector):
 
 class EngineMetrics:
     def __init__(self, stats: Callable[[], EngineStats], info: EngineInfo | None = None,
-                 lora_registry=None, max_loras: int = 0):
+                 lora_registry=None, max_loras: int = 0, engine_index: int = 0):
         """stats: returns the engine's latest snapshot (called at scrape time); info: the
-        engine's start-up facts (the weights' bytes on device); lora_registry: the engine's
-        LoRA adapters (lora/registry.py; None: none served), max_loras device slots."""
+        engine's start-up facts (the weights' bytes on device, the model's name); lora_registry:
+        the engine's LoRA adapters (lora/registry.py; None: none served), max_loras device
+        slots; engine_index: the vLLM metrics' `engine` label."""
         self.registry = registry = CollectorRegistry()
         registry.register(_EngineStateCollector(stats))
+        self.vllm = VllmMetrics(registry, stats, info.model_name if info else "unknown",
+                                info.max_model_len if info else 2048, engine_index)
+        self._last_token_time: dict[str, float] = {}  # request id -> its latest token's
         if lora_registry is not None:
             registry.register(_LoRACollector(stats, lora_registry, max_loras))
         if info is not None:
@@ -153,8 +161,14 @@ class EngineMetrics:
     def observe_step(self, seconds: float) -> None:
         self.step_seconds.observe(seconds)
 
+    def observe_queue_time(self, seconds: float) -> None:
+        """Arrival to first scheduled, of one request."""
+        self.queue_time.observe(seconds)
+        self.vllm.queue.observe(seconds)
+
     def observe_outputs(self, outputs: Iterable[RequestOutput]) -> None:
-        total_new = 0  # one counter update per step, not per request
+        total_new = total_prompt = 0  # one counter update per step, not per request
+        vllm, last, now, gaps = self.vllm, self._last_token_time, time.monotonic(), []
         for out in outputs:
             samples = out.outputs
             if len(samples) == 1:  # (per request and step: no generator for the usual n = 1)
@@ -166,18 +180,32 @@ class EngineMetrics:
             if num_new:
                 total_new += num_new
                 if first:  # the request's first tokens
-                    self.prompt_tokens.inc(len(out.prompt_token_ids))
+                    total_prompt += len(out.prompt_token_ids)
                     self.ttft.observe(out.time_to_first_token)
+                    vllm.ttft.observe(out.time_to_first_token)
+                elif (previous := last.get(out.request_id)) is not None:
+                    gaps.append(now - previous)
+                last[out.request_id] = now
             if out.finished:
+                last.pop(out.request_id, None)
                 self.finished.labels(out.finish_reason).inc()
                 num_tokens = out.outputs[0].num_tokens
+                tpot = None
                 if out.latency is not None:
                     self.e2e.observe(out.latency)
                     if num_tokens > 1 and out.time_to_first_token is not None:
-                        self.tpot.observe((out.latency - out.time_to_first_token)
-                                          / (num_tokens - 1))
+                        tpot = (out.latency - out.time_to_first_token) / (num_tokens - 1)
+                        self.tpot.observe(tpot)
+                vllm.finished(out.finish_reason, out.latency, len(out.prompt_token_ids),
+                              sum(c.num_tokens for c in out.outputs), tpot)
         if total_new:
             self.generation_tokens.inc(total_new)
+            vllm.generation_tokens.inc(total_new)
+        if total_prompt:
+            self.prompt_tokens.inc(total_prompt)
+            vllm.prompt_tokens.inc(total_prompt)
+        if gaps:
+            vllm.inter_token.observe_many(gaps)
 
     def serve_http(self, port: int, addr: str = "127.0.0.1"):
         """Expose /metrics on addr:port (0: any free port); returns (server, thread)."""

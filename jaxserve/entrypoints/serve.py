@@ -100,7 +100,12 @@ async def serve(engine_config: EngineConfig, host: str, port: int, shutdown_time
         await handle.server.stop(0)
         await asyncio.gather(*(front.shutdown(0) for front in fronts[1:]))
         raise
-    async_engine = engine if data_parallel_size > 1 else AsyncEngine(engine)
+    if data_parallel_size > 1:
+        async_engine = engine
+    else:
+        if http is not None and http.served_model_name:  # vllm:* metrics' model_name label
+            engine.metrics.vllm.set_model_name(http.served_model_name)
+        async_engine = AsyncEngine(engine)
     engine = async_engine.engine
     async_engine.start()
     metrics_http = None

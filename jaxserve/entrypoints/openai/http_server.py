@@ -2,8 +2,8 @@
 
 Routes: POST /v1/completions, /v1/chat/completions, /v1/responses (stateless, over the chat
 path: responses.py), GET /v1/models (LoRA adapters too), /health, /metrics,
-/version, POST /tokenize, /detokenize, /v1/load_lora_adapter, /v1/unload_lora_adapter
-(lora_routes.py) (vLLM's shapes). Request bodies are pydantic models
+/version, POST /tokenize, /detokenize, /reset_prefix_cache, /v1/load_lora_adapter,
+/v1/unload_lora_adapter (lora_routes.py) (vLLM's shapes). Request bodies are pydantic models
 (openai_protocol.py); the translation to engine calls is OpenAIServing's (openai_serving.py);
 this module only routes, gates, reports the request fields it ignored (one warning per request
 and the X-Jaxserve-Ignored-Fields header on its answer, stream and error included: ignored.py),
@@ -236,6 +236,11 @@ def build_app(settings: HttpSettings, state: GateState,
             return JSONResponse(OpenAIError(503, "the server is starting").body(), 503)
         registry = state.serving.async_engine.engine.metrics.registry
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():  # vLLM's: 200, empty body; KV-event subscribers are told
+        await serving().async_engine.run_on_engine(lambda engine: engine.reset_prefix_cache())
+        return Response(status_code=200)
 
     @app.get("/version")
     async def version():
