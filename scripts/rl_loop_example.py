@@ -2,10 +2,10 @@
 the new weights go back into the engine with update_weights every step (docs/rollouts.md).
 
     python scripts/rl_loop_example.py            # the default model (SmolLM2-135M), CPU: minutes
-    python scripts/rl_loop_example.py --tiny     # a tiny random model (CI: tests/test_rl_example.py)
+    python scripts/rl_loop_example.py --tiny     # a tiny random model (tests/test_rl_example.py)
 
-The reward is the fraction of a completion's tokens that equal one chosen token (REINFORCE with
-the batch's mean reward as baseline). Each step: sample a batch (temperature 1, logprobs=0),
+The reward is the fraction of a completion's tokens that equal one token (the commonest in the
+first step's samples), with REINFORCE and the batch's mean reward as baseline. Each step: sample a batch (temperature 1, logprobs=0),
 sleep the engine (its KV pool, and its weights, leave the device while the trainer works), take
 one Adam step on the engine's own state pytree with a teacher-forced forward of the engine's own
 model, wake it up and swap the new weights in. Prints the mean reward of each step; the
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
                   max_model_len=256, dtype="float32")
         prompt = llm.tokenizer.encode("Write one word, many times:")
         steps, lr = args.steps or 6, args.learning_rate or 2e-4
-    target = int(np.asarray(prompt).max()) % llm.engine.info.vocab_size  # the rewarded token
+    target = None  # the rewarded token: the commonest of the first step's samples
     length = len(prompt) + args.max_tokens
     logprob_fn = make_logprob_fn(llm, args.batch, length)
     state = llm.get_weights()  # the trainer's copy, in the engine's own layout
@@ -133,6 +133,8 @@ def main(argv=None) -> int:
                   for i in range(args.batch)]
         outs = llm.generate([prompt] * args.batch, params, use_tqdm=False)
         completions = np.asarray([o.token_ids for o in outs], np.int32)
+        if target is None:
+            target = int(np.bincount(completions.reshape(-1)).argmax())
         reward = (completions == target).mean(axis=1)
         rewards.append(float(reward.mean()))
         print(f"step {step}: mean reward {reward.mean():.3f} (weight version "
