@@ -122,7 +122,8 @@ def test_sleep_frees_kv_then_weights_and_wake_up_restores_the_same_tokens(llm, w
     runner = llm.engine.runner
     kv_bytes = sum(a.nbytes for a in runner.kv)
     weight_bytes = sum(a.nbytes for a in runner.step._leaves)
-    greedy(llm)  # the prefix cache holds pages now
+    greedy(llm)
+    assert llm.engine.pages.stats().num_cached > 0  # the prefix cache holds pages now
     awake = live_bytes()
     with CompileCounter() as compiles:
         llm.sleep(level=1)
@@ -131,8 +132,7 @@ def test_sleep_frees_kv_then_weights_and_wake_up_restores_the_same_tokens(llm, w
         assert not any(a.shape == runner.kv[0].shape and not a.is_deleted()
                        for a in jax.live_arrays()), "a KV page array is still live"
         assert awake - asleep >= kv_bytes + weight_bytes - 4096  # (RoPE frequencies stay)
-        assert llm.engine.pages.stats().num_cached_pages == 0 if hasattr(
-            llm.engine.pages.stats(), "num_cached_pages") else True
+        assert llm.engine.pages.stats().num_cached == 0, "the prefix cache was not flushed"
         llm.wake_up()
         assert not llm.is_sleeping
         assert live_bytes() == awake
@@ -180,7 +180,7 @@ def _finish(llm, outputs):
 
 def test_pause_keep_then_resume_gives_an_uninterrupted_runs_tokens(llm, want):
     ids, outputs = _start(llm, PROMPTS, GREEDY)
-    assert llm.pause_generation("keep") == [] or True
+    llm.pause_generation("keep")
     assert llm.is_paused and not llm.engine.has_unfinished()
     assert llm.engine.step() == []  # paused: nothing runs
     with pytest.raises(RuntimeError, match="paused"):
