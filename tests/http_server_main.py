@@ -2,6 +2,7 @@
 
     python tests/http_server_main.py [--api-key KEY] [--max-queued-requests N]
         [--step-delay-ms MS] [--model tiny-bpe|fixtures] [--chat-template FILE]
+        [--enable-rollout-endpoints]
         [engine overrides] [--model-dir DIR] [--lora-modules name=path ...] [--max-loras N]
         [--max-cpu-loras N]
         [security flags: --ssl-certfile FILE --ssl-keyfile FILE --ssl-ca-certs FILE ...]
@@ -148,6 +149,7 @@ def main() -> int:
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--seq-buckets", type=int, nargs="+", default=None)
     parser.add_argument("--model", choices=("tiny-bpe", "fixtures"), default="tiny-bpe")
+    parser.add_argument("--enable-rollout-endpoints", action="store_true")
     parser.add_argument("--chat-template", default=None, metavar="FILE",
                         help="a chat template file overriding the model's (as jaxserve serve)")
     parser.add_argument("--step-delay-ms", type=float, default=0.0,
@@ -181,7 +183,8 @@ def main() -> int:
     config = EngineConfig.from_kwargs(**{**SMALL_ENGINE, **overrides})
     template = Path(args.chat_template).read_text() if args.chat_template else None
     http = HttpSettings(port=0, served_model_name=args.served_model_name,
-                        max_body_bytes=args.max_body_bytes, chat_template=template)
+                        max_body_bytes=args.max_body_bytes, chat_template=template,
+                        enable_rollout_endpoints=args.enable_rollout_endpoints)
     return run_server(config, host="127.0.0.1", port=0, shutdown_timeout=args.shutdown_timeout,
                       loaded=loaded,
                       http=http, security=security_config_from_args(args))

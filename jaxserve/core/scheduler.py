@@ -154,6 +154,22 @@ class Scheduler(SchedulerResults):
         self.swap_space.release(request.request_id)
         self._dropped_swaps.append(request.request_id)
 
+    def release_all_kv(self) -> None:
+        """Every request gives its KV back (the rollout API's sleep frees the pool): running
+        ones are preempted to recompute, swapped-out ones drop their host copies and recompute
+        too. Call with no step in flight."""
+        mode, self.preemption_mode = self.preemption_mode, "recompute"
+        try:
+            for request in list(reversed(self.running)):
+                self._preempt(request, StepPlan())
+        finally:
+            self.preemption_mode = mode
+        for request in list(self.swapped):
+            self._leave_swapped(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            bisect.insort(self.waiting, request, key=Request.sort_key)
+
     def may_plan_ahead(self) -> bool:
         """Whether the next step can be planned before this one's tokens reach the host: no
         request needs its last token on the host to build its inputs, and no speculation or

@@ -1,7 +1,8 @@
 """AsyncEngine: runs Engine.step() on its own thread for asyncio callers (gRPC and HTTP servers).
 
 Threading: the engine thread is the only one that touches the Engine's scheduler and runner.
-Callers talk to it through an inbox (add, abort: a thread-safe queue) and get their outputs
+Callers talk to it through an inbox (add, abort, and control calls that run between two
+steps: a thread-safe queue) and get their outputs
 through one asyncio.Queue per request, filled with loop.call_soon_threadsafe. Validation runs on
 the caller's thread, so bad input fails fast without waiting for a step; a prompt is checked
 against PromptLimits before any tokenizer work, and a long one is tokenized on the TextPool,
@@ -179,13 +180,19 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
+    async def control(self, fn):
+        """Run fn() on the engine thread between two steps (the rollout verbs: pause, sleep,
+        weight updates; engine/rollout.py) and return its result. fn returns (result, outputs
+        it made): those go to their streams first."""
+        self._check_alive()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", (fn, future)))
+        return await asyncio.wrap_future(future)
+
     async def run_on_engine(self, fn):
         """fn(engine)'s result, run on the engine thread between steps (e.g. resetting the
         prefix cache); EngineDeadError if the engine stops first."""
-        self._check_alive()
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(("call", (fn, done)))
-        return await asyncio.wrap_future(done)
+        return await self.control(lambda: (fn(self.engine), ()))
 
     # ---- engine thread ----------------------------------------------------------------
     def _deliver(self, request_id: str, item) -> None:
@@ -224,20 +231,26 @@ class AsyncEngine:
             kind, payload = item
             if kind == "add":
                 self._add(*payload)
+            elif kind == "call":
+                self._call(*payload)
             elif kind == "abort":  # (its _queued_at entry goes once its status is gone)
                 out = self.engine.abort(payload)
                 if out is not None:
                     self._deliver(payload, out)
-            elif kind == "call":
-                fn, done = payload
-                try:
-                    done.set_result(fn(self.engine))
-                except Exception as exc:
-                    done.set_exception(exc)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _call(self, fn, future: concurrent.futures.Future) -> None:
+        try:
+            result, outputs = fn()
+        except Exception as exc:  # refused (a bad argument, requests running): the caller's
+            future.set_exception(exc)
+            return
+        for out in outputs:
+            self._deliver(out.request_id, out)
+        future.set_result(result)
 
     def _status(self, request_id: str) -> RequestStatus | None:
         request = self.engine.scheduler.requests.get(request_id)

@@ -35,6 +35,7 @@ from jaxserve.engine.info import engine_stats
 from jaxserve.engine.kv_events import make_publisher
 from jaxserve.engine.metrics import EngineMetrics
 from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.engine.rollout import Rollout
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.core.processor_slots import bad_words_ids
 from jaxserve.core.request import FinishReason, Request, SamplingParams, TokenEvent, sample_seed
@@ -113,6 +114,7 @@ class Engine:
         # manager logs them only when the config turns events on.
         self.kv_events = make_publisher(parse_kv_events_config(
             self.config.cache.kv_events_config))
+        self.rollout = Rollout(self)  # weight updates, sleep / wake_up, pause / resume
 
     def close(self) -> None:
         """Release the runner (multi-host: stop the followers). Idempotent."""
@@ -241,7 +243,30 @@ class Engine:
     def has_unfinished(self) -> bool:
         # A step in flight when no request is unfinished holds only finished ones' rows: the
         # next step reads and drops it.
-        return self.scheduler.has_unfinished() or bool(self._pending_events)
+        # Paused or asleep (engine/rollout.py): requests wait, only made events go out.
+        return ((self.scheduler.has_unfinished() and not self.rollout.holds_steps)
+                or bool(self._pending_events))
+
+    def unfinished_request_ids(self) -> list[str]:
+        """The caller's ids of every request not finished yet."""
+        return self._outputs.request_ids()
+
+    def settle(self) -> list[RequestOutput]:
+        """Read the step in flight (its outputs are returned) and wait for the device: until
+        the next step() nothing runs, so the rollout verbs may swap device arrays."""
+        events = []
+        if self._in_flight is not None:
+            events = self._update(*self._in_flight)
+            self._in_flight = None
+        outputs = self._process(events)
+        self._publish_stats()
+        self.metrics.observe_outputs(outputs)
+        self.runner.wait()
+        return outputs
+
+    def set_weight_version(self, version: int) -> None:
+        """Outputs from now on carry `version` (sampled by the weights just swapped in)."""
+        self._outputs.weight_version = version
 
     # ---- the loop -----------------------------------------------------------------------
     def _grammar_compiler(self):
@@ -276,6 +301,8 @@ class Engine:
         self._awaiting_grammar = waiting
 
     def step(self) -> list[RequestOutput]:
+        if self.rollout.holds_steps:  # paused or asleep: no step, made events still go out
+            return self._process([])
         start = time.perf_counter()
         if self._awaiting_grammar:
             self._attach_grammars()

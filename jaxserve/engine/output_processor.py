@@ -52,10 +52,15 @@ class OutputProcessor:
         self._finished: list[tuple[str, FinishReason]] = []  # ended here, for the scheduler
         self._samples: dict[str, _Sample] = {}
         self._groups: dict[str, _Group] = {}
+        self.weight_version = 0  # of the weights sampling now: each snapshot carries it
 
     def __contains__(self, request_id: str) -> bool:
         """Whether a caller's request (by the id its outputs carry) is still running."""
         return request_id in self._groups
+
+    def request_ids(self) -> list[str]:
+        """The caller's ids of every request still running."""
+        return list(self._groups)
 
     def take_finished(self) -> list[tuple[str, FinishReason]]:
         """(sample id, reason) of each sample that processing ended (a stop string, a
@@ -205,4 +210,4 @@ class OutputProcessor:
                              [outputs[0].hand_out()] if len(outputs) == 1
                              else [c.hand_out() for c in outputs], out.finished, out.error,
                              out.num_cached_tokens, out.time_to_first_token, out.latency,
-                             out.prompt_logprobs)
+                             out.prompt_logprobs, self.weight_version)

@@ -195,6 +195,9 @@ class RequestOutput:
     # sampling.prompt_logprobs = k: per prompt position None (the first), then {token id:
     # logprob} of the prompt token there and the k most likely; set with the first tokens
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # the weights that sampled this output's newest tokens (engine/rollout.py: 0 as loaded,
+    # one more per update_weights)
+    weight_version: int = 0
 
     # ---- the first sample's fields (the only sample, unless n > 1) ------------------------
     @property

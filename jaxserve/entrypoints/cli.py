@@ -134,7 +134,8 @@ def http_settings_from_args(args):
         with open(args.chat_template, encoding="utf-8") as f:
             template = f.read()
     return HttpSettings(port=args.http_port, served_model_name=args.served_model_name,
-                        chat_template=template, max_body_bytes=args.http_max_body_bytes)
+                        chat_template=template, max_body_bytes=args.http_max_body_bytes,
+                        enable_rollout_endpoints=args.enable_rollout_endpoints)
 
 
 def cmd_serve(args) -> int:
@@ -210,6 +211,10 @@ def _add_serve(sub) -> None:
     front.add_argument("--http-max-body-bytes", type=size_type("B"), default=16 << 20,
                        metavar="SIZE", help="HTTP: larger request bodies get 413; size: 16MiB, "
                                             "a plain number is in bytes; default: 16MiB")
+    front.add_argument("--enable-rollout-endpoints", action="store_true",
+                       help="HTTP: serve /sleep, /wake_up, /is_sleeping, /pause, /resume, "
+                            "/is_paused and /update_weights_from_disk (docs/rollouts.md); off: "
+                            "404 (vLLM: VLLM_SERVER_DEV_MODE=1, also read)")
     front.add_argument("--metrics-port", type=int, default=None,
                        help="also serve Prometheus metrics at http://HOST:PORT/metrics (plain "
                             "HTTP, no key: docs/security.md); default: off")

@@ -73,6 +73,10 @@ class LLM:
             loras = list(lora_request)
         else:
             loras = [lora_request] * len(prompts)
+        if self.engine.rollout.holds_steps:
+            raise RuntimeError("generation is paused or the engine is asleep: call "
+                               "resume_generation() / wake_up() (and, after sleep(level=2), "
+                               "update_weights) first")
         requests = [self.engine.make_request(p, final[id(sp)],
                                              priority=priorities[i] if priorities else 0,
                                              lora_request=loras[i])
@@ -93,3 +97,49 @@ class LLM:
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         return self.generate([ids], sampling_params, **kwargs)[0]
+
+    # ---- rollouts (engine/rollout.py; docs/rollouts.md) -----------------------------------
+    def update_weights(self, params) -> int:
+        """Swap in new weights: the engine's state pytree (get_weights()), a dict of our
+        parameter names, or a flat dict of Hugging Face names; host or device arrays. No
+        compilation; the prefix cache is flushed. Returns the new weight version."""
+        return self.engine.rollout.update_weights(params)
+
+    def update_weights_from_disk(self, path: str | None = None) -> int:
+        """update_weights from a safetensors directory, a jaxserve (Orbax) checkpoint or a GGUF
+        file (None: the model this LLM started from)."""
+        return self.engine.rollout.update_weights_from_disk(path)
+
+    def get_weights(self):
+        """A device copy of the weights in the engine's state pytree (what a trainer updates
+        and gives back to update_weights)."""
+        return self.engine.rollout.get_weights()
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.rollout.weight_version
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV pool and prefix cache; level 1 moves the weights to host memory, level 2
+        discards them. Refused while requests are unfinished and generation is not paused."""
+        self.engine.rollout.sleep(level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Restore what sleep freed ("weights", "kv_cache"; None: both)."""
+        self.engine.rollout.wake_up(tags)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.engine.rollout.is_sleeping
+
+    def pause_generation(self, mode: str = "abort") -> list[RequestOutput]:
+        """Stop scheduling: "abort" ends every request (their partial outputs are returned),
+        "wait" finishes them first, "keep" keeps them for resume_generation()."""
+        return self.engine.rollout.pause(mode)
+
+    def resume_generation(self) -> None:
+        self.engine.rollout.resume()
+
+    @property
+    def is_paused(self) -> bool:
+        return self.engine.rollout.paused

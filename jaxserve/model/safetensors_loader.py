@@ -130,17 +130,28 @@ def load_hf_directory(directory: str | Path, *, progress: bool = True) -> Loaded
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {directory}")
+    handles = [safe_open(str(f), framework="numpy") for f in files]
+    names = [(n, h.get_tensor) for h in handles for n in h.keys()]
+    params = params_from_hf(config, tqdm(names, desc=f"loading {directory.name}",
+                                         unit="tensor", disable=not progress))
+    return LoadedModel(config=config, params=params, tokenizer=tokenizer,
+                       source=str(directory))
+
+
+def params_from_hf(config: ModelConfig, tensors) -> dict[str, np.ndarray]:
+    """Hugging Face tensors -> our params (ModelConfig.param_shapes() layout, every shape
+    checked, every parameter present). tensors: (HF name, read(name) -> array) pairs, or a
+    {HF name: array} dict (a trainer's state dict: the rollout API's weight updates)."""
+    if isinstance(tensors, dict):
+        tensors = [(name, tensors.__getitem__) for name in tensors]
     builder = ParamBuilder(config)
     from_hf_layer = {hf: ours for ours, hf in hf_layer_names(config).items()}
     from_hf_expert = hf_expert_names(config)
-    handles = [safe_open(str(f), framework="numpy") for f in files]
-    names = [(h, n) for h in handles for n in h.keys()]
     packed = _PackedPairs()
-    for handle, hf_name in tqdm(names, desc=f"loading {directory.name}", unit="tensor",
-                                disable=not progress):
+    for hf_name, read in tensors:
         value = None
         if hf_name.endswith(_PACKED_SUFFIXES):
-            hf_name, value = packed.add(hf_name, handle.get_tensor(hf_name))
+            hf_name, value = packed.add(hf_name, np.asarray(read(hf_name)))
             if value is None:
                 continue  # its other half is still to come
         found = _our_names(hf_name, config, from_hf_layer, from_hf_expert)
@@ -149,11 +160,10 @@ def load_hf_directory(directory: str | Path, *, progress: bool = True) -> Loaded
         targets, layer, expert = found
         if targets[0][0] == "lm_head" and config.tie_word_embeddings:
             continue  # tied checkpoints sometimes save the shared matrix twice
-        _set(builder, hf_name, handle.get_tensor(hf_name) if value is None else value, targets,
+        _set(builder, hf_name, np.asarray(read(hf_name)) if value is None else value, targets,
              layer, expert)
     packed.check_done()
-    return LoadedModel(config=config, params=builder.finish(), tokenizer=tokenizer,
-                       source=str(directory))
+    return builder.finish()
 
 
 def save_hf_directory(directory: str | Path, config: ModelConfig, params: dict[str, np.ndarray],

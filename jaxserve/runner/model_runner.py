@@ -254,8 +254,10 @@ class ModelRunner:
 
     def wait(self) -> None:
         self._launcher.drain()  # every launched step has its arrays
-        jax.block_until_ready((self.state, self.kv, self.processors.arrays,
-                               self.input_batch.arrays))
+        arrays = jax.tree.leaves((self.state, self.kv, self.processors.arrays,
+                                  self.input_batch.arrays))
+        # (asleep, engine/rollout.py: the weights and KV pages are deleted buffers)
+        jax.block_until_ready([a for a in arrays if not a.is_deleted()])
 
     def close(self) -> None:
         self._launcher.shutdown()

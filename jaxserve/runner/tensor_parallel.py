@@ -16,6 +16,7 @@ arrays are built from each process's local shards). This module decides no shard
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import jax
 import jax.numpy as jnp
@@ -53,7 +54,7 @@ def load_model(spec: str, mesh: Mesh | None, *, progress: bool = True,
     return quantize(checkpoint.load_checkpoint(path, shardings=shardings), quantization)
 
 
-def _param_of(path, shapes) -> tuple[str | None, str | None, int | None]:
+def param_of(path, shapes) -> tuple[str | None, str | None, int | None]:
     """NNX state path -> (param name in param_shapes() layout, quantized part or None, layer
     index or None).
 
@@ -133,7 +134,7 @@ class Placement:
         replicated = sharding.replicated(self.mesh)
 
         def place(path, leaf):
-            name, part, layer = _param_of(path, shapes)
+            name, part, layer = param_of(path, shapes)
             if name not in shapes:  # not a weight: replicate the value the model computed
                 return _put(np.asarray(leaf), None, replicated, leaf.dtype)
             spec = stacked[name] if layer is None else per_layer[name]
@@ -152,7 +153,7 @@ class Placement:
             return init_kv_cache(self.config, num_pages, page_size, dtype)
         c = self.config
         shape = (c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim)
-        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.kv_sharding)
+        zeros = _zeros(shape, jnp.dtype(dtype), self.kv_sharding)
         return zeros(), zeros()
 
     def lora_shardings(self, targets, per_layer: bool) -> dict | None:
@@ -201,6 +202,13 @@ class Placement:
     @property
     def replicated(self) -> NamedSharding | None:
         return None if self.mesh is None else sharding.replicated(self.mesh)
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros(shape: tuple[int, ...], dtype, sharding: NamedSharding):
+    """One jitted maker of zeros per (shape, dtype, sharding): a KV pool made again (the
+    rollout API's wake_up) reuses the executable its first making compiled."""
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
 class _ShardedAttention:

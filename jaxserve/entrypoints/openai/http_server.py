@@ -3,7 +3,9 @@
 Routes: POST /v1/completions, /v1/chat/completions, /v1/responses (stateless, over the chat
 path: responses.py), GET /v1/models (LoRA adapters too), /health, /metrics,
 /version, POST /tokenize, /detokenize, /reset_prefix_cache, /v1/load_lora_adapter,
-/v1/unload_lora_adapter (lora_routes.py) (vLLM's shapes). Request bodies are pydantic models
+/v1/unload_lora_adapter (lora_routes.py), and behind --enable-rollout-endpoints /sleep,
+/wake_up, /pause, /resume, /update_weights_from_disk ... (rollout_routes.py) (vLLM's shapes).
+Request bodies are pydantic models
 (openai_protocol.py); the translation to engine calls is OpenAIServing's (openai_serving.py);
 this module only routes, gates, reports the request fields it ignored (one warning per request
 and the X-Jaxserve-Ignored-Fields header on its answer, stream and error included: ignored.py),
@@ -52,6 +54,7 @@ from jaxserve.entrypoints.openai import protocol as api
 from jaxserve.entrypoints.openai.http_gate import Gate, GateState
 from jaxserve.entrypoints.openai.errors import OpenAIError, bad_request
 from jaxserve.entrypoints.openai.lora_routes import adapter_cards, add_lora_routes
+from jaxserve.entrypoints.openai.rollout_routes import add_rollout_routes
 from jaxserve.entrypoints.openai.ignored import IGNORED_FIELDS_HEADER, describe, ignored_fields
 from jaxserve.entrypoints.openai.responses import create_response
 from jaxserve.entrypoints.openai.responses_protocol import ResponseObject, ResponsesRequest
@@ -71,6 +74,7 @@ class HttpSettings:
     max_body_bytes: int = 16 << 20
     tool_calls: ToolCallSettings = ToolCallSettings()  # tool_choice "auto": flags and parser
     reasoning_parser: str | None = None   # chat replies' reasoning apart (config/reasoning.py)
+    enable_rollout_endpoints: bool = False  # /sleep, /pause, ... (rollout_routes.py)
 
 
 class _EventStream(StreamingResponse):
@@ -210,6 +214,7 @@ def build_app(settings: HttpSettings, state: GateState,
             + adapter_cards(s, state.started))
 
     add_lora_routes(app, serving, _ERRORS)
+    add_rollout_routes(app, serving, _ERRORS, settings.enable_rollout_endpoints)
 
     @app.post("/tokenize", response_model=api.TokenizeResponse, responses=_ERRORS)
     async def tokenize(request: api.TokenizeCompletionRequest | api.TokenizeChatRequest,
