@@ -77,6 +77,10 @@ def _visible(c: KernelConfig, row, kv_pos, first, n):
     return mask
 
 
+def _is_fp8(dtype) -> bool:
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
 def _scores(c: KernelConfig, s):
     s = s * c.sm_scale
     return s if c.soft_cap is None else c.soft_cap * jnp.tanh(s / c.soft_cap)
@@ -133,7 +137,10 @@ def _tpu_kernel(layer_ref, pages_ref, meta_ref, q_ref, k_hbm, v_hbm, *refs, c: K
         alpha = jnp.exp(m - m_new)
         kv_row = t * c.tile + lax.broadcasted_iota(jnp.int32, (c.tile, 1), 0)
         fetched = (kv_row >= lo_page * c.page_size) & (kv_row < (hi_page + 1) * c.page_size)
-        v = jnp.where(fetched, v_buf[slot], 0).astype(v_buf.dtype)   # [tile, D]
+        v = v_buf[slot]                                              # [tile, D]
+        if _is_fp8(v.dtype):  # fp8 pages: P·V in the query's dtype, never P in fp8
+            v = v.astype(q.dtype)
+        v = jnp.where(fetched, v, 0).astype(v.dtype)
         pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                              precision=precision, preferred_element_type=jnp.float32)
         return m_new, alpha * l + p.sum(axis=1, keepdims=True), alpha * acc + pv

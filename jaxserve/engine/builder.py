@@ -163,7 +163,9 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
     mc.check_runnable(max_model_len)  # a longer max_model_len than that is refused
     dtype = resolve_dtype(model.dtype, jax.default_backend())
     speculation = Speculation.build(config, loaded, progress=progress)
-    itemsize = jax.numpy.dtype(dtype).itemsize
+    from jaxserve.model import kv_quant
+    kv_dtype = kv_quant.resolve(cache.kv_cache_dtype, dtype)  # the pool counts its bytes
+    itemsize = jax.numpy.dtype(kv_dtype).itemsize
     kv_per_token = mc.kv_bytes_per_token(itemsize) + speculation.draft_kv_bytes_per_token(itemsize)
     device_budget = None
     if cache.gpu_memory_utilization is not None:
@@ -174,9 +176,10 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
                         "memory figures): set kv_cache_memory for the KV pool's size",
                         cache.gpu_memory_utilization, jax.default_backend())
     num_pages = size_page_pool(config, kv_per_token, max_model_len, device_budget)
-    log.info("KV cache: %d pages x %d tokens = %d tokens, %.1f MiB", num_pages - 1,
+    log.info("KV cache: %d pages x %d tokens = %d tokens, %.1f MiB of %s", num_pages - 1,
              cache.page_size, (num_pages - 1) * cache.page_size,
-             num_pages * cache.page_size * kv_per_token / 2**20)
+             num_pages * cache.page_size * kv_per_token / 2**20, kv_quant.describe(
+                 kv_dtype, getattr(loaded, "kv_scales", None)))
     lora_registry = lora_adapters(config, mc, jax.process_count())
     tier = host_prefix_tier(cache, cache.page_size * kv_per_token, jax.process_count())
     pages = PageManager(num_pages, cache.page_size, cache.enable_prefix_caching,
@@ -212,7 +215,8 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
             compile_cache_dir=run.compile_cache_dir, mesh=mesh,
             host_prefix_slots=0 if tier is None else tier.num_slots,
             max_loras=scheduler.lora_slots.max_loras, max_lora_rank=config.lora.max_lora_rank,
-            lora_registry=lora_registry))
+            lora_registry=lora_registry, kv_cache_dtype=cache.kv_cache_dtype,
+            kv_scales=getattr(loaded, "kv_scales", None)))
         with phase(log, "warm-up: trace, compile (or read the compile cache) and run every "
                         "step bucket"):
             runner.warmup(progress=progress)
