@@ -222,3 +222,55 @@ def test_fp8_prefix_cache_hit_gives_the_tokens_of_a_fresh_prefill(fp8_llms):
     assert fresh.engine.runner.kv[0].dtype == E4M3
     again = [o.token_ids for o in fresh.generate(prompts, greedy, use_tqdm=False)]
     assert cached == again
+
+
+@pytest.mark.parametrize("platform,backend", [("tpu", "tpu"), ("cuda", "gpu")])
+def test_compiled_kernels_on_fp8_pages_lower_for_device(platform, backend, monkeypatch):
+    """The ragged and decode kernels on fp8 pages go through Mosaic's lowering for each
+    device (the GPU kernel widens each fp8 tile to bfloat16 in shared memory for WGMMA)."""
+    import jax
+
+    from pallas_kernels import tuning
+    from pallas_kernels.paged_attention import paged_attention
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+    from test_kernels import realistic_specs
+
+    monkeypatch.setattr(tuning, "backend", lambda: backend)
+    sds = jax.ShapeDtypeStruct
+    for dtype in (E4M3, E5M2):
+        def fp8(specs):
+            return [sds(s.shape, dtype) if i in (1, 2) else s for i, s in enumerate(specs)]
+        ragged = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=0.1, soft_cap=30.0))
+        decode = jax.jit(lambda *a: paged_attention(*a, sm_scale=0.1, num_kv_splits=4))
+        ragged_args = fp8(realistic_specs(16, 256)) + [sds((17,), jnp.int32),
+                                                      sds((), jnp.int32)]
+        for name, fn, args in (("ragged", ragged, ragged_args),
+                               ("decode", decode, fp8(realistic_specs(16, 16)))):
+            text = fn.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+            call = "tpu_custom_call" if platform == "tpu" else "mosaic_gpu"
+            assert f"custom_call @{call}" in text, f"{name} on {dtype.name}: no {call} kernel"
+
+
+def test_gpu_kernel_reads_fp8_pages_in_the_gpu_simulator():
+    from pallas_kernels import reference
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+    from test_kernels import (NUM_TOKENS, gpu_interpret_params, make_inputs, ragged_batch,
+                              run_or_skip_on_jax_limitation)
+
+    params = gpu_interpret_params()
+    rng = np.random.default_rng(3)
+    q_lens, kv_lens, cu_q_lens, num_seqs = ragged_batch(rng, 16)
+    q, k, v, layer, kv, table = make_inputs(rng, q_lens, kv_lens, 4, 16, 128, jnp.bfloat16,
+                                            NUM_TOKENS)
+    args = (jnp.nan_to_num(q), k.astype(E4M3), v.astype(E4M3), layer, kv, table, cu_q_lens,
+            num_seqs)
+
+    def check():
+        out = ragged_paged_attention(*args, sm_scale=128 ** -0.5, interpret=params)
+        ref = reference.ragged_paged_attention(*args, sm_scale=128 ** -0.5)
+        live = np.arange(NUM_TOKENS) < sum(q_lens)
+        out, ref = (np.asarray(x, np.float32)[live] for x in (out, ref))
+        err = np.abs(out - ref).max() / np.abs(ref).max()
+        assert err < 2e-2, f"GPU kernel on fp8 pages: relative error {err:.2e} (bf16 WGMMA)"
+
+    run_or_skip_on_jax_limitation(check)
