@@ -27,6 +27,7 @@ CLI_VALUES = {
     "swap_space": (["--swap-space", "1"], 1 << 30),
     "host_prefix_cache_size": (["--host-prefix-cache-size", "1MiB"], 1 << 20),
     "enable_prefix_caching": (["--no-enable-prefix-caching"], False),
+    "kv_cache_dtype": (["--kv-cache-dtype", "fp8"], "fp8"),
     "max_num_seqs": (["--max-num-seqs", "8"], 8),
     "max_num_batched_tokens": (["--max-num-batched-tokens", "512"], 512),
     "preemption_mode": (["--preemption-mode", "swap"], "swap"),
