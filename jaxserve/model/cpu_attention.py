@@ -35,7 +35,8 @@ def available() -> bool:
     return cpu_ffi.ready(NAME, {TARGET: "JaxserveDecodeAttention"}, "paged decode attention")
 
 
-PAGE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+PAGE_DTYPES = tuple(jnp.dtype(d)
+                    for d in (jnp.float32, jnp.float8_e4m3fn, jnp.float8_e5m2))
 
 
 def usable(k_pages) -> bool:

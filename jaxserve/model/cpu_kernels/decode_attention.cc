@@ -3,7 +3,8 @@
 //
 // q [S, Hq, D], k/v pages [L, N, page_size, Hkv, D] (float32, or fp8 e4m3fn / e5m2: each
 // byte read through a 256-entry table of its float value, the caller applying the layer's
-// scales outside: jaxserve/model/kv_quant.py), layer [] i32, page_table [S, P] i32, kv_lens [S] i32, num_decode [] i32 -> out [S, Hq, D]. Request s < num_decode
+// scales outside: jaxserve/model/kv_quant.py), layer [] i32, page_table [S, P] i32,
+// kv_lens [S] i32, num_decode [] i32 -> out [S, Hq, D]. Request s < num_decode
 // attends to positions [lo, kv_lens[s]) (lo = kv_lens - window with a sliding window, else
 // 0); other requests' rows are zero. Scores are q . k * sm_scale, then soft_cap * tanh(s /
 // soft_cap) where soft_cap > 0; softmax in float32, online over blocks of positions. Work is
