@@ -22,6 +22,8 @@ page copies, causal and sliding-window masks from positions, soft cap):
   page_size a multiple of 8. A tile always copies all its pages (clamped to the page table), so
   K/V must be finite in every page the table names (true for a pool that starts zeroed and only
   ever stores real K/V). The deprecated Pallas Triton backend is not used.
+fp8 pages (kv_cache_dtype fp8) are widened in the kernel: on TPU each tile to the query's dtype
+in VMEM (P never rounds to fp8), on GPU from 8-bit shared memory into the tile WGMMA reads.
 Interpret mode: `interpret=True` runs the TPU formulation in Pallas' generic interpreter (any
 host); `pltpu.InterpretParams()` runs it in the TPU simulator; a Mosaic GPU `InterpretGPUParams`
 runs the GPU formulation in the GPU simulator, where Q·Kᵀ is a plain dot because that simulator
@@ -75,6 +77,14 @@ def _visible(c: KernelConfig, row, kv_pos, first, n):
     if c.sliding_window is not None:
         mask &= kv_pos > pos - c.sliding_window
     return mask
+
+
+def _is_fp8(dtype) -> bool:
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+def _widen(x, dtype):  # through float32: Hopper converts fp8 straight to f16 only
+    return x.astype(jnp.float32).astype(dtype)
 
 
 def _scores(c: KernelConfig, s):
@@ -133,7 +143,10 @@ def _tpu_kernel(layer_ref, pages_ref, meta_ref, q_ref, k_hbm, v_hbm, *refs, c: K
         alpha = jnp.exp(m - m_new)
         kv_row = t * c.tile + lax.broadcasted_iota(jnp.int32, (c.tile, 1), 0)
         fetched = (kv_row >= lo_page * c.page_size) & (kv_row < (hi_page + 1) * c.page_size)
-        v = jnp.where(fetched, v_buf[slot], 0).astype(v_buf.dtype)   # [tile, D]
+        v = v_buf[slot]                                              # [tile, D]
+        if _is_fp8(v.dtype):  # fp8 pages: P·V in the query's dtype, never P in fp8
+            v = v.astype(q.dtype)
+        v = jnp.where(fetched, v, 0).astype(v.dtype)
         pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                              precision=precision, preferred_element_type=jnp.float32)
         return m_new, alpha * l + p.sum(axis=1, keepdims=True), alpha * acc + pv
@@ -173,8 +186,10 @@ def _gpu_call(c, layer, page_table, meta, q_blocks, k_pages, v_pages, out_dtype,
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     num_kv_heads, num_blocks, rows, head_dim = q_blocks.shape
-    dtype, tile = k_pages.dtype, c.tile
-    q_blocks = q_blocks.astype(dtype)  # WGMMA operands share one dtype
+    fp8, tile = _is_fp8(k_pages.dtype), c.tile
+    # WGMMA operands share one dtype; fp8 pages are widened to the query's in shared memory
+    dtype = q_blocks.dtype if fp8 else k_pages.dtype
+    q_blocks = q_blocks.astype(dtype)
     simulated = interpret is not None
     if not simulated and jnp.dtype(dtype).itemsize != 2:
         # tf32 WGMMA cannot take the transposed K operand that Q·Kᵀ needs.
@@ -192,9 +207,19 @@ def _gpu_call(c, layer, page_table, meta, q_blocks, k_pages, v_pages, out_dtype,
         return plgpu.SMEM(shape, dt, transforms=(plgpu.TilingTransform((8, 128 // itemsize)),
                                                  plgpu.SwizzleTransform(128)))
 
+    def widen(raw):
+        """An fp8 tile [tile, D] in shared memory -> the operands' dtype, WGMMA-laid-out."""
+        if simulated:
+            return _widen(raw[...], dtype)
+        return layout(_widen(plgpu.load(raw, (), layout=plgpu.Layout.WGMMA_UPCAST_2X), dtype),
+                      wgmma_rows)
+
     def kernel(layer_ref, pages_ref, meta_ref, q_ref, k_ref, v_ref, *refs):
         o_ref, lse_ref = (refs[0], refs[1]) if c.with_stats else (refs[0], None)
+        if fp8:  # pages land in k_raw / v_raw and are widened into k_smem / v_smem
+            *refs, k_raw, v_raw = refs
         q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem, q_bar, k_bar, v_bar = refs[-9:]
+        k_dst, v_dst = (k_raw, v_raw) if fp8 else (k_smem, v_smem)
         h, b = lax.axis_index("kv_head"), lax.axis_index("block")
         seq, first, n, t_lo, t_hi = (meta_ref[b, i] for i in range(META_FIELDS))
         layer = layer_ref[0]
@@ -204,9 +229,9 @@ def _gpu_call(c, layer, page_table, meta, q_blocks, k_pages, v_pages, out_dtype,
             for j in range(c.tile_pages):
                 page = pages_ref[seq, jnp.minimum(t * c.tile_pages + j, c.pages_per_seq - 1)]
                 dst = pl.ds(j * c.page_size, c.page_size)
-                plgpu.copy_gmem_to_smem(k_ref.at[layer, page, :, h, :], k_smem.at[slot, dst],
+                plgpu.copy_gmem_to_smem(k_ref.at[layer, page, :, h, :], k_dst.at[slot, dst],
                                         k_bar.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[layer, page, :, h, :], v_smem.at[slot, dst],
+                plgpu.copy_gmem_to_smem(v_ref.at[layer, page, :, h, :], v_dst.at[slot, dst],
                                         v_bar.at[slot])
 
         for i in range(2):
@@ -219,6 +244,9 @@ def _gpu_call(c, layer, page_table, meta, q_blocks, k_pages, v_pages, out_dtype,
             acc, m, l = carry
             slot = lax.rem(t - t_lo, 2)
             plgpu.barrier_wait(k_bar.at[slot])
+            if fp8:
+                k_smem[slot] = widen(k_raw.at[slot])
+                plgpu.commit_smem()
             if simulated:
                 s = lax.dot_general(q_smem[...], k_smem[slot], (((1,), (1,)), ((), ())),
                                     preferred_element_type=jnp.float32)
@@ -235,6 +263,9 @@ def _gpu_call(c, layer, page_table, meta, q_blocks, k_pages, v_pages, out_dtype,
             p_smem[...] = p.astype(dtype)
             plgpu.commit_smem()
             plgpu.barrier_wait(v_bar.at[slot])
+            if fp8:
+                v_smem[slot] = widen(v_raw.at[slot])
+                plgpu.commit_smem()
 
             def pv(acc_ref):
                 plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
@@ -266,6 +297,8 @@ def _gpu_call(c, layer, page_table, meta, q_blocks, k_pages, v_pages, out_dtype,
                smem((rows, head_dim), out_dtype), plgpu.SMEM((rows,), jnp.float32),
                plgpu.Barrier(), plgpu.Barrier(num_arrivals=c.tile_pages, num_barriers=2),
                plgpu.Barrier(num_arrivals=c.tile_pages, num_barriers=2)]
+    if fp8:
+        scratch += [smem((2, tile, head_dim), k_pages.dtype) for _ in range(2)]
     outs = plgpu.kernel(
         kernel, out_type=out_type, scratch_types=scratch, grid=(num_kv_heads, num_blocks),
         grid_names=("kv_head", "block"), **({"interpret": interpret} if simulated else {}),

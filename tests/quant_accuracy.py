@@ -58,15 +58,17 @@ def kl_text(tokenizer, num_tokens: int = 1000) -> list[int]:
 class Forward:
     """A model (float or quantized params) stepped over its own paged KV cache."""
 
-    def __init__(self, config, params):
-        graphdef, self.state = nnx.split(Llama(config, params, jnp.float32, "scan"))
+    def __init__(self, config, params, kv_dtype=jnp.float32, kv_scales=None):
+        """kv_dtype: the KV pages' dtype (fp8: quantized with kv_scales, [2, L] or None)."""
+        graphdef, self.state = nnx.split(Llama(config, params, jnp.float32, "scan",
+                                               kv_scales=kv_scales))
         attention = ReferenceAttention()
 
         def run(state, kv, inputs, metadata):
             return nnx.merge(graphdef, state)(inputs, metadata, kv, attention)
 
         self.run = jax.jit(run, donate_argnums=1)
-        self.kv = init_kv_cache(config, NUM_PAGES, PAGE_SIZE)
+        self.kv = init_kv_cache(config, NUM_PAGES, PAGE_SIZE, kv_dtype)
 
     def step(self, seqs: list[tuple[list[int], int]], bucket: int, num_logits: int,
              logit_rows=None) -> np.ndarray:

@@ -3,7 +3,8 @@ list, model/decode_attention.py; other rows through the reference) against the r
 (pallas_kernels/reference.py) on mixed batches: decode rows of different lengths, prefill
 chunks, padding rows, sliding windows, soft caps, steps with fewer rows than requests, and a
 model with more KV heads than the work list takes; with the decode rows through XLA's ops and
-through jaxserve's CPU kernel (model/cpu_attention.py)."""
+through jaxserve's CPU kernel (model/cpu_attention.py); and on fp8 pages (kv_cache_dtype fp8:
+the kernel reads their bytes through a table), against the reference on the same pages."""
 
 import os
 
@@ -89,3 +90,31 @@ def test_backend_without_a_shape_makes_its_work_list_in_the_layer():
     q, k, v, md = batch(rng, [1, 1, 3], [5, 21, 9], 2, 8)
     out, ref = run_both(q, k, v, md, None, sm_scale=0.3)
     assert np.abs(out - ref).max() < 1e-5
+
+
+@KERNEL
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+@pytest.mark.parametrize("window", [None, 7])
+def test_fp8_pages_match_the_reference_on_the_same_pages(dtype, window, kernel):
+    """Every fp8 byte value appears in the pages (NaN codes aside), so the kernel's 256-entry
+    table is checked against XLA's conversion for each."""
+    from jaxserve.model import cpu_attention
+
+    if kernel and not cpu_attention.available():
+        pytest.skip(f"the CPU kernel can't run here: "
+                    f"{cpu_attention.cpu_ffi.reason(cpu_attention.NAME)}")
+    q_lens, kv_lens, num_tokens = CASES["decode then prefill chunks and padding"]
+    rng = np.random.default_rng(9)
+    q, k, v, md = batch(rng, q_lens, kv_lens, 2, num_tokens)
+    codes = np.arange(k.size, dtype=np.int64) % 256
+    k = jnp.asarray(codes.astype(np.uint8).reshape(k.shape)).view(dtype)
+    v = jnp.asarray(rng.permutation(codes).astype(np.uint8).reshape(v.shape)).view(dtype)
+    finite = lambda x: jnp.where(jnp.isfinite(x.astype(jnp.float32)), x, jnp.zeros((), dtype))
+    k, v = finite(k), finite(v)
+    shape = AttentionShape(2, 2, PAGE_SIZE, (None, window))
+    out, ref = run_both(q * 0.01, k, v, md, shape, kernel, sm_scale=HEAD_DIM ** -0.5,
+                        sliding_window=window)
+    live = np.arange(q.shape[0]) < sum(q_lens)
+    assert not out[~live].any(), "padding rows are not zero"
+    err = np.abs(out - ref).max() / np.abs(ref).max()
+    assert err < 1e-5, f"{jnp.dtype(dtype).name} pages (window {window}): rel error {err:.2e}"

@@ -2,7 +2,8 @@
 every conversation's prefix, conversations that come back.
 
 * Greedy tokens are identical with the tier on and off, with preemption forced in both modes,
-  and the tier really served the returning turns (host hit tokens > 0).
+  and the tier really served the returning turns (host hit tokens > 0); also with fp8 pages
+  (kv_cache_dtype fp8: the tier and swap space hold fp8 pages).
 * A host hit's KV, copied back into fresh device pages, equals the KV the first computation
   wrote (bit for bit) and the KV a recompute in another engine writes (on the arrays).
 * Nothing leaks: every device page free or cached at the end, zero compilations after warm-up.
@@ -43,11 +44,17 @@ def multi_turn(llm, turns: int = 3) -> list[list[int]]:
     return outs
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_greedy_tokens_identical_with_the_tier_on_and_off(mode):
+@pytest.mark.parametrize("mode,kv_cache_dtype", [("recompute", "auto"), ("swap", "auto"),
+                                                 ("swap", "fp8")])
+def test_greedy_tokens_identical_with_the_tier_on_and_off(mode, kv_cache_dtype):
     runs = {}
     for size in (TIER, 0):
-        llm = make_llm(preemption_mode=mode, host_prefix_cache_size=size, num_pages=20)
+        llm = make_llm(preemption_mode=mode, host_prefix_cache_size=size, num_pages=20,
+                       kv_cache_dtype=kv_cache_dtype)
+        if kv_cache_dtype == "fp8":  # the tier's host copies keep the pool's dtype
+            runner = llm.engine.runner
+            assert str(runner.kv[0].dtype) == "float8_e4m3fn", runner.kv[0].dtype
+            assert size == 0 or runner.cache.prefix_pool.k.dtype == runner.kv[0].dtype
         runs[size] = multi_turn(llm)
         stats = llm.engine.pages.stats()
         if size:

@@ -20,6 +20,8 @@ from model_chunks import run_in_chunks
 from model_fixtures import random_model, write_gguf
 from tiny_models import tiny_model
 
+NOT_WEIGHTS = ("inv_freq", "kv_scales")  # the model's other variables (RoPE, fp8 KV scales)
+
 def _dequantized(params: dict) -> dict:
     return {k: v.dequantize() if isinstance(v, quant.QuantizedTensor) else v
             for k, v in params.items()}
@@ -113,7 +115,7 @@ def test_device_bytes_are_those_of_the_arrays_on_device(mode):
     quantized = quant.quantize_params(params, mode)
     _, state = Placement(None, config).model(quantized, np.float32, "unroll")
     on_device = sum(leaf.nbytes for path, leaf in jax.tree_util.tree_leaves_with_path(state)
-                    if "inv_freq" not in jax.tree_util.keystr(path))
+                    if not any(v in jax.tree_util.keystr(path) for v in NOT_WEIGHTS))
     assert on_device == quant.device_bytes(quantized, 4)
     kinds = {str(leaf.dtype) for leaf in jax.tree_util.tree_leaves(state)}
     assert ("int8" if mode == "int8" else "uint8") in kinds, kinds

@@ -18,12 +18,14 @@ from jaxserve.runner.tensor_parallel import Placement
 from model_fixtures import real_default_model
 from quant_accuracy import measure
 
+NOT_WEIGHTS = ("inv_freq", "kv_scales")  # the model's other variables (RoPE, fp8 KV scales)
+
 
 def bytes_on_device(loaded, params) -> int:
     """The weights' bytes, summed over the arrays Placement puts on the device."""
     _, state = Placement(None, loaded.config).model(params, np.float32, "scan")
     return sum(leaf.nbytes for path, leaf in jax.tree_util.tree_leaves_with_path(state)
-               if "inv_freq" not in jax.tree_util.keystr(path))
+               if not any(v in jax.tree_util.keystr(path) for v in NOT_WEIGHTS))
 
 
 @pytest.mark.parametrize("mode,limit", [("int8", 0.30), ("int4", 0.17)])

@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jaxserve.config.kv_events import parse_kv_events_config
-from jaxserve.config.settings import (BATCHING_MODES, CPU_KERNEL_MODES, DTYPES, LAYER_LOOPS,
-                                      PREEMPTION_MODES, QUANTIZATIONS, SPECULATIVE_METHODS, need,
-                                      setting)
+from jaxserve.config.settings import (BATCHING_MODES, CPU_KERNEL_MODES, DTYPES,
+                                      KV_CACHE_DTYPES, LAYER_LOOPS, PREEMPTION_MODES,
+                                      QUANTIZATIONS, SPECULATIVE_METHODS, need, setting)
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,11 @@ class CacheConfig:
         "with vLLM's keys (enable_kv_cache_events, publisher zmq or null, endpoint, "
         "replay_endpoint, buffer_steps, hwm, max_queue_size, topic; docs/kv_events.md); unset: "
         "off", unit="JSON", vllm="=")
+    kv_cache_dtype: str = setting(
+        "auto", "float type of the KV pages; auto: the activation dtype. fp8 (= fp8_e4m3) and "
+        "fp8_e5m2 store one byte an element (twice the pages of bfloat16 for the same bytes) "
+        "with per-layer scales from the checkpoint, else 1.0 (docs/quantization.md)",
+        choices=KV_CACHE_DTYPES, vllm="=")
 
     def validate(self) -> None:
         need(self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0, "page_size",
@@ -99,6 +104,8 @@ class CacheConfig:
                                                      and self.kv_cache_memory is None),
              "gpu_memory_utilization", self.gpu_memory_utilization,
              "unset when num_pages or kv_cache_memory is given")
+        need(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype,
+             f"one of {KV_CACHE_DTYPES}")
         need(self.swap_space >= 0, "swap_space", self.swap_space, ">= 0 bytes")
         need(self.host_prefix_cache_size >= 0, "host_prefix_cache_size",
              self.host_prefix_cache_size, ">= 0 bytes")

@@ -12,6 +12,8 @@ import dataclasses
 PREEMPTION_MODES = ("recompute", "swap")
 BATCHING_MODES = ("continuous", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# vLLM's names; fp8 is fp8_e4m3; auto: the activation dtype (jaxserve/model/kv_quant.py)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
 QUANTIZATIONS = ("none", "int8", "int4")  # jaxserve/model/quant.py
 LAYER_LOOPS = ("auto", "scan", "unroll")
 SPECULATIVE_METHODS = ("ngram", "draft")

@@ -181,7 +181,9 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
     mc.check_runnable(max_model_len)  # a longer max_model_len than that is refused
     dtype = resolve_dtype(model.dtype, jax.default_backend())
     speculation = Speculation.build(config, loaded, progress=progress)
-    itemsize = jax.numpy.dtype(dtype).itemsize
+    from jaxserve.model import kv_quant
+    kv_dtype = kv_quant.resolve(cache.kv_cache_dtype, dtype)  # the pool counts its bytes
+    itemsize = jax.numpy.dtype(kv_dtype).itemsize
     kv_per_token = mc.kv_bytes_per_token(itemsize) + speculation.draft_kv_bytes_per_token(itemsize)
     devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
     profile = (cache.gpu_memory_utilization is not None
@@ -211,7 +213,8 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
             compile_cache_dir=run.compile_cache_dir, mesh=mesh,
             host_prefix_slots=0 if tier is None else tier.num_slots,
             max_loras=config.lora.max_loras if lora_registry is not None else 0,
-            max_lora_rank=config.lora.max_lora_rank, lora_registry=lora_registry)
+            max_lora_rank=config.lora.max_lora_rank, lora_registry=lora_registry,
+            kv_cache_dtype=cache.kv_cache_dtype, kv_scales=getattr(loaded, "kv_scales", None))
         if profile:
             with phase(log, "memory profile: compile the largest bucket, size the KV pool"):
                 plan = memory_profile.plan_pool(
@@ -220,9 +223,10 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
             num_pages = memory_profile.agree_across_processes(plan.num_pages)
             log.info("%s", plan.describe())
             base.resize_kv_pool(num_pages)
-        log.info("KV cache: %d pages x %d tokens = %d tokens, %.1f MiB", num_pages - 1,
+        log.info("KV cache: %d pages x %d tokens = %d tokens, %.1f MiB of %s", num_pages - 1,
                  cache.page_size, (num_pages - 1) * cache.page_size,
-                 num_pages * cache.page_size * kv_per_token / 2**20)
+                 num_pages * cache.page_size * kv_per_token / 2**20, kv_quant.describe(
+                     kv_dtype, getattr(loaded, "kv_scales", None)))
         pages = PageManager(num_pages, cache.page_size, cache.enable_prefix_caching,
                             host_tier=tier, events=events)
         swap = HostSwapSpace(cache.swap_space, cache.page_size * kv_per_token,

@@ -5,7 +5,8 @@ host by default, or straight into given shardings (each device reads only its sh
 matrices (model/quant.py) are saved as their q / scale / zero arrays, so they are restored in
 their small form, already in the device (and tensor-parallel) layout. The marker file
 `jaxserve_checkpoint.json` tells the loader what the directory is and how each quantized
-matrix is stored. This module must not
+matrix is stored, and holds the fp8 KV pages' per-layer scales when the source had them
+(LoadedModel.kv_scales). This module must not
 decide shardings itself or touch any other weight format.
 """
 
@@ -112,6 +113,8 @@ def save_checkpoint(directory: str | Path, model: LoadedModel) -> None:
     marker = {"format_version": FORMAT_VERSION, "name": model.config.name, "source": model.source,
               "dtypes": {k: str(v.dtype) for k, v in _parts(model.params).items()},
               "quantized": _quant_layout(model.params)}
+    if getattr(model, "kv_scales", None) is not None:  # fp8 KV pages' per-layer scales
+        marker["kv_scales"] = np.asarray(model.kv_scales, np.float32).tolist()
     # written last: a directory with the marker is a complete checkpoint
     (directory / MARKER).write_text(json.dumps(marker, indent=2))
 
@@ -140,8 +143,10 @@ def load_checkpoint(directory: str | Path, *, shardings: dict | None = None) -> 
         flat = {k: np.asarray(v) for k, v in flat.items()}
     params = _join_parts(flat, marker.get("quantized", {}))
     validate_params(config, params)
+    kv_scales = marker.get("kv_scales")
     return LoadedModel(config=config, params=params, tokenizer=Tokenizer.load(directory),
-                       source=str(directory))
+                       source=str(directory), kv_scales=None if kv_scales is None
+                       else np.asarray(kv_scales, np.float32))
 
 
 def _abstract_tree(config: ModelConfig, marker: dict, shardings: dict) -> dict:

@@ -11,8 +11,12 @@ docs/host_loop.md: the measured figures). It computes the same attention (float3
 over blocks of 128 positions) in another order, so it agrees with the XLA path to float32
 rounding, not bit for bit; a request's result never depends on the others in the batch.
 
+fp8 pages (float8_e4m3fn, float8_e5m2: kv_cache_dtype fp8) are read as bytes, each turned into
+its float through a 256-entry table as its block of positions is fetched; the layer's k_scale
+and v_scale are applied by the caller, outside (model/kv_quant.py).
+
 `decode(...)` is the kernel's call; `usable(k_pages)` says whether it can take a cache (float32
-pages, a CPU process with one device, the kernel built). No requests, no scheduling here.
+or fp8 pages, a CPU process with one device, the kernel built). No requests, no scheduling here.
 """
 
 from __future__ import annotations
@@ -31,14 +35,18 @@ def available() -> bool:
     return cpu_ffi.ready(NAME, {TARGET: "JaxserveDecodeAttention"}, "paged decode attention")
 
 
+PAGE_DTYPES = tuple(jnp.dtype(d)
+                    for d in (jnp.float32, jnp.float8_e4m3fn, jnp.float8_e5m2))
+
+
 def usable(k_pages) -> bool:
-    return k_pages.dtype == jnp.float32 and available()
+    return jnp.dtype(k_pages.dtype) in PAGE_DTYPES and available()
 
 
 def decode(q, k_pages, v_pages, layer, page_table, kv_lens, num_decode, *, sm_scale: float,
            soft_cap: float | None = None, sliding_window: int | None = None) -> jax.Array:
     """q [S, Hq, D] (row s the query of request s, at position kv_lens[s] - 1); k_pages,
-    v_pages [L, N, page_size, Hkv, D] float32; page_table [S, P]; requests num_decode.. and
+    v_pages [L, N, page_size, Hkv, D] float32 or fp8 (PAGE_DTYPES, unscaled); page_table [S, P]; requests num_decode.. and
     those with kv_lens 0 come back zero. Returns [S, Hq, D] in q's dtype."""
     if not available():
         raise RuntimeError(f"the CPU decode attention kernel can't run here: "

@@ -11,7 +11,7 @@ no padding row costs anything), and a layer costs a few dozen XLA ops per chunk 
 number of requests: the reference path (pallas_kernels/reference.py, this module's oracle)
 runs one small loop per 4 rows, ~700 ops a layer at 64 decode rows, which on the CPU cost
 more than the arithmetic (measured: docs/host_loop.md). Where jaxserve's CPU kernel can
-run (model/cpu_attention.py: a one-device CPU process, float32 pages) attention.py sends
+run (model/cpu_attention.py: a one-device CPU process, float32 or fp8 pages) attention.py sends
 decode rows there instead. Pure jnp; no requests, no scheduling.
 """
 

@@ -14,7 +14,10 @@ sliding window or RoPE (Gemma 3's local/global alternation, Qwen's max_window_la
 is unrolled whatever layer_loop says. With "unroll" each layer gets its own arrays: on the CPU,
 slicing a layer out of a stacked array copies it every step, which measured 2.5-5x slower than
 separate per-layer arrays (measured on the 2-core CPU), so the unrolled loop never slices.
-This module knows nothing of requests or scheduling, and never runs the sampler.
+KV pages of an fp8 dtype are written quantized with the layer's k_scale / v_scale (a [2, L]
+variable, 1.0 unless the checkpoint gives them) and read through model/kv_quant.py's scaled
+query and output; float pages trace none of it. This module knows nothing of requests or
+scheduling, and never runs the sampler.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.model import layers, moe, rope
+from jaxserve.model import kv_quant, layers, moe, rope
 from jaxserve.model import lora as lora_ops
 from jaxserve.model.qlinear import QuantizedWeight, head, linear, lookup
 from jaxserve.model.quant import QuantizedTensor
@@ -85,9 +88,10 @@ def _layer(value, index: int):
 
 class Llama(nnx.Module):
     def __init__(self, config: ModelConfig, params: dict[str, np.ndarray], dtype=jnp.float32,
-                 layer_loop: str = "scan", experts=None):
+                 layer_loop: str = "scan", experts=None, kv_scales=None):
         """experts: how a MoE layer computes its routed pairs (moe.moe_mlp's experts_fn; None:
-        all experts here, unsharded); kept static in the graph definition."""
+        all experts here, unsharded); kept static in the graph definition. kv_scales: [2, L]
+        k_scale and v_scale of each layer for fp8 KV pages (None: 1.0)."""
         expected = config.param_shapes()
         missing = sorted(set(expected) - set(params))
         if missing:
@@ -125,6 +129,9 @@ class Llama(nnx.Module):
         self.inv_freq = nnx.Variable(jnp.asarray(np.stack(
             [rope.inv_freq(theta, config.rotary_dim, scaling) for theta, scaling in ropes])))
         self.rope_factors = tuple(rope.attention_factor(scaling) for _, scaling in ropes)
+        self.kv_scales = nnx.Variable(jnp.asarray(kv_quant.check_scales(
+            kv_quant.default_scales(config.num_layers) if kv_scales is None else kv_scales,
+            config.num_layers)))  # [2, L] float32
 
     def __call__(self, inputs: ModelInputs, metadata: AttentionMetadata,
                  kv: tuple[jax.Array, jax.Array], attention: PagedAttention, *,
@@ -144,6 +151,7 @@ class Llama(nnx.Module):
         ropes = [layers.rope_cos_sin(inputs.positions, self.inv_freq[...][r], factor)
                  for r, factor in enumerate(self.rope_factors)]  # each [T, 1, rotary_dim // 2]
         page_size = kv[0].shape[2]
+        kv_scales = self.kv_scales[...]  # [2, L]: read by fp8 pages only
         write_page = inputs.slot_mapping // page_size
         write_offset = inputs.slot_mapping % page_size
         adapters = (None if lora is None
@@ -168,12 +176,16 @@ class Llama(nnx.Module):
                 q, k = norm(q, w["q_norm"]), norm(k, w["k_norm"])
             cos, sin = ropes[kind.rope]
             q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
-            k_pages = k_pages.at[idx, write_page, write_offset].set(k.astype(k_pages.dtype))
-            v_pages = v_pages.at[idx, write_page, write_offset].set(v.astype(v_pages.dtype))
-            attn = attention(q, k_pages, v_pages, idx, prepared, sm_scale=cfg.attention_scale,
-                             sliding_window=kind.sliding_window,
+            k_scale, v_scale = kv_quant.layer_scales(kv_scales, idx, k_pages.dtype)
+            k_pages = k_pages.at[idx, write_page, write_offset].set(
+                kv_quant.store(k, k_pages.dtype, k_scale))
+            v_pages = v_pages.at[idx, write_page, write_offset].set(
+                kv_quant.store(v, v_pages.dtype, v_scale))
+            attn = attention(kv_quant.scaled_query(q, k_scale), k_pages, v_pages, idx, prepared,
+                             sm_scale=cfg.attention_scale, sliding_window=kind.sliding_window,
                              soft_cap=cfg.attn_logit_softcap,
                              sinks=w.get("sinks"))  # [T, Hq, Dh]
+            attn = kv_quant.scaled_output(attn, v_scale)
             out = proj(attn.reshape(x.shape[0], cfg.q_size).astype(x.dtype), "wo")
             if cfg.output_bias:
                 out = out + w["bo"]

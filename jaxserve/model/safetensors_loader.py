@@ -2,6 +2,9 @@
 
 Tensors keep the dtype they are stored in (bf16 arrives as an ml_dtypes bfloat16 numpy array);
 the model casts later. HF's nn.Linear [out, in] weights are transposed into our [in, out] stacks.
+An fp8 checkpoint's KV-cache scales (vLLM / compressed-tensors names: `self_attn.k_scale` and
+`v_scale`, the older `kv_scale` and `k_proj.output_scale` / `v_proj.output_scale`) become
+LoadedModel.kv_scales; a layer without them gets 1.0.
 This module must not import jax, and never guesses a tensor it does not recognise.
 """
 
@@ -29,6 +32,43 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 _PACKED_SUFFIXES = ("_blocks", "_scales")  # MXFP4 halves of one matrix (gpt-oss experts)
+# KV-cache scale tensors under `model.layers.{i}.` -> which of (k_scale, v_scale) they set
+_KV_SCALE_NAMES = {"self_attn.k_scale": (0,), "self_attn.v_scale": (1,),
+                   "self_attn.kv_scale": (0, 1), "self_attn.k_proj.output_scale": (0,),
+                   "self_attn.v_proj.output_scale": (1,)}
+# Scales of fp8 attention itself, which jaxserve does not run (its query stays in float).
+_IGNORED_SCALE_NAMES = ("self_attn.q_scale", "self_attn.prob_scale")
+
+
+class _KVScales:
+    """The KV-cache scales met while loading: [2, L], NaN where none was given."""
+
+    def __init__(self, num_layers: int):
+        self.scales = np.full((2, num_layers), np.nan, np.float32)
+
+    @staticmethod
+    def claims(hf_name: str) -> bool:
+        """Whether hf_name is a KV scale or an attention scale that is ignored."""
+        parts = hf_name.split(".", 3)
+        return (len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
+                and (parts[3] in _KV_SCALE_NAMES or parts[3] in _IGNORED_SCALE_NAMES))
+
+    def take(self, hf_name: str, value) -> None:
+        """Record a tensor that claims(hf_name)."""
+        _, _, layer, rest = hf_name.split(".", 3)
+        which, layer = _KV_SCALE_NAMES.get(rest), int(layer)
+        if which is None:
+            return
+        if not 0 <= layer < self.scales.shape[1] or np.size(value) != 1:
+            raise ValueError(f"KV-cache scale {hf_name!r}: expected one value of a layer "
+                             f"below {self.scales.shape[1]}, got shape {np.shape(value)}")
+        self.scales[list(which), layer] = float(np.asarray(value, np.float32).reshape(()))
+
+    def result(self) -> np.ndarray | None:
+        """[2, L] (1.0 where a layer had none), or None when the checkpoint had no scales."""
+        if np.isnan(self.scales).all():
+            return None
+        return np.where(np.isnan(self.scales), 1.0, self.scales).astype(np.float32)
 
 
 class _PackedPairs:
@@ -132,16 +172,19 @@ def load_hf_directory(directory: str | Path, *, progress: bool = True) -> Loaded
         raise FileNotFoundError(f"no *.safetensors files in {directory}")
     handles = [safe_open(str(f), framework="numpy") for f in files]
     names = [(n, h.get_tensor) for h in handles for n in h.keys()]
+    kv_scales = _KVScales(config.num_layers)
     params = params_from_hf(config, tqdm(names, desc=f"loading {directory.name}",
-                                         unit="tensor", disable=not progress))
+                                         unit="tensor", disable=not progress), kv_scales)
     return LoadedModel(config=config, params=params, tokenizer=tokenizer,
-                       source=str(directory))
+                       source=str(directory), kv_scales=kv_scales.result())
 
 
-def params_from_hf(config: ModelConfig, tensors) -> dict[str, np.ndarray]:
+def params_from_hf(config: ModelConfig, tensors, kv_scales=None) -> dict[str, np.ndarray]:
     """Hugging Face tensors -> our params (ModelConfig.param_shapes() layout, every shape
     checked, every parameter present). tensors: (HF name, read(name) -> array) pairs, or a
-    {HF name: array} dict (a trainer's state dict: the rollout API's weight updates)."""
+    {HF name: array} dict (a trainer's state dict: the rollout API's weight updates).
+    kv_scales: a _KVScales that takes the checkpoint's KV-cache scales (None: they are
+    skipped)."""
     if isinstance(tensors, dict):
         tensors = [(name, tensors.__getitem__) for name in tensors]
     builder = ParamBuilder(config)
@@ -154,6 +197,9 @@ def params_from_hf(config: ModelConfig, tensors) -> dict[str, np.ndarray]:
             hf_name, value = packed.add(hf_name, np.asarray(read(hf_name)))
             if value is None:
                 continue  # its other half is still to come
+        if kv_scales is not None and kv_scales.claims(hf_name):
+            kv_scales.take(hf_name, np.asarray(read(hf_name)))
+            continue
         found = _our_names(hf_name, config, from_hf_layer, from_hf_expert)
         if found is None:
             continue

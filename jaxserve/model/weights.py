@@ -24,6 +24,8 @@ class LoadedModel:
     params: dict[str, np.ndarray]  # ModelConfig.param_shapes() layout, host arrays
     tokenizer: Tokenizer
     source: str  # where the weights came from: a path, or "default (<path>)"
+    # [2, L] float32 k_scale, v_scale per layer for fp8 KV pages, where the checkpoint has them
+    kv_scales: np.ndarray | None = None
 
 
 # Our stacked per-layer name -> the tensor under HF's `model.layers.{i}.`.

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.model import device_select
+from jaxserve.model import device_select, kv_quant
 from jaxserve.model.attention import resolve_attention_impl
 from jaxserve.model.config import ModelConfig
 from jaxserve.core.plan import StepPlan
@@ -147,16 +147,20 @@ class ModelRunner:
                  attention_impl: str = "auto", layer_loop: str = "auto",
                  token_buckets=None, seq_buckets=None, compile_cache_dir: str | None = None,
                  mesh=None, host_prefix_slots: int = 0, max_loras: int = 0,
-                 max_lora_rank: int = 16, lora_registry=None):
+                 max_lora_rank: int = 16, lora_registry=None, kv_cache_dtype: str = "auto",
+                 kv_scales=None):
         """mesh: a ("tp",) jax Mesh to shard weights, KV pages and the step over (None: one
         device); see runner/tensor_parallel.py. host_prefix_slots: pages of the prefix cache's
         host tier (runner/host_prefix_pool.py) each cache of this runner keeps. max_loras > 0:
         that many LoRA adapters resident at once, of rank up to max_lora_rank
-        (lora/device.py), read from lora_registry (lora/registry.py) as plans load them."""
+        (lora/device.py), read from lora_registry (lora/registry.py) as plans load them.
+        kv_cache_dtype: the KV pages' dtype (model/kv_quant.py; auto: dtype's); kv_scales:
+        [2, L] k_scale and v_scale per layer for fp8 pages (None: 1.0)."""
         backend = jax.default_backend()
         enable_compile_cache(compile_cache_dir)
         self.model_config = model_config
         self.dtype = resolve_dtype(dtype, backend)
+        self.kv_dtype = kv_quant.resolve(kv_cache_dtype, self.dtype)
         self.layer_loop = resolve_layer_loop(layer_loop, backend)
         self.attention_impl = resolve_attention_impl(attention_impl, backend, dtype)
         self.page_size = page_size
@@ -166,7 +170,8 @@ class ModelRunner:
         self.buckets = BucketTable.build(max_num_batched_tokens, max_num_seqs, max_model_len,
                                          page_size, token_buckets, seq_buckets)
         self.placement = Placement(mesh, model_config)
-        self.graphdef, state = self.placement.model(params, self.dtype, self.layer_loop)
+        self.graphdef, state = self.placement.model(params, self.dtype, self.layer_loop,
+                                                    kv_scales)
         self.cache = self.new_cache(self.placement)
         self.processors = ProcessorState(max_num_seqs + 1, model_config.vocab_size,
                                          self.placement.replicated)
@@ -228,7 +233,7 @@ class ModelRunner:
 
     def new_cache(self, placement: Placement) -> DeviceKV:
         """A zeroed KV cache for placement's model over this runner's page pool."""
-        arrays = placement.kv_cache(self.num_pages, self.page_size, self.dtype)
+        arrays = placement.kv_cache(self.num_pages, self.page_size, self.kv_dtype)
         return DeviceKV(arrays, self.buckets.max_pages_per_request, self.host_prefix_slots)
 
     @property

@@ -104,10 +104,11 @@ class Placement:
     def expert_parallel_size(self) -> int:
         return 1 if self.mesh is None else sharding.parallel_sizes(self.mesh)[1]
 
-    def model(self, params: dict, dtype, layer_loop: str):
-        """(graphdef, state) of Llama(config, params), each weight in its sharding."""
+    def model(self, params: dict, dtype, layer_loop: str, kv_scales=None):
+        """(graphdef, state) of Llama(config, params), each weight in its sharding; kv_scales:
+        the fp8 KV pages' [2, L] scales (None: 1.0), replicated."""
         if self.mesh is None:
-            return nnx.split(Llama(self.config, params, dtype, layer_loop))
+            return nnx.split(Llama(self.config, params, dtype, layer_loop, kv_scales=kv_scales))
         shapes = self.config.param_shapes()
         tp, ep = self.tensor_parallel_size, self.expert_parallel_size
         stacked = sharding.param_specs(self.config, tp, expert_parallel_size=ep)
@@ -130,7 +131,7 @@ class Placement:
         stand_ins = {name: _stand_in(params[name]) for name in shapes}
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
             graphdef, host_state = nnx.split(Llama(self.config, stand_ins, dtype, layer_loop,
-                                                   experts=experts))
+                                                   experts=experts, kv_scales=kv_scales))
         replicated = sharding.replicated(self.mesh)
 
         def place(path, leaf):

@@ -1,8 +1,10 @@
 // Paged decode attention for XLA on the CPU, as an XLA FFI handler: one query row per
 // request, read against that request's K/V straight from the paged cache (no gathered copy).
 //
-// q [S, Hq, D], k/v pages [L, N, page_size, Hkv, D] (float32), layer [] i32, page_table
-// [S, P] i32, kv_lens [S] i32, num_decode [] i32 -> out [S, Hq, D]. Request s < num_decode
+// q [S, Hq, D], k/v pages [L, N, page_size, Hkv, D] (float32, or fp8 e4m3fn / e5m2: each
+// byte read through a 256-entry table of its float value, the caller applying the layer's
+// scales outside: jaxserve/model/kv_quant.py), layer [] i32, page_table [S, P] i32,
+// kv_lens [S] i32, num_decode [] i32 -> out [S, Hq, D]. Request s < num_decode
 // attends to positions [lo, kv_lens[s]) (lo = kv_lens - window with a sliding window, else
 // 0); other requests' rows are zero. Scores are q . k * sm_scale, then soft_cap * tanh(s /
 // soft_cap) where soft_cap > 0; softmax in float32, online over blocks of positions. Work is
@@ -30,8 +32,41 @@ namespace {
 constexpr int64_t kBlock = 128;  // positions scored before their softmax update
 constexpr int kMaxFast = 8;      // query heads per KV head with register-held accumulators
 
+// The float value of every byte of an fp8 format (exponent bias, mantissa bits, whether the
+// all-ones exponent is inf/NaN as in e5m2, or only S.1111.111 is NaN as in e4m3fn).
+std::vector<float> Fp8Table(int bias, int mantissa_bits, bool ieee_special) {
+  std::vector<float> table(256);
+  const int exp_bits = 7 - mantissa_bits, top = (1 << exp_bits) - 1, m_max = 1 << mantissa_bits;
+  for (int b = 0; b < 256; ++b) {
+    const int e = (b >> mantissa_bits) & top, m = b & (m_max - 1);
+    float x;
+    if (e == 0)
+      x = std::ldexp(float(m) / m_max, 1 - bias);
+    else if (ieee_special && e == top)
+      x = m == 0 ? INFINITY : NAN;
+    else if (!ieee_special && e == top && m == m_max - 1)
+      x = NAN;
+    else
+      x = std::ldexp(1.f + float(m) / m_max, e - bias);
+    table[b] = (b & 0x80) ? -x : x;
+  }
+  return table;
+}
+
+const float* E4M3Table() {
+  static const std::vector<float> table = Fp8Table(7, 3, false);
+  return table.data();
+}
+
+const float* E5M2Table() {
+  static const std::vector<float> table = Fp8Table(15, 2, true);
+  return table.data();
+}
+
 struct Job {
-  const float *q, *k, *v;
+  const float* q;
+  const void *k, *v;     // pages: float32, or fp8 bytes when fp8 is set
+  const float* fp8;      // the fp8 format's 256 values; nullptr: float32 pages
   float* out;
   const int32_t *table, *lens;
   int64_t seqs, heads, kv_heads, dim, group, pages, page_size, table_pages, layer_offset;
@@ -179,11 +214,13 @@ void Task(const Job& j, int64_t t, std::vector<float>& scratch) {
       ? std::min<int64_t>(std::max<int32_t>(j.lens[s], 0), j.table_pages * j.page_size) : 0;
   if (len == 0) return;
   const int64_t lo = j.window > 0 ? std::max<int64_t>(len - j.window, 0) : 0;
-  scratch.resize(g_n * (d + kBlock + 2));
+  scratch.resize(g_n * (d + kBlock + 2) + (j.fp8 ? 2 * kBlock * d : 0));
   float* qs = scratch.data();            // [G, D] scaled queries
   float* sc = qs + g_n * d;              // [G, kBlock] scores, then probabilities
   float* m = sc + g_n * kBlock;          // [G] running max
   float* l = m + g_n;                    // [G] running sum
+  float* kf = l + g_n;                   // fp8 pages: [kBlock, D] K rows as floats
+  float* vf = kf + kBlock * d;           // and V rows
   for (int64_t g = 0; g < g_n; ++g) {
     const float* qr = j.q + (s * j.heads + h * g_n + g) * d;
     for (int64_t i = 0; i < d; ++i) qs[g * d + i] = qr[i] * j.scale;
@@ -201,8 +238,21 @@ void Task(const Job& j, int64_t t, std::vector<float>& scratch) {
       const int64_t page = std::clamp<int64_t>(table[pos / j.page_size], 0, j.pages - 1);
       const int64_t offset = j.layer_offset + (page * j.page_size + pos % j.page_size) * stride
                              + h * d;
-      krows[i] = j.k + offset;
-      vrows[i] = j.v + offset;
+      if (j.fp8) {  // this block's rows as floats (the table is 1 KiB: it stays in cache)
+        const uint8_t* kb = static_cast<const uint8_t*>(j.k) + offset;
+        const uint8_t* vb = static_cast<const uint8_t*>(j.v) + offset;
+        float* kr = kf + i * d;
+        float* vr = vf + i * d;
+        for (int64_t c = 0; c < d; ++c) {
+          kr[c] = j.fp8[kb[c]];
+          vr[c] = j.fp8[vb[c]];
+        }
+        krows[i] = kr;
+        vrows[i] = vr;
+        continue;
+      }
+      krows[i] = static_cast<const float*>(j.k) + offset;
+      vrows[i] = static_cast<const float*>(j.v) + offset;
       for (int64_t b = 0; b < d; b += 16) {
         __builtin_prefetch(krows[i] + b);
         __builtin_prefetch(vrows[i] + b);
@@ -254,8 +304,8 @@ void Work(Job& j) {
   }
 }
 
-ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                           ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
+                           ffi::AnyBuffer v,
                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> table,
                            ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> num_decode,
                            ffi::ResultBuffer<ffi::F32> out, float sm_scale, float soft_cap,
@@ -265,10 +315,22 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
       kd[4] != qd[2] || qd[1] % kd[3] != 0 || v.element_count() != k.element_count() ||
       lens.dimensions().size() != 1 || lens.dimensions()[0] != qd[0])
     return ffi::Error::InvalidArgument("decode_attention: shapes do not match");
+  const ffi::DataType kv_type = k.element_type();
+  if (v.element_type() != kv_type)
+    return ffi::Error::InvalidArgument("decode_attention: K and V pages differ in dtype");
+  const float* fp8 = nullptr;
+  if (kv_type == ffi::DataType::F8E4M3FN)
+    fp8 = E4M3Table();
+  else if (kv_type == ffi::DataType::F8E5M2)
+    fp8 = E5M2Table();
+  else if (kv_type != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument(
+        "decode_attention: pages must be float32, float8_e4m3fn or float8_e5m2");
   auto job = std::make_shared<Job>();
   job->q = q.typed_data();
-  job->k = k.typed_data();
-  job->v = v.typed_data();
+  job->k = k.untyped_data();
+  job->v = v.untyped_data();
+  job->fp8 = fp8;
   job->out = out->typed_data();
   job->table = table.typed_data();
   job->lens = lens.typed_data();
@@ -311,8 +373,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDecodeAttention, DecodeAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
