@@ -35,10 +35,11 @@ log = logging.getLogger(__name__)
 
 
 def load_model(spec: str, mesh: Mesh | None, *, progress: bool = True,
-               quantization: str = "none"):
+               quantization: str = "none", int8_per_channel: bool = False, cache_dir=None):
     """loader.load_model, except that a jaxserve checkpoint is restored into the mesh's
     shardings, quantized matrices as stored (other formats come back as host arrays, a GGUF's
-    blocks mapped straight to `quantization`'s form; Placement shards them)."""
+    blocks mapped to `quantization`'s form, or per channel with int8_per_channel, kept in
+    cache_dir for the next load; Placement shards them)."""
     from pathlib import Path
 
     from jaxserve.model import checkpoint
@@ -47,10 +48,12 @@ def load_model(spec: str, mesh: Mesh | None, *, progress: bool = True,
 
     path = Path(spec).expanduser()
     if mesh is None or spec == "default" or not checkpoint.is_checkpoint(path):
-        return load_host(spec, progress=progress, quantization=quantization)
+        return load_host(spec, progress=progress, quantization=quantization,
+                         int8_per_channel=int8_per_channel, cache_dir=cache_dir)
     config = ModelConfig.load(path)
     shardings = sharding.param_shardings(config, mesh, checkpoint.quantized_stand_ins(path))
-    return quantize(checkpoint.load_checkpoint(path, shardings=shardings), quantization)
+    return quantize(checkpoint.load_checkpoint(path, shardings=shardings), quantization,
+                    int8_per_channel)
 
 
 def _param_of(path, shapes) -> tuple[str | None, str | None, int | None]:
@@ -103,10 +106,12 @@ class Placement:
     def expert_parallel_size(self) -> int:
         return 1 if self.mesh is None else sharding.parallel_sizes(self.mesh)[1]
 
-    def model(self, params: dict, dtype, layer_loop: str):
-        """(graphdef, state) of Llama(config, params), each weight in its sharding."""
+    def model(self, params: dict, dtype, layer_loop: str, quant_form=None):
+        """(graphdef, state) of Llama(config, params), each weight in its sharding;
+        quant_form: how quantized matrices are multiplied (model/quant_select.py)."""
         if self.mesh is None:
-            return nnx.split(Llama(self.config, params, dtype, layer_loop))
+            return nnx.split(Llama(self.config, params, dtype, layer_loop,
+                                   quant_form=quant_form))
         shapes = self.config.param_shapes()
         tp, ep = self.tensor_parallel_size, self.expert_parallel_size
         stacked = sharding.param_specs(self.config, tp, expert_parallel_size=ep)
@@ -129,7 +134,7 @@ class Placement:
         stand_ins = {name: _stand_in(params[name]) for name in shapes}
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
             graphdef, host_state = nnx.split(Llama(self.config, stand_ins, dtype, layer_loop,
-                                                   experts=experts))
+                                                   experts=experts, quant_form=quant_form))
         replicated = sharding.replicated(self.mesh)
 
         def place(path, leaf):
@@ -272,6 +277,6 @@ def _spec_of(value, spec):
     """shard_map's in_spec of one expert weight: its PartitionSpec, or a QArray of its parts'."""
     if isinstance(value, QArray):
         parts = dict(spec)
-        return QArray(parts["q"], parts["scale"],
-                      None if value.zero is None else parts["zero"], value.bits, value.group)
+        return dataclasses.replace(value, q=parts["q"], scale=parts["scale"],
+                                   zero=None if value.zero is None else parts["zero"])
     return spec
