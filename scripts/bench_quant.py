@@ -2,10 +2,11 @@
 
     python scripts/bench_quant.py [--rounds=2] [--out scripts/bench_results/quant.json]
 
-Builds one engine per weight form (float32; int8 and int4: the GGUF's blocks mapped straight to
-each, model/gguf_quant.py, groups of 32; int8 per channel: the float32 weights quantized at load,
-the form a Hugging Face or Orbax model gets, which the CPU multiplies with int8 activations,
-qlinear.int8_dot), then alternates between them, round by round: the batch-1 decode
+Builds one engine per weight form (float32; int8: what `--quantization int8` serves, per
+channel, the GGUF's blocks requantized at load, which the CPU multiplies with int8 activations,
+qlinear.int8_dot; int8 g32 with `int8_activations="off"` and int4: the GGUF's blocks mapped
+straight to each, model/gguf_quant.py, groups of 32, dequantized in the step), then alternates
+between them, round by round: the batch-1 decode
 step (median and min ms over 48 steps) and the 16-concurrent anyscale workload's output tok/s.
 Each form's weight bytes on device come with its bandwidth bound, bytes / measured read
 bandwidth (a jitted sum over a 1 GiB float32 array, the same run): the step time if it did
@@ -30,12 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_probe import _anyscale, _decode_steps  # noqa: E402
 
 from jaxserve.entrypoints.llm import LLM  # noqa: E402
-from jaxserve.model import qlinear  # noqa: E402
-from jaxserve.model.loader import load_model  # noqa: E402
+from jaxserve.model import qlinear, quant_select  # noqa: E402
 from jaxserve.core.request import SamplingParams  # noqa: E402
 
-MODES = ("none", "int8", "int8pc", "int4")
-NAMES = {"none": "float32", "int8": "int8 g32", "int8pc": "int8 pc", "int4": "int4 g32"}
+MODES = ("none", "int8", "int8g32", "int4")
+NAMES = {"none": "float32", "int8": "int8 pc", "int8g32": "int8 g32", "int4": "int4 g32"}
 
 
 def read_bandwidth_gb_s(num_bytes: int = 1 << 30) -> float:
@@ -68,9 +68,8 @@ def main() -> int:
     settings = dict(progress=False, max_model_len=1024, max_num_seqs=16)
     load_before = os.getloadavg()
     llms = {mode: LLM("default", quantization=mode, **settings) for mode in MODES
-            if mode != "int8pc"}
-    llms["int8pc"] = LLM("default", loaded=load_model("default", progress=False),
-                         quantization="int8", **settings)
+            if mode != "int8g32"}
+    llms["int8g32"] = LLM("default", quantization="int8", int8_activations="off", **settings)
     llms = {mode: llms[mode] for mode in MODES}
     bandwidth = read_bandwidth_gb_s()
     steps = {mode: [] for mode in MODES}
@@ -95,7 +94,7 @@ def main() -> int:
         row["bytes_vs_float32"] = row["weight_bytes"] / base["weight_bytes"]
     result = dict(machine=f"{jax.default_backend()} x{jax.device_count()}",
                   read_bandwidth_gb_s=bandwidth, rounds=args.rounds,
-                  int8_activations=qlinear.int8_activations(),
+                  quantized_matmul=quant_select.select().form.describe(),
                   dequant_chunk_bytes=qlinear.CHUNK_BYTES,
                   load_before=load_before, load_after=os.getloadavg(), modes=rows)
     print(f"read bandwidth {bandwidth:.1f} GB/s; load {load_before} -> {os.getloadavg()}")

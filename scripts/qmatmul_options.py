@@ -34,6 +34,7 @@ It measures and prints; the choice it informs is in jaxserve/model/qlinear.py an
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -49,6 +50,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from jaxserve.model import qlinear  # noqa: E402
 from jaxserve.model.qlinear import QArray, _after, dequantize, int8_dot, linear  # noqa: E402
+from jaxserve.model.quant_select import MatmulForm  # noqa: E402
 
 D, F, Q, KV, L, V, G = 576, 1536, 576, 192, 30, 49152, 32
 # (name, in, out) of each layer's projections, in the order they run
@@ -179,12 +181,9 @@ def lin(option: str, form: str, x, w):
         return int8_dot(x, _qarray(w, form), jnp.float32)
     if option == "w8a8_1" and form != "int4g":
         return _w8a8(x, w, form)
-    if option == "deq_dot":  # the dequantizing path, even where int8_dot would be taken
-        mode, qlinear.INT8_ACTIVATIONS = qlinear.INT8_ACTIVATIONS, "off"
-        try:
-            return linear(x, _qarray(w, form))
-        finally:
-            qlinear.INT8_ACTIVATIONS = mode
+    if option == "deq_dot":  # the CPU's dequantizing path, even where int8_dot would be taken
+        cpu_form = MatmulForm(int8_activations=False, chunked=True)
+        return linear(x, dataclasses.replace(_qarray(w, form), form=cpu_form))
     if option == "deq_split":
         return qlinear.linear(x, _qarray(w, form)) if form != "int4g" else _int4_split(x, w)
     if option.startswith("deq_whole"):

@@ -58,10 +58,12 @@ def kl_text(tokenizer, num_tokens: int = 1000) -> list[int]:
 class Forward:
     """A model (float or quantized params) stepped over its own paged KV cache."""
 
-    def __init__(self, config, params, kv_dtype=jnp.float32, kv_scales=None):
-        """kv_dtype: the KV pages' dtype (fp8: quantized with kv_scales, [2, L] or None)."""
+    def __init__(self, config, params, kv_dtype=jnp.float32, kv_scales=None, form=None):
+        """kv_dtype: the KV pages' dtype (fp8: quantized with kv_scales, [2, L] or None);
+        form: how quantized matrices are multiplied (model/quant_select.MatmulForm; None: this
+        backend's "auto")."""
         graphdef, self.state = nnx.split(Llama(config, params, jnp.float32, "scan",
-                                               kv_scales=kv_scales))
+                                               kv_scales=kv_scales, quant_form=form))
         attention = ReferenceAttention()
 
         def run(state, kv, inputs, metadata):
@@ -130,15 +132,15 @@ def mean_kl(reference: Forward, candidate: Forward, text: list[int]) -> float:
     return total / len(text)
 
 
-def measure(loaded, forms: dict) -> dict:
+def measure(loaded, forms: dict, form=None) -> dict:
     """{form: (argmax agreement, mean KL)} against loaded's float32 params; forms: {name:
-    params}."""
+    params}; form: the MatmulForm the candidates run (None: this backend's "auto")."""
     prompts = [loaded.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
     text = kl_text(loaded.tokenizer)
     reference = Forward(loaded.config, loaded.params)
     results = {}
     for name, params in forms.items():
-        candidate = Forward(loaded.config, params)
+        candidate = Forward(loaded.config, params, form)
         results[name] = (teacher_forced_agreement(reference, candidate, prompts),
                          mean_kl(reference, candidate, text))
     return results
@@ -154,6 +156,8 @@ if __name__ == "__main__":
              "int4 (GGUF blocks)": load_model("default", progress=False,
                                               quantization="int4").params,
              "int8 (from float32)": quant.quantize_params(base.params, "int8"),
+             "int8 (GGUF requantized per channel)": load_model(
+                 "default", progress=False, quantization="int8", int8_per_channel=True).params,
              "int4 (from float32)": quant.quantize_params(base.params, "int4")}
     for name, (agree, kl) in measure(base, forms).items():
         print(f"{name:22} argmax agreement {agree:.4f}  mean KL {kl:.5f}", flush=True)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from jaxserve.model import cpu_ffi, cpu_int8, qlinear
+from jaxserve.model.quant_select import MatmulForm
 
 
 def test_the_kernel_builds_and_registers_here():
@@ -58,9 +59,9 @@ def test_the_kernel_runs_in_a_scan_over_stacked_layers():
     assert np.array_equal(got, want), "a scanned stack of kernel calls differs from XLA's dots"
 
 
-def test_a_per_channel_int8_layers_program_calls_the_kernel(monkeypatch):
-    monkeypatch.setattr(qlinear, "INT8_ACTIVATIONS", "on")
-    w = qlinear.QArray(jnp.ones((192, 576), jnp.int8), jnp.ones((192, 1)), None, 8, 576)
+def test_a_per_channel_int8_layers_program_calls_the_kernel():
+    w = qlinear.QArray(jnp.ones((192, 576), jnp.int8), jnp.ones((192, 1)), None, 8, 576,
+                       MatmulForm(int8_activations=True, chunked=True))
     text = jax.jit(lambda x: qlinear.linear(x, w)).lower(jnp.ones((2, 576))).as_text()
     assert cpu_int8.TARGET in text, "per-channel int8 linear does not call the CPU kernel"
 

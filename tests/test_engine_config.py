@@ -17,6 +17,7 @@ from jaxserve.entrypoints.cli_flags import engine_config_from_args
 CLI_VALUES = {
     "model": (["--model", "some/dir"], "some/dir"),
     "dtype": (["--dtype", "bfloat16"], "bfloat16"),
+    "cache_quantized_weights": (["--no-cache-quantized-weights"], False),
     "max_model_len": (["--max-model-len", "512"], 512),
     "quantization": (["--quantization", "int8"], "int8"),
     "seed": (["--seed", "7"], 7),
@@ -52,6 +53,8 @@ CLI_VALUES = {
     "speculative_disable_by_batch_size": (["--speculative-disable-by-batch-size", "4"], 4),
     "attention_impl": (["--attention-impl", "reference"], "reference"),
     "layer_loop": (["--layer-loop", "scan"], "scan"),
+    "int8_activations": (["--int8-activations", "off"], "off"),
+    "dequant_form": (["--dequant-form", "fused"], "fused"),
     "token_buckets": (["--token-buckets", "8", "2", "8"], (2, 8)),
     "seq_buckets": (["--seq-buckets", "4", "1"], (1, 4)),
     "compile_cache_dir": (["--compile-cache-dir", ""], ""),

@@ -15,6 +15,7 @@ from jaxserve.model.checkpoint import load_checkpoint
 from jaxserve.model.gguf_loader import load_gguf
 from jaxserve.model.llama import Llama
 from jaxserve.model.loader import convert, load_model
+from jaxserve.model.quant_select import MatmulForm
 from jaxserve.runner.tensor_parallel import Placement
 from model_chunks import run_in_chunks
 from model_fixtures import random_model, write_gguf
@@ -88,23 +89,25 @@ def test_q4_k_blocks_map_up_to_float16_scales(mode):
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-@pytest.mark.parametrize("layer_loop,chunk_bytes,tied", [
-    ("scan", 0, True), ("unroll", 0, False), ("unroll", 4096, True), ("unroll", 4096, False)])
+@pytest.mark.parametrize("layer_loop,chunked,chunk_bytes,tied", [
+    ("scan", True, 0, True), ("unroll", True, 0, False), ("unroll", True, 4096, True),
+    ("unroll", True, 4096, False), ("scan", False, 4096, True), ("unroll", False, 4096, False)])
 def test_quantized_forward_equals_the_float_model_on_the_dequantized_weights(
-        mode, tied, layer_loop, chunk_bytes, monkeypatch):
-    """chunk_bytes 4096: every matrix and the head dequantized a few rows at a time, for a
-    tied and an untied head; with whole matrices (0), scan and unroll take one head each (a
-    tied and an untied head run the same qlinear code, on the embedding or lm_head). The
-    dequantizing path on every backend (int8 activations: tests/test_quant_int8_dot.py)."""
+        mode, tied, layer_loop, chunked, chunk_bytes, monkeypatch):
+    """The chunked (CPU) form with chunk_bytes 4096: every matrix and the head dequantized a
+    few rows at a time, for a tied and an untied head; with whole matrices (0), scan and
+    unroll take one head each (a tied and an untied head run the same qlinear code, on the
+    embedding or lm_head). The fused (accelerator) form: one dequantize-then-dot whatever
+    CHUNK_BYTES says. int8 activations: tests/test_quant_int8_dot.py."""
     monkeypatch.setattr(qlinear, "CHUNK_BYTES", chunk_bytes)
-    monkeypatch.setattr(qlinear, "INT8_ACTIVATIONS", "off")
+    form = MatmulForm(int8_activations=False, chunked=chunked)
     config, params = tiny_model(seed=3, tie_word_embeddings=tied)
     quantized = quant.quantize_params(params, mode)
     tokens = np.random.default_rng(7).integers(0, config.vocab_size, 45).tolist()
     pages = [3, 1, 7, 2, 5, 4, 6]
     want = run_in_chunks(Llama(config, _dequantized(quantized)), config, tokens, [45], pages)
-    got = run_in_chunks(Llama(config, quantized, layer_loop=layer_loop), config, tokens,
-                        [20, 1, 24], pages)
+    got = run_in_chunks(Llama(config, quantized, layer_loop=layer_loop, quant_form=form),
+                        config, tokens, [20, 1, 24], pages)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5,
                                err_msg=f"{mode} logits differ from dequantize-then-float")
 

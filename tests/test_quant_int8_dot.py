@@ -6,12 +6,15 @@ int8 weights without making a float or int32 copy of them.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxserve.model import qlinear, quant
+from jaxserve.model.quant_select import MatmulForm
 
 IN, OUT = 96, 80
 
@@ -66,14 +69,15 @@ def test_a_rows_result_does_not_depend_on_the_rows_around_it():
         assert np.array_equal(batch, alone), f"row 5 changed in a batch of {t} rows"
 
 
-def test_linear_takes_int8_dot_for_per_channel_int8_only_where_chosen(monkeypatch):
+@pytest.mark.parametrize("chunked", [True, False])
+def test_linear_takes_int8_dot_for_per_channel_int8_only_where_chosen(chunked):
     w, x = _weight(), jnp.asarray(_rows(3))
-    monkeypatch.setattr(qlinear, "INT8_ACTIVATIONS", "on")
-    assert np.array_equal(np.asarray(qlinear.linear(x, w)),
+    on = dataclasses.replace(w, form=MatmulForm(int8_activations=True, chunked=chunked))
+    assert np.array_equal(np.asarray(qlinear.linear(x, on)),
                           np.asarray(qlinear.int8_dot(x, w, x.dtype)))
-    monkeypatch.setattr(qlinear, "INT8_ACTIVATIONS", "off")
+    off = dataclasses.replace(w, form=MatmulForm(int8_activations=False, chunked=chunked))
     dequantized = x @ qlinear.dequantize(w).T
-    np.testing.assert_allclose(np.asarray(qlinear.linear(x, w)), np.asarray(dequantized),
+    np.testing.assert_allclose(np.asarray(qlinear.linear(x, off)), np.asarray(dequantized),
                                rtol=1e-5, atol=1e-5)
     grouped = quant.quantize_int8(np.ones((OUT, IN), np.float32), transposed=False)
     grouped_w = qlinear.QArray(jnp.asarray(grouped.q), jnp.ones((OUT, 3)), None, 8, 32)
@@ -93,20 +97,24 @@ def test_the_cpu_program_makes_no_wider_copy_of_the_int8_weights(t):
             f"{t} rows: the compiled dot widens the weights to {dtype}"
 
 
-def test_the_model_with_int8_activations_stays_close_to_the_float_model(monkeypatch):
+@pytest.mark.parametrize("chunked", [True, False], ids=["cpu-form", "accelerator-form"])
+def test_the_model_with_int8_activations_stays_close_to_the_float_model(chunked):
     """The whole forward pass (tiny Llama, per-channel int8, tied head) against the float model
-    on the same dequantized weights: only the activations' two-level rounding differs."""
+    on the same dequantized weights: only the activations' two-level rounding differs. The
+    accelerator form (int8 activations forced on with fused dequantization, as a TPU with an
+    int8 MXU runs it) is the same arithmetic: XLA's int8 dot here."""
     from model_chunks import run_in_chunks
     from test_quant import _dequantized
     from jaxserve.model.llama import Llama
     from tiny_models import tiny_model
 
-    monkeypatch.setattr(qlinear, "INT8_ACTIVATIONS", "on")
+    form = MatmulForm(int8_activations=True, chunked=chunked)
     config, params = tiny_model(seed=3, tie_word_embeddings=True)
     quantized = quant.quantize_params(params, "int8")
     tokens = np.random.default_rng(7).integers(0, config.vocab_size, 45).tolist()
     pages = [3, 1, 7, 2, 5, 4, 6]
     want = run_in_chunks(Llama(config, _dequantized(quantized)), config, tokens, [45], pages)
-    got = run_in_chunks(Llama(config, quantized), config, tokens, [20, 1, 24], pages)
+    got = run_in_chunks(Llama(config, quantized, quant_form=form), config, tokens, [20, 1, 24],
+                        pages)
     err = np.abs(got - want).max() / np.abs(want).max()
     assert err < 1e-3, f"logits' relative error {err:.2e} with int8 activations"

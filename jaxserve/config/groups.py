@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jaxserve.config.kv_events import parse_kv_events_config
-from jaxserve.config.settings import (BATCHING_MODES, CPU_KERNEL_MODES, DTYPES,
-                                      KV_CACHE_DTYPES, LAYER_LOOPS, PREEMPTION_MODES,
+from jaxserve.config.settings import (BATCHING_MODES, CPU_KERNEL_MODES, DEQUANT_FORMS, DTYPES,
+                                      INT8_ACTIVATION_MODES, KV_CACHE_DTYPES, LAYER_LOOPS,
+                                      PREEMPTION_MODES,
                                       QUANTIZATIONS, SPECULATIVE_METHODS, need, setting)
 
 
@@ -36,9 +37,15 @@ class ModelSettings:
         unit="tokens", vllm="=")
     quantization: str = setting(
         "none", "weight-only quantization at load, kept on device and dequantized inside the "
-        "step: int8 (per output channel; a GGUF's Q8_0 / Q4 / Q5 blocks exactly), int4 "
-        "(groups of 32, scale + zero; a GGUF's Q4 blocks exactly), none (float weights)",
+        "step: int8 (per output channel; a GGUF's blocks requantized per channel where "
+        "int8_activations is on, else its Q8_0 / Q4 / Q5 blocks exactly), int4 (groups of 32, "
+        "scale + zero; a GGUF's Q4 blocks exactly), none (float weights)",
         choices=QUANTIZATIONS, vllm="=")
+    cache_quantized_weights: bool = setting(
+        True, "keep weights quantized at load in the compile cache directory "
+        "(jaxserve-quantized/), keyed by the source files' paths, sizes and modification "
+        "times and the quantized form, so a restart reads them instead of quantizing again; "
+        "off, or compile_cache_dir='': quantize at every start")
     seed: int = setting(0, "engine seed: the sampling keys of requests without a seed",
                         vllm="=")
 
@@ -46,6 +53,8 @@ class ModelSettings:
         need(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
         need(self.quantization in QUANTIZATIONS, "quantization", self.quantization,
              f"one of {QUANTIZATIONS}")
+        need(isinstance(self.cache_quantized_weights, bool), "cache_quantized_weights",
+             self.cache_quantized_weights, "true or false")
         need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
              self.max_model_len, ">= 1")
 
@@ -241,6 +250,16 @@ class RunnerConfig:
     layer_loop: str = setting(
         "auto", "how the step runs the layers: auto (unroll on CPU, scan elsewhere), scan "
         "(flat compile time), unroll", choices=LAYER_LOOPS)
+    int8_activations: str = setting(
+        "auto", "per-channel int8 weights times activations quantized per token (two int8 "
+        "levels), one int8 x int8 -> int32 dot: auto (on for the CPU and TPU v5e/v5p/v6e, off "
+        "elsewhere), on, off (the weights dequantized next to a float dot)",
+        choices=INT8_ACTIVATION_MODES)
+    dequant_form: str = setting(
+        "auto", "how quantized matrices not multiplied in int8 are dequantized in the step: "
+        "auto (chunked on CPU, fused elsewhere), chunked (pieces of at most 4 MiB pinned in "
+        "order, the head in a loop: the CPU's), fused (one dequantize-then-dot XLA fuses)",
+        choices=DEQUANT_FORMS)
     token_buckets: tuple[int, ...] | None = setting(
         None, "compiled step sizes T; unset: 1, 4, then powers of two from 16 up to "
         "max_num_batched_tokens (CPU: every other power of two, see runner/buckets.py)",
@@ -271,6 +290,10 @@ class RunnerConfig:
     def validate(self) -> None:
         need(self.layer_loop in LAYER_LOOPS, "layer_loop", self.layer_loop,
              f"one of {LAYER_LOOPS}")
+        need(self.int8_activations in INT8_ACTIVATION_MODES, "int8_activations",
+             self.int8_activations, f"one of {INT8_ACTIVATION_MODES}")
+        need(self.dequant_form in DEQUANT_FORMS, "dequant_form", self.dequant_form,
+             f"one of {DEQUANT_FORMS}")
         need(self.cpu_kernels in CPU_KERNEL_MODES, "cpu_kernels", self.cpu_kernels,
              f"one of {CPU_KERNEL_MODES}")
         for name in ("cpu_kernel_cache_dir", "cpu_kernel_compiler"):

@@ -146,12 +146,12 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
     returning."""
     import jax
 
-    from jaxserve.model import cpu_ffi, hub_cache
+    from jaxserve.model import cpu_ffi, hub_cache, quant_select
     from jaxserve.model.sharding import flat_mesh, make_mesh, parallel_sizes
     from jaxserve.runner import multihost, tensor_parallel
     from jaxserve.runner.buckets import powers_of_two
     from jaxserve.runner.cpu_threads import lower_xla_cpu_threads
-    from jaxserve.runner.model_runner import ModelRunner, resolve_dtype
+    from jaxserve.runner.model_runner import ModelRunner, quantized_cache_dir, resolve_dtype
     from jaxserve.spec.setup import Speculation
     from jaxserve.model.loader import quantize
     from jaxserve.model.quant import report
@@ -162,12 +162,18 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
     parallel = config.parallel
     # None: one device, unsharded; 2-D ("ep", "tp") with expert parallelism
     mesh = make_mesh(parallel.tensor_parallel_size, parallel.expert_parallel_groups)
+    # int8 activations multiply per-channel int8 only: then every source's int8 is per channel
+    per_channel = quant_select.select(run.int8_activations, run.dequant_form).form
+    per_channel = per_channel.int8_activations
     if loaded is None:  # a checkpoint is restored straight into the mesh's shardings
         with phase(log, f"loading model {model.model!r} on {jax.default_backend()}"):
             loaded = tensor_parallel.load_model(
                 hub_cache.with_revision(model.model, model.revision), mesh,
-                progress=progress, quantization=model.quantization)
-    loaded = quantize(loaded, model.quantization)  # a float LoadedModel given by the caller
+                progress=progress, quantization=model.quantization,
+                int8_per_channel=per_channel, cache_dir=quantized_cache_dir(
+                    run.compile_cache_dir) if model.cache_quantized_weights else None)
+    # a float LoadedModel given by the caller
+    loaded = quantize(loaded, model.quantization, per_channel)
     loaded_s = time.perf_counter() - start
     mc = loaded.config
     if parallel.enable_expert_parallel and not mc.num_experts:  # as vLLM: ignored, said once
@@ -209,6 +215,7 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
             max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens, dtype=model.dtype,
             attention_impl=run.attention_impl, layer_loop=run.layer_loop,
+            int8_activations=run.int8_activations, dequant_form=run.dequant_form,
             token_buckets=run.token_buckets, seq_buckets=run.seq_buckets,
             compile_cache_dir=run.compile_cache_dir, mesh=mesh,
             host_prefix_slots=0 if tier is None else tier.num_slots,
@@ -243,6 +250,8 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
     runner = multihost.for_this_process(runner)
     dtype_name = jax.numpy.dtype(dtype).name
     weight_bytes, weight_formats = report(loaded.params, dtype)
+    if any(fmt != dtype_name for _, fmt, _ in weight_formats):  # some weights are quantized
+        quant_select.resolve(run.int8_activations, run.dequant_form)  # logged with reasons
     log.info("weights on device: %.1f MiB; %s", weight_bytes / 2**20, "; ".join(
         f"{group} {fmt} {size / 2**20:.1f} MiB" for group, fmt, size in weight_formats))
     info = EngineInfo(

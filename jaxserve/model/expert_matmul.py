@@ -27,6 +27,7 @@ Pure functions of arrays: no routing, no weights held, no shardings.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -38,8 +39,8 @@ from jaxserve.model.qlinear import (QArray, _after, _int4_halves, dequantize, li
 
 def _take(w: QArray, experts) -> QArray:
     """The experts' slices of a quantized stack: [E, ...] indexed by experts [T, k]."""
-    return QArray(w.q[experts], w.scale[experts], None if w.zero is None else w.zero[experts],
-                  w.bits, w.group)
+    return dataclasses.replace(w, q=w.q[experts], scale=w.scale[experts],
+                               zero=None if w.zero is None else w.zero[experts])
 
 
 def gathered(h, w, experts) -> jax.Array:
@@ -95,8 +96,8 @@ def _expert(w, e):
     """Expert e's matrix: float [in, out], or a QArray [out, in]."""
     if not isinstance(w, QArray):
         return jnp.asarray(w)[e]
-    return QArray(jnp.asarray(w.q)[e], jnp.asarray(w.scale)[e],
-                  None if w.zero is None else jnp.asarray(w.zero)[e], w.bits, w.group)
+    return dataclasses.replace(w, q=jnp.asarray(w.q)[e], scale=jnp.asarray(w.scale)[e],
+                               zero=None if w.zero is None else jnp.asarray(w.zero)[e])
 
 
 def tiled(rows, w, group_sizes, tile: int | None = None) -> jax.Array:

@@ -9,7 +9,8 @@ are split. A mixture-of-experts file's router (ffn_gate_inp, [E, D]) and expert 
 (ffn_{gate,up,down}_exps, [E, out, in], or llama.cpp's older one tensor per expert,
 ffn_gate.{e}) fill the [L, E, in, out] stacks. With a quantization mode the matrices come back as
 QuantizedTensors instead, mapped from the file's blocks one tensor at a time (model/gguf_quant.py
-says which GGML type gets which form). Expert tensors are never block-mapped (gguf_quant maps 2-D
+says which GGML type gets which form), or with int8_per_channel each dequantized and requantized
+per output channel, one tensor at a time. Expert tensors are never block-mapped (gguf_quant maps 2-D
 matrices): they are dequantized to float, and requantized like a float matrix only where
 quant.MATRIX_NAMES lists them (one expert of the older layout stays float: load_model's
 quantize_params covers the finished stack). The metadata is read by gguf_config. This module
@@ -216,15 +217,18 @@ def _permute_rows(value, num_heads: int):
 
 
 def read_params(reader: gguf.GGUFReader, config: ModelConfig, *, progress: bool = False,
-                desc: str = "loading", quantization: str = "none") -> dict:
+                desc: str = "loading", quantization: str = "none",
+                int8_per_channel: bool = False) -> dict:
     """Every weight of the file in our layout (HF conventions), checked against config: float32,
-    or with quantization 'int8' / 'int4' the matrices as QuantizedTensors (gguf_quant's table)."""
+    or with quantization 'int8' / 'int4' the matrices as QuantizedTensors (gguf_quant's table;
+    int8_per_channel: int8 per output channel, every block requantized)."""
     if quantization not in quant.MODES:
         raise ValueError(f"quantization={quantization!r} is not one of {quant.MODES}")
     family = config.family
     table = layer_tensor_names(config)
     builder = ParamBuilder(config)
-    exact = set() if quantization == "none" else _exact_names(reader, table, quantization)
+    requantize = quantization == "none" or (quantization == "int8" and int8_per_channel)
+    exact = set() if requantize else _exact_names(reader, table, quantization)
     for tensor in tqdm(reader.tensors, desc=desc, unit="tensor", disable=not progress):
         if tensor.name in _CONFIG_TENSORS:
             continue
@@ -274,7 +278,7 @@ def _set_one_expert(builder: ParamBuilder, tensor, name: str, layer: int, expert
 
 
 def load_gguf(path: str | Path, *, progress: bool = True, name: str | None = None,
-              quantization: str = "none") -> LoadedModel:
+              quantization: str = "none", int8_per_channel: bool = False) -> LoadedModel:
     """Config, params (float32, or quantized: read_params) and tokenizer of a GGUF file."""
     path = Path(path)
     if not path.is_file():
@@ -286,6 +290,6 @@ def load_gguf(path: str | Path, *, progress: bool = True, name: str | None = Non
         config = dataclasses.replace(config, name=name)
     config.check_runnable()
     params = read_params(reader, config, progress=progress, desc=f"loading {path.name}",
-                         quantization=quantization)
+                         quantization=quantization, int8_per_channel=int8_per_channel)
     return LoadedModel(config=config, params=params, tokenizer=Tokenizer.from_gguf(metadata),
                        source=str(path))

@@ -34,6 +34,7 @@ from jaxserve.model import kv_quant, layers, moe, rope
 from jaxserve.model import lora as lora_ops
 from jaxserve.model.qlinear import QuantizedWeight, head, linear, lookup
 from jaxserve.model.quant import QuantizedTensor
+from jaxserve.model.quant_select import MatmulForm
 from jaxserve.model import pytrees  # noqa: F401  (registers the step inputs as pytrees)
 from jaxserve.model.attention import PagedAttention
 from jaxserve.model.config import ModelConfig
@@ -88,10 +89,12 @@ def _layer(value, index: int):
 
 class Llama(nnx.Module):
     def __init__(self, config: ModelConfig, params: dict[str, np.ndarray], dtype=jnp.float32,
-                 layer_loop: str = "scan", experts=None, kv_scales=None):
+                 layer_loop: str = "scan", experts=None, quant_form: MatmulForm | None = None,
+                 kv_scales=None):
         """experts: how a MoE layer computes its routed pairs (moe.moe_mlp's experts_fn; None:
-        all experts here, unsharded); kept static in the graph definition. kv_scales: [2, L]
-        k_scale and v_scale of each layer for fp8 KV pages (None: 1.0)."""
+        all experts here, unsharded); quant_form: how quantized matrices are multiplied
+        (model/quant_select.py; None: the backend's "auto"); both static in the graph.
+        kv_scales: [2, L] k_scale and v_scale of each layer for fp8 KV pages (None: 1.0)."""
         expected = config.param_shapes()
         missing = sorted(set(expected) - set(params))
         if missing:
@@ -104,7 +107,7 @@ class Llama(nnx.Module):
             raise ValueError(f"layer_loop must be 'scan' or 'unroll', got {layer_loop!r}")
         def cast(a):  # quantized weights keep their stored dtypes
             if isinstance(a, QuantizedTensor):
-                return QuantizedWeight(a)
+                return QuantizedWeight(a, quant_form)
             return jnp.asarray(np.asarray(a), dtype=dtype)
 
         self.compute_dtype = jnp.dtype(dtype)

@@ -2,37 +2,41 @@
 token lookup and head that dequantize them inside the compiled step, next to their use.
 
 `QuantizedWeight` keeps q / scale / zero as separate nnx.Params in their stored dtypes (int8,
-uint8 nibbles, float16 / float32); `value()` gives a `QArray` pytree, which lax.scan slices by
-layer like any array. `linear(x, w)` is `x @ w` for a float [in, out] array, and for a QArray it
-dequantizes [out, in] to x's dtype and contracts on `in` -- except per-channel int8 on the CPU.
+uint8 nibbles, float16 / float32) and the MatmulForm the backend multiplies them in
+(model/quant_select.py: chosen per backend by the runner, as the layer loop is); `value()` gives
+a `QArray` pytree, which lax.scan slices by layer like any array. `linear(x, w)` is `x @ w` for
+a float [in, out] array, and for a QArray it dequantizes [out, in] to x's dtype and contracts on
+`in` -- except per-channel int8 with int8 activations.
 
-Per-channel int8 on the CPU (`int8_dot`): XLA's CPU dots take one dtype, so an int8 weight is
-widened before any float dot, and its own loops do not vectorize a multiply-and-reduce that
-would read int8 (measured: scripts/qmatmul_options.py). But an int8 x int8 -> int32 dot can
-read them as stored: jaxserve's own CPU kernel (model/cpu_int8.py), else XLA's (YNNPACK, which
-repacks the weights every call: 2x the kernel's time at batch 1). So the activations are
-quantized too, per row, in two int8 levels (the value, then its rounding error), stacked as 2T
-rows of one integer dot: about 15 bits of the activation, the same accuracy as weight-only
-int8 on the default model, and exact int32 sums, so a row's result does not depend on the
-batch. Grouped forms (GGUF's blocks, int4) need a scale per group of 32 inside the sum, which
-one dot cannot apply: they are dequantized. `INT8_ACTIVATIONS` ('auto': the CPU only) chooses.
+Per-channel int8 with int8 activations (`int8_dot`; the CPU and TPUs with an int8 MXU): XLA's
+CPU dots take one dtype, so an int8 weight is widened before any float dot, and its own loops
+do not vectorize a multiply-and-reduce that would read int8 (measured:
+scripts/qmatmul_options.py). But an int8 x int8 -> int32 dot can read them as stored: on the
+CPU jaxserve's own kernel (model/cpu_int8.py), else XLA's (YNNPACK, which repacks the weights
+every call: 2x the kernel's time at batch 1); on a TPU, lax.dot_general on the MXU. So the
+activations are quantized too, per row, in two int8 levels (the value, then its rounding
+error), stacked as 2T rows of one integer dot: about 15 bits of the activation, the same
+accuracy as weight-only int8 on the default model, and exact int32 sums, so a row's result does
+not depend on the batch and is the same on every backend. Grouped forms (GGUF's blocks, int4)
+need a scale per group of 32 inside the sum, which one dot cannot apply: they are dequantized.
 
-Why the dequantization is tied to the activation: the weights do not depend on the step's
-inputs, so XLA's scheduler is free to run every layer's dequantization at the start of the step;
-on the CPU it did, and the step then held all layers' float32 weights at once (56 MB for 16
-matrices of SmolLM2's MLP: 47 ms instead of 0.8 ms, past the 32 MB L3). `_after(x)` is a zero
-XLA cannot prove zero (a bit count shifted out), computed from x, which pins each
-dequantization after the activation it multiplies. XLA on the CPU does not fuse a convert into
-its dot: the float32 weights are written and read back, so a matrix over CHUNK_BYTES is
-dequantized that many bytes of output rows at a time, each chunk tied to the previous chunk's
-result, and the tied head loops (lax.map) over vocabulary chunks; on SmolLM2 the head alone
-went from ~42 ms a decode step (a 113 MB float32 copy of the embedding) to a few. Layout and formats: model/quant.py.
+Dequantized matrices, "fused" form (GPUs, TPUs): one dequantize-then-dot, which XLA fuses into
+the matmul. "chunked" form (the CPU): the weights do not depend on the step's inputs, so XLA's
+scheduler is free to run every layer's dequantization at the start of the step; on the CPU it
+did, and the step then held all layers' float32 weights at once (56 MB for 16 matrices of
+SmolLM2's MLP: 47 ms instead of 0.8 ms, past the 32 MB L3). `_after(x)` is a zero XLA cannot
+prove zero (a bit count shifted out), computed from x, which pins each dequantization after
+the activation it multiplies. XLA on the CPU does not fuse a convert into its dot: the float32
+weights are written and read back, so a matrix over CHUNK_BYTES is dequantized that many bytes
+of output rows at a time, each chunk tied to the previous chunk's result, and the tied head
+loops (lax.map) over vocabulary chunks; on SmolLM2 the head alone went from ~42 ms a decode
+step (a 113 MB float32 copy of the embedding) to a few. Layout and formats: model/quant.py.
 This module holds no host quantizers and knows nothing of files or shardings.
 """
 
 from __future__ import annotations
 
-import logging
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -41,8 +45,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.model import cpu_int8
+from jaxserve.model import cpu_int8, quant_select
+from jaxserve.model.device_select import DeviceDescription
 from jaxserve.model.quant import QuantizedTensor
+from jaxserve.model.quant_select import MatmulForm
 
 
 @dataclass(frozen=True)
@@ -52,25 +58,27 @@ class QArray:
     zero: jax.Array | None      # like scale, or None
     bits: int
     group: int
+    form: MatmulForm | None = None  # None: the current backend's "auto" (quant_select)
 
 
 jax.tree_util.register_dataclass(QArray, data_fields=["q", "scale", "zero"],
-                                 meta_fields=["bits", "group"])
+                                 meta_fields=["bits", "group", "form"])
 
 
 class QuantizedWeight(nnx.Module):
     """One quantized matrix (or a layer stack of them) as model state."""
 
-    def __init__(self, t: QuantizedTensor):
+    def __init__(self, t: QuantizedTensor, form: MatmulForm | None = None):
         self.q = nnx.Param(jnp.asarray(np.asarray(t.q)))
         self.scale = nnx.Param(jnp.asarray(np.asarray(t.scale)))
         if t.zero is not None:
             self.zero = nnx.Param(jnp.asarray(np.asarray(t.zero)))
         self.bits, self.group, self.transposed = t.bits, t.group, t.transposed
+        self.form = form
 
     def value(self) -> QArray:
         zero = self.zero[...] if hasattr(self, "zero") else None
-        return QArray(self.q[...], self.scale[...], zero, self.bits, self.group)
+        return QArray(self.q[...], self.scale[...], zero, self.bits, self.group, self.form)
 
 
 def _after(x) -> jax.Array:
@@ -106,15 +114,18 @@ def dequantize(w: QArray, dtype=jnp.float32, after=None) -> jax.Array:
 # matrix, cost more in per-piece dispatch than they saved (0.7-0.85x float32 against 1.2-1.35x
 # whole).
 CHUNK_BYTES = int(os.environ.get("JAXSERVE_DEQUANT_CHUNK_BYTES", 1 << 22))
-# 'auto' | 'on' | 'off': see int8_activations()
-INT8_ACTIVATIONS = os.environ.get("JAXSERVE_INT8_ACTIVATIONS", "auto")
-log = logging.getLogger(__name__)
-_logged: set = set()
 
 
 def _rows(w: QArray, lo: int, hi: int) -> QArray:
-    return QArray(w.q[lo:hi], w.scale[lo:hi], None if w.zero is None else w.zero[lo:hi],
-                  w.bits, w.group)
+    return dataclasses.replace(w, q=w.q[lo:hi], scale=w.scale[lo:hi],
+                               zero=None if w.zero is None else w.zero[lo:hi])
+
+
+def form_of(w: QArray) -> MatmulForm:
+    """w's MatmulForm; a QArray built without one takes the current backend's "auto"."""
+    if w.form is not None:
+        return w.form
+    return quant_select.select(device=DeviceDescription.current()).form
 
 
 def _num_chunks(out: int, inp: int) -> int:
@@ -127,20 +138,6 @@ def _num_chunks(out: int, inp: int) -> int:
 def per_channel_int8(w: QArray) -> bool:
     """One scale per output row, no zero: the form an integer dot can take whole."""
     return w.bits == 8 and w.zero is None and w.scale.shape[-1] == 1
-
-
-def int8_activations() -> bool:
-    """Whether per-channel int8 weights multiply int8 activations (INT8_ACTIVATIONS: 'auto' is
-    the CPU only, where XLA hands an int8 x int8 -> int32 dot to YNNPACK, which reads the int8
-    weights as they are; elsewhere the weights are dequantized next to the dot)."""
-    backend = jax.default_backend()
-    chosen = backend == "cpu" if INT8_ACTIVATIONS == "auto" else INT8_ACTIVATIONS == "on"
-    if (backend, chosen) not in _logged:
-        _logged.add((backend, chosen))
-        log.info("per-channel int8 weights on %s: %s (INT8_ACTIVATIONS=%s)", backend,
-                 "int8 activations, one int8 x int8 -> int32 dot" if chosen
-                 else "dequantized next to a float dot", INT8_ACTIVATIONS)
-    return chosen
 
 
 def _quantize_rows(x) -> tuple[jax.Array, jax.Array]:
@@ -156,8 +153,9 @@ def int8_dot(x, w: QArray, out_dtype) -> jax.Array:
     of 2T rows: each row of x quantized to int8, and the rounding error it leaves quantized
     again (x ~ qx * sx + qr * sr: about 15 bits, where one int8 alone lost too much: mean KL
     0.05 to float32 on the default model); int32 sums are exact, so a row's result does not
-    depend on T. The dot is cpu_int8.matmul: jaxserve's kernel, which reads the int8 weights
-    once as stored, or XLA's dot (YNNPACK, which repacks them every call), equal bit for bit."""
+    depend on T. The dot is cpu_int8.matmul: on the CPU jaxserve's kernel, which reads the
+    int8 weights once as stored, or XLA's dot (YNNPACK, which repacks them every call), equal
+    bit for bit; on other backends XLA's dot_general (a TPU's int8 MXU)."""
     rows = x.shape[0]
     x = x.astype(jnp.float32)
     qx, sx = _quantize_rows(x)
@@ -202,12 +200,15 @@ def _dot(x, w: QArray, after=None, preferred=None) -> jax.Array:
 
 def linear(x, w):
     """x [T, in] @ w: a float [in, out] array, or a QArray [out, in]: per-channel int8 times
-    int8 activations (int8_activations()), else dequantized here, a chunk of output rows at a
-    time, each chunk after the previous one's result."""
+    int8 activations where its form says so, else dequantized here: whole, or in the chunked
+    form a chunk of output rows at a time, each chunk after the previous one's result."""
     if not isinstance(w, QArray):
         return x @ w
-    if per_channel_int8(w) and int8_activations():
+    form = form_of(w)
+    if per_channel_int8(w) and form.int8_activations:
         return int8_dot(x, w, x.dtype)
+    if not form.chunked:
+        return _dot(x, w)
     out, inp = w.q.shape[-2], w.q.shape[-1] * (8 // w.bits)
     n = _num_chunks(out, inp) if CHUNK_BYTES > 0 else 1
     rows, parts, after = out // n, [], x
@@ -231,16 +232,19 @@ def lookup(w, ids, dtype):
 def head(h, w, transposed: bool):
     """h [R, D] -> logits [R, V] float32; w: the tied embedding [V, D] (transposed False) or
     lm_head [D, V], float or quantized ([V, D] either way)."""
-    if isinstance(w, QArray) and per_channel_int8(w) and int8_activations():
+    if not isinstance(w, QArray):
+        head_ = w.T if not transposed else w
+        return jnp.dot(h, head_, preferred_element_type=jnp.float32)
+    form = form_of(w)
+    if per_channel_int8(w) and form.int8_activations:
         return int8_dot(h, w, jnp.float32)
-    if isinstance(w, QArray):
-        vocab, dim = w.q.shape[0], w.q.shape[1] * (8 // w.bits)
-        n = _num_chunks(vocab, dim) if CHUNK_BYTES > 0 else 1
-        if n == 1:
-            return _dot(h, w, after=h, preferred=jnp.float32)
-        # a loop over vocabulary chunks: one chunk's float weights live at a time
-        chunks = jax.tree.map(lambda a: a.reshape(n, vocab // n, *a.shape[1:]), w)
-        logits = jax.lax.map(lambda c: _dot(h, c, preferred=jnp.float32), chunks)
-        return jnp.moveaxis(logits, 0, 1).reshape(h.shape[0], vocab)  # [n, R, V/n] -> [R, V]
-    head_ = w.T if not transposed else w
-    return jnp.dot(h, head_, preferred_element_type=jnp.float32)
+    if not form.chunked:
+        return _dot(h, w, preferred=jnp.float32)
+    vocab, dim = w.q.shape[0], w.q.shape[1] * (8 // w.bits)
+    n = _num_chunks(vocab, dim) if CHUNK_BYTES > 0 else 1
+    if n == 1:
+        return _dot(h, w, after=h, preferred=jnp.float32)
+    # a loop over vocabulary chunks: one chunk's float weights live at a time
+    chunks = jax.tree.map(lambda a: a.reshape(n, vocab // n, *a.shape[1:]), w)
+    logits = jax.lax.map(lambda c: _dot(h, c, preferred=jnp.float32), chunks)
+    return jnp.moveaxis(logits, 0, 1).reshape(h.shape[0], vocab)  # [n, R, V/n] -> [R, V]

@@ -180,6 +180,25 @@ def quantize_params(params: dict, mode: str) -> dict:
             for name, v in params.items()}
 
 
+def int8_per_channel(params: dict) -> dict:
+    """params with every int8 matrix stored in groups (a GGUF's blocks, a checkpoint of them)
+    dequantized and requantized per output channel, the form int8 activations multiply; other
+    params unchanged (the same dict when nothing is grouped). Host (numpy) arrays only: a
+    matrix restored straight into device shardings stays as stored."""
+    def grouped(v) -> bool:
+        return (isinstance(v, QuantizedTensor) and v.bits == 8
+                and (v.zero is not None or v.group != v.matrix_shape[-1])
+                and isinstance(v.q, np.ndarray))
+
+    def requantized(v: QuantizedTensor) -> QuantizedTensor:
+        w = v.dequantize()  # param layout
+        return quantize_int8(np.swapaxes(w, -1, -2) if v.transposed else w, v.transposed)
+
+    if not any(grouped(v) for v in params.values()):
+        return params
+    return {name: requantized(v) if grouped(v) else v for name, v in params.items()}
+
+
 def device_bytes(params: dict, float_itemsize: int) -> int:
     """Bytes the weights take on device: quantized parts as stored, floats in the model dtype."""
     return sum(v.nbytes if isinstance(v, QuantizedTensor)

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.model import device_select, kv_quant
+from jaxserve.model import device_select, kv_quant, quant_cache, quant_select
 from jaxserve.model.attention import resolve_attention_impl
 from jaxserve.model.config import ModelConfig
 from jaxserve.core.plan import StepPlan
@@ -69,12 +69,26 @@ def resolve_layer_loop(layer_loop: str, backend: str) -> str:
     return layer_loop
 
 
-def enable_compile_cache(cache_dir: str | None) -> None:
+def compile_cache_path(cache_dir: str | None) -> str | None:
+    """The persistent compile cache directory a runner given `cache_dir` uses (None: off)."""
     if cache_dir == "":
-        return
+        return None
     if jax.config.jax_compilation_cache_dir:
-        return  # someone (a test, the user) already chose one
-    cache_dir = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "xla")
+        return jax.config.jax_compilation_cache_dir  # someone (a test, the user) chose one
+    return cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "xla")
+
+
+def quantized_cache_dir(cache_dir: str | None) -> str | None:
+    """Where weights quantized at load are kept (model/quant_cache.py): beside the compiled
+    steps, in the compile cache directory; None when that cache is off."""
+    path = compile_cache_path(cache_dir)
+    return None if path is None else os.path.join(path, quant_cache.SUBDIR)
+
+
+def enable_compile_cache(cache_dir: str | None) -> None:
+    if cache_dir == "" or jax.config.jax_compilation_cache_dir:
+        return  # off, or someone (a test, the user) already chose one
+    cache_dir = compile_cache_path(cache_dir)
     os.makedirs(cache_dir, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
@@ -145,6 +159,7 @@ class ModelRunner:
                  num_pages: int, page_size: int, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, dtype: str = "auto",
                  attention_impl: str = "auto", layer_loop: str = "auto",
+                 int8_activations: str = "auto", dequant_form: str = "auto",
                  token_buckets=None, seq_buckets=None, compile_cache_dir: str | None = None,
                  mesh=None, host_prefix_slots: int = 0, max_loras: int = 0,
                  max_lora_rank: int = 16, lora_registry=None, kv_cache_dtype: str = "auto",
@@ -162,6 +177,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, backend)
         self.kv_dtype = kv_quant.resolve(kv_cache_dtype, self.dtype)
         self.layer_loop = resolve_layer_loop(layer_loop, backend)
+        self.quant_form = quant_select.select(int8_activations, dequant_form).form
         self.attention_impl = resolve_attention_impl(attention_impl, backend, dtype)
         self.page_size = page_size
         self.num_pages = num_pages
@@ -171,7 +187,7 @@ class ModelRunner:
                                          page_size, token_buckets, seq_buckets)
         self.placement = Placement(mesh, model_config)
         self.graphdef, state = self.placement.model(params, self.dtype, self.layer_loop,
-                                                    kv_scales)
+                                                    kv_scales, self.quant_form)
         self.cache = self.new_cache(self.placement)
         self.processors = ProcessorState(max_num_seqs + 1, model_config.vocab_size,
                                          self.placement.replicated)

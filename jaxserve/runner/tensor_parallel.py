@@ -36,10 +36,11 @@ log = logging.getLogger(__name__)
 
 
 def load_model(spec: str, mesh: Mesh | None, *, progress: bool = True,
-               quantization: str = "none"):
+               quantization: str = "none", int8_per_channel: bool = False, cache_dir=None):
     """loader.load_model, except that a jaxserve checkpoint is restored into the mesh's
     shardings, quantized matrices as stored (other formats come back as host arrays, a GGUF's
-    blocks mapped straight to `quantization`'s form; Placement shards them)."""
+    blocks mapped to `quantization`'s form, or per channel with int8_per_channel, kept in
+    cache_dir for the next load; Placement shards them)."""
     from pathlib import Path
 
     from jaxserve.model import checkpoint
@@ -48,10 +49,12 @@ def load_model(spec: str, mesh: Mesh | None, *, progress: bool = True,
 
     path = Path(spec).expanduser()
     if mesh is None or spec == "default" or not checkpoint.is_checkpoint(path):
-        return load_host(spec, progress=progress, quantization=quantization)
+        return load_host(spec, progress=progress, quantization=quantization,
+                         int8_per_channel=int8_per_channel, cache_dir=cache_dir)
     config = ModelConfig.load(path)
     shardings = sharding.param_shardings(config, mesh, checkpoint.quantized_stand_ins(path))
-    return quantize(checkpoint.load_checkpoint(path, shardings=shardings), quantization)
+    return quantize(checkpoint.load_checkpoint(path, shardings=shardings), quantization,
+                    int8_per_channel)
 
 
 def param_of(path, shapes) -> tuple[str | None, str | None, int | None]:
@@ -104,11 +107,13 @@ class Placement:
     def expert_parallel_size(self) -> int:
         return 1 if self.mesh is None else sharding.parallel_sizes(self.mesh)[1]
 
-    def model(self, params: dict, dtype, layer_loop: str, kv_scales=None):
+    def model(self, params: dict, dtype, layer_loop: str, kv_scales=None, quant_form=None):
         """(graphdef, state) of Llama(config, params), each weight in its sharding; kv_scales:
-        the fp8 KV pages' [2, L] scales (None: 1.0), replicated."""
+        the fp8 KV pages' [2, L] scales (None: 1.0), replicated; quant_form: how quantized
+        matrices are multiplied (model/quant_select.py)."""
         if self.mesh is None:
-            return nnx.split(Llama(self.config, params, dtype, layer_loop, kv_scales=kv_scales))
+            return nnx.split(Llama(self.config, params, dtype, layer_loop, kv_scales=kv_scales,
+                                   quant_form=quant_form))
         shapes = self.config.param_shapes()
         tp, ep = self.tensor_parallel_size, self.expert_parallel_size
         stacked = sharding.param_specs(self.config, tp, expert_parallel_size=ep)
@@ -131,7 +136,8 @@ class Placement:
         stand_ins = {name: _stand_in(params[name]) for name in shapes}
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
             graphdef, host_state = nnx.split(Llama(self.config, stand_ins, dtype, layer_loop,
-                                                   experts=experts, kv_scales=kv_scales))
+                                                   experts=experts, kv_scales=kv_scales,
+                                                   quant_form=quant_form))
         replicated = sharding.replicated(self.mesh)
 
         def place(path, leaf):
@@ -281,6 +287,6 @@ def _spec_of(value, spec):
     """shard_map's in_spec of one expert weight: its PartitionSpec, or a QArray of its parts'."""
     if isinstance(value, QArray):
         parts = dict(spec)
-        return QArray(parts["q"], parts["scale"],
-                      None if value.zero is None else parts["zero"], value.bits, value.group)
+        return dataclasses.replace(value, q=parts["q"], scale=parts["scale"],
+                                   zero=None if value.zero is None else parts["zero"])
     return spec

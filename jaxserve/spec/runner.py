@@ -68,7 +68,8 @@ class SpeculativeRunner(RunsInDispatch):
                              "draft model has no adapter slots (use speculative_method='ngram')")
         config, params, shares_target = draft
         placement = Placement(base.mesh, config)
-        draft_graphdef, draft_state = placement.model(params, base.dtype, base.layer_loop)
+        draft_graphdef, draft_state = placement.model(params, base.dtype, base.layer_loop,
+                                                      quant_form=base.quant_form)
         if shares_target:
             draft_state = share_weights(draft_state, base.state)
         draft_attention = placement.attention(base.attention_impl, base.page_size)
