@@ -18,10 +18,9 @@ import json
 import signal
 import sys
 
-from jaxserve.bench.datasets import DATASETS, build_requests
-from jaxserve.bench.front_ends import _free_port, start_server
-from jaxserve.bench.serve import benchmark, fit_to_model, jsonable
-from jaxserve.bench.targets import HttpFacts
+from jaxserve.bench.datasets import DATASETS
+from jaxserve.bench.front_ends import _free_port, served_requests, start_server
+from jaxserve.bench.serve import benchmark, jsonable
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,13 +48,7 @@ def main(argv: list[str] | None = None) -> int:
                        "--data-parallel-size", str(size), *server_args]
             servers[size] = start_server(command)
             print(f"data_parallel_size {size}: serving on {servers[size][1]}", flush=True)
-        with HttpFacts(servers[args.sizes[0]][2], None) as facts:
-            info = facts.facts()
-            requests = build_requests(args.dataset, args.num_prompts, info.vocab_size,
-                                      args.seed, args.input_len, args.output_len)
-            prompt_ids = [facts.chat_ids(list(r.messages)) if r.messages is not None
-                          else list(r.prompt_token_ids) for r in requests]
-        requests = fit_to_model(requests, [len(p) for p in prompt_ids], info.max_model_len)
+        info, requests, _ = served_requests(servers[args.sizes[0]][2], args)
         print(f"{info.model_name}: {len(requests)} {args.dataset} requests, max concurrency "
               f"{args.max_concurrency}, {sum(r.max_tokens for r in requests)} output tokens "
               f"per run", flush=True)

@@ -67,6 +67,19 @@ def start_server(command: list[str], timeout_lines: int = 100_000):
     return proc, grpc_address, base_url
 
 
+def served_requests(base_url: str, args):
+    """(the server's facts, args' dataset requests fitted to its max_model_len, their prompts'
+    token ids): args carries dataset, num_prompts, seed, input_len, output_len."""
+    with HttpFacts(base_url, None) as facts:
+        info = facts.facts()
+        requests = build_requests(args.dataset, args.num_prompts, info.vocab_size,
+                                  args.seed, args.input_len, args.output_len)
+        prompt_ids = [facts.chat_ids(list(r.messages)) if r.messages is not None
+                      else list(r.prompt_token_ids) for r in requests]
+    return (info, fit_to_model(requests, [len(p) for p in prompt_ids], info.max_model_len),
+            prompt_ids)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ours, server_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) \
@@ -92,13 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     proc, grpc_address, base_url = start_server(head + server_args)
     runs = []
     try:
-        with HttpFacts(base_url, None) as facts:
-            info = facts.facts()
-            requests = build_requests(args.dataset, args.num_prompts, info.vocab_size,
-                                      args.seed, args.input_len, args.output_len)
-            prompt_ids = [facts.chat_ids(list(r.messages)) if r.messages is not None
-                          else list(r.prompt_token_ids) for r in requests]
-        requests = fit_to_model(requests, [len(p) for p in prompt_ids], info.max_model_len)
+        info, requests, prompt_ids = served_requests(base_url, args)
         print(f"{info.model_name}: {len(requests)} {args.dataset} requests, max concurrency "
               f"{args.max_concurrency}, {sum(r.max_tokens for r in requests)} output tokens "
               f"per run; gRPC {grpc_address}, HTTP {base_url}", flush=True)
