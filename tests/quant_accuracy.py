@@ -140,7 +140,7 @@ def measure(loaded, forms: dict, form=None) -> dict:
     reference = Forward(loaded.config, loaded.params)
     results = {}
     for name, params in forms.items():
-        candidate = Forward(loaded.config, params, form)
+        candidate = Forward(loaded.config, params, form=form)
         results[name] = (teacher_forced_agreement(reference, candidate, prompts),
                          mean_kl(reference, candidate, text))
     return results

@@ -16,6 +16,7 @@ from jaxserve.entrypoints.cli_flags import engine_config_from_args
 # from its default and is valid on its own
 CLI_VALUES = {
     "model": (["--model", "some/dir"], "some/dir"),
+    "revision": (["--revision", "v1.0"], "v1.0"),
     "dtype": (["--dtype", "bfloat16"], "bfloat16"),
     "cache_quantized_weights": (["--no-cache-quantized-weights"], False),
     "max_model_len": (["--max-model-len", "512"], 512),

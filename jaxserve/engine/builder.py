@@ -225,7 +225,8 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
         if profile:
             with phase(log, "memory profile: compile the largest bucket, size the KV pool"):
                 plan = memory_profile.plan_pool(
-                    cache.gpu_memory_utilization, devices, base.profile_step_memory(),
+                    cache.gpu_memory_utilization, devices,
+                    memory_profile.StepMemory.of(*base.profile_step_memory()),
                     cache.page_size * kv_per_token, cache.page_size, max_model_len)
             num_pages = memory_profile.agree_across_processes(plan.num_pages)
             log.info("%s", plan.describe())

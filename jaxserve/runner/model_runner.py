@@ -217,12 +217,11 @@ class ModelRunner:
                                 processor_state=True, lora=self.lora_shardings))
 
     def profile_step_memory(self):
-        """The largest bucket compiled (not kept) and its memory_analysis(): what one step
-        needs beside the weights and the KV pool (engine/memory_profile.py's StepMemory)."""
-        from jaxserve.engine.memory_profile import StepMemory
-
+        """(the largest bucket, its step compiled, not kept): its memory_analysis() is what
+        one step needs beside the weights and the KV pool (engine/memory_profile.py's
+        StepMemory.of reads it)."""
         shape = max(self.buckets.shapes())
-        return StepMemory.of(shape, self.step.compile_only(shape))
+        return shape, self.step.compile_only(shape)
 
     def resize_kv_pool(self, num_pages: int) -> None:
         """A new zeroed pool of num_pages (before warm-up: start-up sizes the pool after
