@@ -17,8 +17,9 @@ LoRA engine (no adapter named), which shows what serving adapters costs requests
 none. Every request has the same random prompt length and ignores EOS, so each side decodes
 the same number of tokens. A warm-up round (untimed) compiles nothing new but reads the
 adapters into their slots; then each round runs every side once, the order rotating from
-round to round so machine load hits all sides alike. Reports each run's output tokens/s, and
-lora over base (best run of each, and the mean ratio). Prints JSON; --json writes it too, with
+round to round so machine load hits all sides alike. The prefix cache is off on both
+engines (every run repeats the prompts: a cache would skip some sides' prefills). Reports each
+run's output tokens/s, and lora over base (best run of each, and the mean ratio). Prints JSON; --json writes it too, with
 the command. It measures and never asserts.
 """
 
@@ -93,7 +94,11 @@ def main() -> int:
     parser.add_argument("--json", dest="json_path", default=None)
     args = parser.parse_args()
     n, k = args.num_requests, args.num_adapters
-    engine = dict(max_num_seqs=n, max_model_len=args.prompt_len + args.max_tokens + 16)
+    # No prefix cache: every run repeats the same prompts, and a cache would skip the prefill of
+    # a side whose pages survived since its last run (the base engine's always do; the LoRA
+    # engine's are split between two sides and evicted), which is not what this measures.
+    engine = dict(max_num_seqs=n, max_model_len=args.prompt_len + args.max_tokens + 16,
+                  enable_prefix_caching=False)
     llms = {"lora": LLM("default", progress=False, enable_lora=True, max_loras=k,
                         max_cpu_loras=k, max_lora_rank=args.rank, **engine)}
     config = llms["lora"].engine.model_config
@@ -124,6 +129,7 @@ def main() -> int:
         "model": "default (SmolLM2-135M-Instruct)", "num_requests": n, "num_adapters": k,
         "rank": args.rank, "targets": list(MODULES), "prompt_len": args.prompt_len,
         "max_tokens": args.max_tokens, "rounds": args.rounds, "max_num_seqs": n,
+        "enable_prefix_caching": False,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "loadavg_at_end": list(os.getloadavg())},
         "lora_slot_loads": llms["lora"].engine.scheduler.lora_slots.num_loads,
