@@ -146,7 +146,7 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
     returning."""
     import jax
 
-    from jaxserve.model import cpu_ffi, hub_cache, quant_select
+    from jaxserve.model import cpu_ffi, hub_cache, kv_quant, quant_select
     from jaxserve.model.sharding import flat_mesh, make_mesh, parallel_sizes
     from jaxserve.runner import multihost, tensor_parallel
     from jaxserve.runner.buckets import powers_of_two
@@ -163,8 +163,8 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
     # None: one device, unsharded; 2-D ("ep", "tp") with expert parallelism
     mesh = make_mesh(parallel.tensor_parallel_size, parallel.expert_parallel_groups)
     # int8 activations multiply per-channel int8 only: then every source's int8 is per channel
-    per_channel = quant_select.select(run.int8_activations, run.dequant_form).form
-    per_channel = per_channel.int8_activations
+    per_channel = quant_select.select(run.int8_activations,
+                                      run.dequant_form).form.int8_activations
     if loaded is None:  # a checkpoint is restored straight into the mesh's shardings
         with phase(log, f"loading model {model.model!r} on {jax.default_backend()}"):
             loaded = tensor_parallel.load_model(
@@ -187,7 +187,6 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
     mc.check_runnable(max_model_len)  # a longer max_model_len than that is refused
     dtype = resolve_dtype(model.dtype, jax.default_backend())
     speculation = Speculation.build(config, loaded, progress=progress)
-    from jaxserve.model import kv_quant
     kv_dtype = kv_quant.resolve(cache.kv_cache_dtype, dtype)  # the pool counts its bytes
     itemsize = jax.numpy.dtype(kv_dtype).itemsize
     kv_per_token = mc.kv_bytes_per_token(itemsize) + speculation.draft_kv_bytes_per_token(itemsize)
