@@ -43,11 +43,13 @@ def _nest(params: dict[str, np.ndarray]) -> dict:
     return tree
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict:
+def flatten_tree(tree, prefix: str = "") -> dict:
+    """A nested mapping as one dict keyed by dotted paths ("layers.wq")."""
+    from collections.abc import Mapping
     flat = {}
     for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
+        if isinstance(value, Mapping):
+            flat.update(flatten_tree(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value
     return flat
@@ -138,7 +140,7 @@ def load_checkpoint(directory: str | Path, *, shardings: dict | None = None) -> 
         else:
             restored = checkpointer.restore(directory / _PARAMS_DIR, _abstract_tree(
                 config, marker, shardings))
-    flat = _flatten(restored)
+    flat = flatten_tree(restored)
     if shardings is None:
         flat = {k: np.asarray(v) for k, v in flat.items()}
     params = _join_parts(flat, marker.get("quantized", {}))

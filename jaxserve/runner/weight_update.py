@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from jaxserve.model import quant
+from jaxserve.model.checkpoint import flatten_tree
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.quant import QuantizedTensor
 from jaxserve.runner.tensor_parallel import param_of
@@ -55,16 +56,6 @@ def quantization_of(state) -> str:
     return "none"
 
 
-def _flatten(tree: Mapping, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 def _is_hf(names) -> bool:
     return any(n.startswith("model.") or n == "lm_head.weight" for n in names)
 
@@ -74,7 +65,7 @@ def as_param_layout(params: Mapping, config: ModelConfig, quantization: str) -> 
     the config present and nothing else; float matrices quantized when the engine is."""
     from jaxserve.model.safetensors_loader import params_from_hf
 
-    flat = _flatten(params)
+    flat = flatten_tree(params)
     if _is_hf(flat):
         flat = params_from_hf(config, {k: np.asarray(v) for k, v in flat.items()})
     shapes = config.param_shapes()
