@@ -108,7 +108,8 @@ class Llama(nnx.Module):
         def cast(a):  # quantized weights keep their stored dtypes
             if isinstance(a, QuantizedTensor):
                 return QuantizedWeight(a, quant_form)
-            return jnp.asarray(np.asarray(a), dtype=dtype)
+            # a jax array stays one: traced weights (nnx.eval_shape) must not reach numpy
+            return jnp.asarray(a if isinstance(a, jax.Array) else np.asarray(a), dtype=dtype)
 
         self.compute_dtype = jnp.dtype(dtype)
         self.config = config

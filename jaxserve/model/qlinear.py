@@ -65,14 +65,19 @@ jax.tree_util.register_dataclass(QArray, data_fields=["q", "scale", "zero"],
                                  meta_fields=["bits", "group", "form"])
 
 
+def _device(a) -> jax.Array:
+    """A host array on the device; a jax array (traced ones too, under nnx.eval_shape) as is."""
+    return a if isinstance(a, jax.Array) else jnp.asarray(np.asarray(a))
+
+
 class QuantizedWeight(nnx.Module):
     """One quantized matrix (or a layer stack of them) as model state."""
 
     def __init__(self, t: QuantizedTensor, form: MatmulForm | None = None):
-        self.q = nnx.Param(jnp.asarray(np.asarray(t.q)))
-        self.scale = nnx.Param(jnp.asarray(np.asarray(t.scale)))
+        self.q = nnx.Param(_device(t.q))
+        self.scale = nnx.Param(_device(t.scale))
         if t.zero is not None:
-            self.zero = nnx.Param(jnp.asarray(np.asarray(t.zero)))
+            self.zero = nnx.Param(_device(t.zero))
         self.bits, self.group, self.transposed = t.bits, t.group, t.transposed
         self.form = form
 
