@@ -52,6 +52,10 @@ class HostPrefixPool:
             kv = self.swapper.swap_in(kv, host_pages, [page for _, page in group])
         return kv
 
+    def discard_in_flight(self) -> None:
+        """Forget stores not landed yet (their device copies are being deleted)."""
+        self._in_flight.clear()
+
     def _land(self, all_of_them: bool) -> None:
         while self._in_flight:
             slots, host = self._in_flight[0]

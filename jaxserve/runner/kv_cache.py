@@ -31,6 +31,22 @@ class DeviceKV:
     def warmup(self) -> None:
         self.swapper.warmup(self.arrays)
 
+    def release(self) -> None:
+        """Delete the device pages, the swapped-out requests' host copies and the host tier's
+        stores still in flight (sleep: the page manager forgets what they held)."""
+        for array in self.arrays:
+            array.delete()
+        for pages in self._host_pages.values():
+            pages.k.delete()
+            pages.v.delete()
+        self._host_pages.clear()
+        if self.prefix_pool is not None:
+            self.prefix_pool.discard_in_flight()
+
+    def restore(self, arrays: KVCache) -> None:
+        """A new pool in place of a released one (zeroed, same shapes, dtypes, shardings)."""
+        self.arrays = arrays
+
     def apply_swaps(self, plan: StepPlan) -> None:
         """Before the plan's step runs: drop, copy out and copy back pages as it says."""
         for request_id in plan.dropped_swaps:

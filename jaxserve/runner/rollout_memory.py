@@ -110,15 +110,7 @@ class RunnerMemory:
         if not self.kv_on_device:
             return
         self.runner.wait()
-        cache = self.runner.cache
-        for array in cache.arrays:
-            array.delete()
-        for pages in cache._host_pages.values():
-            pages.k.delete()
-            pages.v.delete()
-        cache._host_pages.clear()
-        if cache.prefix_pool is not None:
-            cache.prefix_pool._in_flight.clear()
+        self.runner.cache.release()
         self.kv_on_device = False
 
     def restore_kv(self) -> None:
@@ -126,8 +118,8 @@ class RunnerMemory:
         if self.kv_on_device:
             return
         runner = self.runner
-        runner.cache.arrays = runner.placement.kv_cache(runner.num_pages, runner.page_size,
-                                                        runner.dtype)
+        runner.cache.restore(runner.placement.kv_cache(runner.num_pages, runner.page_size,
+                                                       runner.kv_dtype))
         self.kv_on_device = True
 
 
