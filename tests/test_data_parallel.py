@@ -6,7 +6,9 @@ shared-prefix requests land on the rank holding the prefix (prefix-cache hit tok
 rate at least one engine's on the same sequence; both printed); per-rank gauges on /metrics;
 a killed rank's in-flight requests fail with an error naming it, its health NOT_SERVING (gRPC
 service data_parallel_rank_1, /health's data_parallel_ranks) while the server and the other
-rank keep serving.
+rank keep serving; each rank publishes its KV events on its own port (the wildcard endpoint's
+port plus the rank) with its rank in every batch, and its vllm:* metrics say engine=<rank>.
+A rank whose engine cannot start fails the server with that rank's error.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import httpx
 import pytest
+import zmq
 
 from scale_out_fixtures import LEAN_ENGINE, engine_flags, free_port, mixed_requests, \
     save_tiny_checkpoint
 
 from jaxserve import SamplingParams
+from jaxserve.engine.kv_events import decode_batch
 from jaxserve.entrypoints.grpc.client import JaxServeClient
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -47,13 +51,66 @@ def one_engine(checkpoint):
     llm.close()
 
 
+def _port_pair() -> int:
+    """A free port P whose P + 1 is free too (rank r publishes on P + r)."""
+    import socket
+    while True:
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
+
+
+def _kv_events_flag(port: int) -> list[str]:
+    return ["--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "zmq", '
+            f'"endpoint": "tcp://*:{port}", "topic": "kv"}}']
+
+
+class EventCollector:
+    """SUB sockets on the ports of both ranks; every batch received, by port offset."""
+
+    def __init__(self, port: int, num_ranks: int = 2):
+        self.ctx = zmq.Context()
+        self.batches: dict[int, list] = {r: [] for r in range(num_ranks)}
+        self.socks = []
+        for r in range(num_ranks):
+            sock = self.ctx.socket(zmq.SUB)
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            sock.connect(f"tcp://127.0.0.1:{port + r}")
+            self.socks.append(sock)
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        for sock in self.socks:
+            poller.register(sock, zmq.POLLIN)
+        while not self.stopped.is_set():
+            for sock, _ in poller.poll(100):
+                _, _, payload = sock.recv_multipart()
+                self.batches[self.socks.index(sock)].append(decode_batch(payload))
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.thread.join()
+        for sock in self.socks:
+            sock.close(linger=0)
+        self.ctx.term()
+
+
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    port, http_port = free_port(), free_port()
+    port, http_port, events_port = free_port(), free_port(), _port_pair()
+    events = EventCollector(events_port)
     proc = subprocess.Popen(
         [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", str(checkpoint),
          "--data-parallel-size", "2", "--port", str(port), "--http-port", str(http_port),
-         *engine_flags(LEAN_ENGINE)], stderr=subprocess.PIPE, text=True)
+         *engine_flags(LEAN_ENGINE), *_kv_events_flag(events_port)],
+        stderr=subprocess.PIPE, text=True)
     lines, pids = [], {}
     for line in proc.stderr:
         lines.append(line)
@@ -69,9 +126,10 @@ def server(checkpoint):
     client = JaxServeClient(f"127.0.0.1:{port}", timeout=120.0)
     try:
         yield dict(client=client, http=f"http://127.0.0.1:{http_port}", pids=pids, lines=lines,
-                   proc=proc)
+                   proc=proc, events=events)
     finally:
         client.close()
+        events.close()
         proc.terminate()
         try:
             proc.wait(30)
@@ -178,6 +236,37 @@ def test_metrics_report_each_rank(server):
     body = httpx.get(server["http"] + "/health").json()
     assert body == {"status": "serving",
                     "data_parallel_ranks": {"0": "serving", "1": "serving"}}
+
+
+def test_each_rank_publishes_kv_events_on_its_own_port_with_its_rank(server):
+    batches = server["events"].batches
+    for rank in (0, 1):
+        assert batches[rank], f"no KV-event batch arrived on rank {rank}'s port"
+        ranks = {batch_rank for _, _, batch_rank in batches[rank]}
+        assert ranks == {rank}, f"batches on rank {rank}'s port claim ranks {ranks}"
+
+
+def test_vllm_metrics_carry_each_ranks_engine_label(server):
+    text = httpx.get(server["http"] + "/metrics").text
+    engines = set(re.findall(r'^vllm:num_requests_running\{[^}]*engine="(\d+)"', text, re.M))
+    assert engines == {"0", "1"}, f"vllm:num_requests_running engine labels: {engines}"
+
+
+def test_a_rank_that_cannot_start_fails_the_server_with_its_error(checkpoint):
+    """Rank 1's KV-event port is taken: the server exits non-zero naming rank 1 and why."""
+    import socket
+    events_port = _port_pair()
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", events_port + 1))
+        taken.listen()
+        proc = subprocess.run(
+            [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", str(checkpoint),
+             "--data-parallel-size", "2", "--port", str(free_port()), "--http-port",
+             str(free_port()), *engine_flags(LEAN_ENGINE), *_kv_events_flag(events_port)],
+            stderr=subprocess.PIPE, text=True, timeout=300)
+    assert proc.returncode != 0, "the server started with a rank that could not"
+    assert "data-parallel rank 1 failed to start" in proc.stderr, proc.stderr[-3000:]
+    assert "Address already in use" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_a_killed_rank_fails_its_requests_and_the_other_keeps_serving(server):

@@ -75,8 +75,10 @@ class QueueFullError(RuntimeError):
 
 class Engine:
     def __init__(self, config: EngineConfig, loaded=None, progress: bool = True, *,
-                 parts: EngineParts | None = None):
-        """parts: prebuilt by engine_builder.build_engine (None: built here from config)."""
+                 parts: EngineParts | None = None, data_parallel_rank: int = 0):
+        """parts: prebuilt by engine_builder.build_engine (None: built here from config);
+        data_parallel_rank: this engine's rank behind a data-parallel front end (its KV-event
+        ports are the configured ones plus the rank, its vllm:* metrics say engine=<rank>)."""
         parts = parts or build_engine(config, loaded, progress)
         self.config = parts.config
         self.model_config = parts.model_config
@@ -109,11 +111,12 @@ class Engine:
         if self.lora_registry is not None:  # an adapter a request uses is never evicted
             self.lora_registry.in_use = lambda lora_id: lora_id in self.stats.lora_in_use
         self.metrics = EngineMetrics(lambda: self.stats, self.info, self.lora_registry,
-                                     self.scheduler.lora_slots.max_loras)
+                                     self.scheduler.lora_slots.max_loras,
+                                     engine_index=data_parallel_rank)
         # The prefix cache's changes, sent off this thread (engine/kv_events.py); the page
         # manager logs them only when the config turns events on.
         self.kv_events = make_publisher(parse_kv_events_config(
-            self.config.cache.kv_events_config))
+            self.config.cache.kv_events_config), data_parallel_rank)
         self.rollout = Rollout(self)  # weight updates, sleep / wake_up, pause / resume
 
     def close(self) -> None:

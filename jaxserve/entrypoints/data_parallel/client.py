@@ -85,6 +85,7 @@ class RankState:
     stats: object = None            # its latest EngineStats
     exposition: bytes = b""         # its latest Prometheus text
     exit_code: int | None = None    # set once it exited
+    failure: str | None = None      # why its engine did not start (its failed message)
 
 
 class DataParallelClient:
@@ -135,6 +136,9 @@ class DataParallelClient:
             self._tasks.append(asyncio.ensure_future(self._receive()))
             while not all(r.info is not None for r in self.ranks):
                 for rank, state in enumerate(self.ranks):
+                    if state.failure is not None:
+                        raise RuntimeError(f"data-parallel rank {rank} failed to start: "
+                                           f"{state.failure}")
                     if state.info is None and not state.process.is_alive():
                         raise RuntimeError(f"data-parallel rank {rank} exited with code "
                                            f"{state.process.exitcode} before it was ready "
@@ -162,7 +166,10 @@ class DataParallelClient:
         for task in self._tasks:
             task.cancel()
         for push in self._push:
-            push.send(wire.pack([wire.STOP]))
+            try:  # a PUSH with no peer (a rank that exited) would block the loop for good
+                push.send(wire.pack([wire.STOP]), zmq.NOBLOCK)
+            except zmq.Again:
+                pass
         for state in self.ranks:
             state.process.join(timeout)
             if state.process.is_alive():
@@ -308,6 +315,8 @@ class DataParallelClient:
         elif kind == wire.STATS:
             state = self.ranks[item[1]]
             state.stats, state.exposition = pickle.loads(item[2]), item[3]
+        elif kind == wire.FAILED:
+            self.ranks[item[1]].failure = item[2]
         elif kind == wire.READY:
             _, rank, pid, cpus, info, tokenizer = item
             state = self.ranks[rank]

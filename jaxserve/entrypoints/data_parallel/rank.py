@@ -87,8 +87,13 @@ async def _serve(rank: int, config, in_address: str, out_address: str, parent: i
     outbox.setsockopt(zmq.SNDHWM, 0)  # never block the loop: the front end reads all along
     outbox.connect(out_address)
     sender = _Sender(outbox)
-    engine = await asyncio.get_running_loop().run_in_executor(
-        None, lambda: Engine(config, progress=False))
+    try:
+        engine = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: Engine(config, progress=False, data_parallel_rank=rank))
+    except Exception as exc:  # the front end fails the server with this; exit_now follows
+        log.exception("data-parallel rank %d: the engine did not start", rank)
+        outbox.send(wire.pack([[wire.FAILED, rank, f"{type(exc).__name__}: {exc}"]]))
+        return 1
     async_engine = AsyncEngine(engine)
     async_engine.start()
     tokenizer = pickle.dumps(engine.tokenizer)

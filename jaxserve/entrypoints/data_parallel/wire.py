@@ -8,7 +8,8 @@ Rank -> front end (one PULL socket all ranks push to), in batches (a list of ite
 this step's deltas per sample: the front end rebuilds the totals, so a long output never
 crosses again at every step), `err` (request id, the pickled exception: the front ends map
 its type to a status as they do for one engine), `stats` (rank, pickled EngineStats, the
-rank's Prometheus exposition).
+rank's Prometheus exposition), `failed` (rank, the error that stopped its engine from
+starting, as text).
 
 Pickle only carries the engine's own types between two processes of the same program that the
 front end started itself; nothing read from a network is unpickled. Encoding and decoding only:
@@ -24,7 +25,7 @@ import msgpack
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput
 
 ADD, ABORT, STOP = "add", "abort", "stop"
-READY, OUT, ERR, STATS = "ready", "out", "err", "stats"
+READY, OUT, ERR, STATS, FAILED = "ready", "out", "err", "stats", "failed"
 
 
 def pack(item) -> bytes:
