@@ -90,15 +90,19 @@ def platform_of(device) -> str | None:
 
 
 def nominal_bytes(device) -> int | None:
-    """The device table's nominal memory for the device's kind (None: not in the table)."""
+    """The device table's nominal memory for the device's kind; None where the table has none
+    or the kind alone does not decide the class (an A100 that does not name its size)."""
     from jaxserve.model import device_defaults
     from jaxserve.model.device_select import DeviceDescription
 
     kind = getattr(device, "device_kind", None)
     if kind is None or platform_of(device) is None:
         return None
-    gib = device_defaults.chip(DeviceDescription(platform_of(device), kind)).memory_gib
-    return None if gib is None else int(gib * GIB)
+    description = DeviceDescription(platform_of(device), kind)
+    smallest, largest = (device_defaults.chip(description, size) for size in (0, 1 << 50))
+    if smallest is not largest or smallest.memory_gib is None:
+        return None
+    return int(smallest.memory_gib * GIB)
 
 
 def card_bytes(device, stats: dict, environ: MutableMapping[str, str] = os.environ) -> int:
