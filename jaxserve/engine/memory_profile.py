@@ -22,8 +22,9 @@ Nothing else in a step grows with the pool, so the two-page profile is the step'
 temporary memory at any pool size: the pool is donated and written in place (its update aliases
 the argument), the attention reads pages through the page table [S, P], whose size follows
 max_num_seqs and max_model_len, never num_pages. (The swap and host-tier programs, outside the
-step, gather pages or write them into the donated pool: their sizes follow page-count buckets.) tests/test_memory_plan.py checks it on the CPU (the same
-temporary bytes with 2 and 64 pages); a GPU's or TPU's compile was not measured here.
+step, gather pages or write them into the donated pool: their sizes follow page-count buckets.)
+tests/test_memory_plan.py checks it on the CPU (the same temporary bytes with 2 and 64 pages);
+a GPU's or TPU's compile was not measured here.
 
 `memory_stats(device)` is the one place device memory figures are read (tests replace it to
 pretend a device of a given size). This module decides sizes only: it compiles nothing itself
