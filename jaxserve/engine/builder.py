@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 
 from jaxserve.config import CacheConfig, EngineConfig
-from jaxserve.engine import memory_profile
+from jaxserve.engine import device_memory, memory_profile
 from jaxserve.engine.info import EngineInfo
 from jaxserve.config.kv_events import parse_kv_events_config
 from jaxserve.core.host_prefix_tier import HostPrefixTier
@@ -46,17 +46,21 @@ class EngineParts:
     lora_registry: object = None  # lora.registry.LoRARegistry (None: enable_lora off)
 
 
-def size_page_pool(config: EngineConfig, kv_bytes_per_token: int, max_model_len: int) -> int:
+def size_page_pool(config: EngineConfig, kv_bytes_per_token: int, max_model_len: int,
+                   page_bytes: int | None = None) -> int:
     """Pages for the KV pool: given directly, or from kv_cache_memory's byte budget (page 0
-    included). gpu_memory_utilization's pool is sized after profiling (memory_profile.py)."""
+    included). page_bytes: one page as the devices lay it out (device_memory.kv_page_bytes;
+    default page_size x kv_bytes_per_token, unpadded). gpu_memory_utilization's pool is sized
+    after profiling (memory_profile.py)."""
     cache = config.cache
     if cache.num_pages is not None:
         return cache.num_pages
+    page_bytes = page_bytes or cache.page_size * kv_bytes_per_token
     budget = cache.kv_cache_memory
     if budget is None:  # enough for every sequence at full length, within a default budget
         budget = min(DEFAULT_KV_CACHE_MEMORY, config.scheduler.max_num_seqs
-                     * (max_model_len + cache.page_size) * kv_bytes_per_token)
-    num_pages = budget // (cache.page_size * kv_bytes_per_token)
+                     * (max_model_len + cache.page_size) * page_bytes // cache.page_size)
+    num_pages = budget // page_bytes
     if num_pages < 2:
         raise ValueError(f"kv_cache_memory={budget} bytes holds {num_pages} pages of "
                          f"{cache.page_size} tokens; at least 2 are needed")
@@ -108,6 +112,42 @@ def lora_adapters(config: EngineConfig, model_config, num_processes: int):
     return registry
 
 
+def device_page_bytes(model_config, speculation, page_size: int, kv_dtype, devices) -> int:
+    """One KV page of the target's (and a separate draft's) layers over `devices`, as they lay
+    it out: heads split over the devices, tile-padded on a TPU (device_memory.kv_page_bytes)."""
+    platform = device_memory.platform_of(devices[0])
+    configs = [model_config]
+    if speculation.draft is not None and not speculation.draft[2]:
+        configs.append(speculation.draft[0])
+    return sum(device_memory.kv_page_bytes(
+        c.num_layers, page_size, device_memory.heads_per_device(c.num_kv_heads, len(devices)),
+        c.head_dim, kv_dtype, platform, len(devices)) for c in configs)
+
+
+def check_scalar_memory(model_config, config: EngineConfig, max_model_len: int, dtype,
+                        device) -> None:
+    """On a TPU running the Pallas kernels: refuse, before anything compiles, a max_num_seqs
+    and max_model_len whose page table does not fit the kernels' scalar memory
+    (device_memory.check_tpu_scalar_memory)."""
+    from jaxserve.model.device_select import DeviceDescription, select
+    from jaxserve.runner.buckets import BucketTable
+    from pallas_kernels import tuning
+
+    description = DeviceDescription.from_device(device)
+    run, sched, cache = config.runner, config.scheduler, config.cache
+    if description.platform != "tpu" or select(attention_impl=run.attention_impl, dtype=dtype,
+                                                device=description).attention_impl != "pallas":
+        return
+    buckets = BucketTable.build(sched.max_num_batched_tokens, sched.max_num_seqs, max_model_len,
+                                cache.page_size, run.token_buckets, run.seq_buckets)
+    sizes = tuning.block_sizes("tpu")
+    group = model_config.num_heads // model_config.num_kv_heads
+    device_memory.check_tpu_scalar_memory(
+        buckets.shapes(), buckets.max_pages_per_request, cache.page_size, max_model_len,
+        sched.max_num_seqs, tuning.tokens_per_block(group, sizes.q_block_rows),
+        sizes.max_kv_splits)
+
+
 def with_device_defaults(config: EngineConfig, device) -> EngineConfig:
     """config with the per-device defaults (model/device_defaults.py) for what the user left
     unset on `device` (a jax Device), each choice logged with its reason."""
@@ -156,7 +196,11 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
     from jaxserve.model.loader import quantize
     from jaxserve.model.quant import report
 
-    config = with_device_defaults(config.validate(), jax.local_devices()[0])
+    config = config.validate()
+    # after the device defaults a fraction always reads as set: whether the user gave it decides
+    # between a warning and an error when XLA's allocator holds less than it asks
+    fraction_given = config.is_explicit("gpu_memory_utilization")
+    config = with_device_defaults(config, jax.local_devices()[0])
     model, cache, sched, run = config.model, config.cache, config.scheduler, config.runner
     start = time.perf_counter()
     parallel = config.parallel
@@ -191,15 +235,19 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
     itemsize = jax.numpy.dtype(kv_dtype).itemsize
     kv_per_token = mc.kv_bytes_per_token(itemsize) + speculation.draft_kv_bytes_per_token(itemsize)
     devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
+    local = memory_profile.local_devices(devices, jax.process_index())
+    page_bytes = device_page_bytes(mc, speculation, cache.page_size, kv_dtype, devices)
+    check_scalar_memory(mc, config, max_model_len, model.dtype, local[0])
     profile = (cache.gpu_memory_utilization is not None
-               and memory_profile.memory_stats(devices[0]) is not None)
+               and memory_profile.memory_stats(local[0]) is not None)
     if cache.gpu_memory_utilization is not None and not profile:
         log.warning("gpu_memory_utilization=%s is ignored on the %s backend (no device "
                     "memory figures): set kv_cache_memory for the KV pool's size",
                     cache.gpu_memory_utilization, jax.default_backend())
     # profiling: the runner starts on a 2-page pool and gets its real one once the largest
     # step's memory is known
-    num_pages = 2 if profile else size_page_pool(config, kv_per_token, max_model_len)
+    num_pages = 2 if profile else size_page_pool(config, kv_per_token, max_model_len,
+                                                  page_bytes)
     lora_registry = lora_adapters(config, mc, jax.process_count())
     tier = host_prefix_tier(cache, cache.page_size * kv_per_token, jax.process_count())
     events = (KVEventLog(cache.page_size)
@@ -224,15 +272,16 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
         if profile:
             with phase(log, "memory profile: compile the largest bucket, size the KV pool"):
                 plan = memory_profile.plan_pool(
-                    cache.gpu_memory_utilization, devices,
+                    cache.gpu_memory_utilization, local,
                     memory_profile.StepMemory.of(*base.profile_step_memory()),
-                    cache.page_size * kv_per_token, cache.page_size, max_model_len)
+                    page_bytes, cache.page_size, max_model_len, num_devices=len(devices),
+                    strict=fraction_given)
             num_pages = memory_profile.agree_across_processes(plan.num_pages)
             log.info("%s", plan.describe())
             base.resize_kv_pool(num_pages)
         log.info("KV cache: %d pages x %d tokens = %d tokens, %.1f MiB of %s", num_pages - 1,
                  cache.page_size, (num_pages - 1) * cache.page_size,
-                 num_pages * cache.page_size * kv_per_token / 2**20, kv_quant.describe(
+                 num_pages * page_bytes / 2**20, kv_quant.describe(
                      kv_dtype, getattr(loaded, "kv_scales", None)))
         pages = PageManager(num_pages, cache.page_size, cache.enable_prefix_caching,
                             host_tier=tier, events=events)

@@ -49,6 +49,22 @@ def _resolve_model(args) -> None:
     args.model = tag or args.model
 
 
+def _claim_device_memory(args) -> None:
+    """A command that builds an engine: XLA's GPU allocator gets the engine's
+    gpu_memory_utilization of the card (given, or the GPU default; none when num_pages or
+    kv_cache_memory sizes the pool) before the JAX backend starts (engine/device_memory.py)."""
+    if not hasattr(args, "gpu_memory_utilization"):
+        return
+    from jaxserve.engine.device_memory import claim_device_memory
+    from jaxserve.model.device_defaults import GPU
+
+    cache = engine_config_from_args(args).cache
+    fraction = cache.gpu_memory_utilization
+    if fraction is None and cache.num_pages is None and cache.kv_cache_memory is None:
+        fraction = GPU.gpu_memory_utilization
+    claim_device_memory(fraction)
+
+
 def _connect(args) -> dict:
     """JaxServeClient's key and TLS keywords from the client flags."""
     return dict(api_key=args.api_key, tls=args.tls, ssl_ca_certs=args.ssl_ca_certs,
@@ -343,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if hasattr(args, "model"):
             _resolve_model(args)
+        _claim_device_memory(args)  # before anything starts a JAX backend
         # Multi-host: every process joins the JAX cluster first; process 0 runs the command
         # (its engine stops the followers when it closes), the others run its plans
         # (jaxserve/entrypoints/distributed.py).

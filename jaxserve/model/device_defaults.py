@@ -2,12 +2,12 @@
 compiled and how much of the device's memory jaxserve fills, by device class, in one table.
 
 `chip(device, memory_bytes)` finds the device's class (DeviceClass: its figures and where they
-come from) from a DeviceDescription (device_select.py) and the device's memory figure
-(memory_stats()'s bytes_limit, None where the backend gives none). `apply(config, device,
-memory_bytes)` returns the EngineConfig with every setting the user left unset (see
-EngineConfig.is_explicit) replaced by the class's figure, and one Choice per setting with the
-reason, for the start-up log. The same table gives the roofline scripts (scripts/gpu_check.py,
-scripts/tpu_check.py) each chip's nominal memory bandwidth.
+come from) from a DeviceDescription (device_select.py) and the card's total memory
+(engine/device_memory.py's card_bytes; None where the backend gives no memory figures).
+`apply(config, device, memory_bytes)` returns the EngineConfig with every setting the user left
+unset (see EngineConfig.is_explicit) replaced by the class's figure, and one Choice per setting
+with the reason, for the start-up log. The same table gives the roofline scripts
+(scripts/gpu_check.py, scripts/tpu_check.py) each chip's nominal memory bandwidth.
 
 Where the figures come from (vLLM's EngineArgs defaults for its OpenAI server, the usage this
 engine serves; tpu-inference runs on the same vLLM arguments):
@@ -20,9 +20,9 @@ engine serves; tpu-inference runs on the same vLLM arguments):
   least 16 tokens: a TPU step below that costs what 16 rows cost), then powers of two.
 * GPU token buckets: 1, 4, then every power of two from 16 (the step's cost on a GPU is flat
   at small sizes, so one or a few decoding requests get buckets of their own).
-* gpu_memory_utilization 0.9 on every accelerator (vLLM's and tpu-inference's default); the
-  KV pool gets what the weights and one step of the largest bucket leave of it
-  (engine/memory_profile.py).
+* gpu_memory_utilization 0.9 on every accelerator (vLLM's and tpu-inference's default), a share
+  of the card's total memory as in vLLM; the KV pool gets what the weights and one step of the
+  largest bucket leave of it (engine/memory_profile.py).
 * The CPU keeps its measured defaults: 16 sequences, 256 tokens, buckets 1, 4, 16, 64, 256
   (every other power of two: compiles are what a CPU start-up costs), and no memory fraction
   (the pool is sized from kv_cache_memory, at most 1 GiB).
@@ -110,20 +110,25 @@ TPU_V4 = DeviceClass("TPU v4", 256, 2048, 0.9, **_TPU_BUCKETS,
                      memory_gib=32, bandwidth_gbs=1200)
 TPU = dataclasses.replace(TPU_V4, name="TPU", memory_gib=None, bandwidth_gbs=None)
 
-# (platform, pattern on the lower-cased device_kind, class): the first match wins
+# (platform, pattern on the lower-cased device_kind, least card memory in GiB or None, class):
+# the first row whose pattern matches and whose memory bound the card meets wins. A kind that
+# names its size ("NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe") decides by itself; one
+# that does not is placed by the card's total memory (memory_bytes).
 _KINDS = (
-    ("gpu", r"h200", H200),
-    ("gpu", r"h100.*pcie", H100_PCIE),
-    ("gpu", r"h100.*nvl", H100_NVL),
-    ("gpu", r"h100", H100),
-    ("gpu", r"a100.*80\s*gb", A100_80),
-    ("gpu", r"a100.*40\s*gb", A100_40),
-    ("gpu", r"\bl4\b", L4),
-    ("gpu", r"\bt4\b", T4),
-    ("tpu", r"v6", TPU_V6E),
-    ("tpu", r"v5\s*lite|v5e", TPU_V5E),
-    ("tpu", r"v5p|v5$", TPU_V5P),
-    ("tpu", r"v4", TPU_V4),
+    ("gpu", r"(?<!g)h200", None, H200),  # not the GH200 superchip: its own memory sizes
+    ("gpu", r"h100.*pcie", None, H100_PCIE),
+    ("gpu", r"h100.*nvl", None, H100_NVL),
+    ("gpu", r"h100", None, H100),
+    ("gpu", r"a100.*80\s*gb", None, A100_80),
+    ("gpu", r"a100.*40\s*gb", None, A100_40),
+    ("gpu", r"a100", 60, A100_80),
+    ("gpu", r"a100", None, A100_40),
+    ("gpu", r"\bl4\b", None, L4),
+    ("gpu", r"\bt4\b", None, T4),
+    ("tpu", r"v6", None, TPU_V6E),
+    ("tpu", r"v5\s*lite|v5e", None, TPU_V5E),
+    ("tpu", r"v5p|v5$", None, TPU_V5P),
+    ("tpu", r"v4", None, TPU_V4),
 )
 
 TABLE = (CPU, H200, H100, H100_PCIE, H100_NVL, LARGE_GPU, A100_80, A100_40, L4, T4, GPU,
@@ -131,20 +136,20 @@ TABLE = (CPU, H200, H100, H100_PCIE, H100_NVL, LARGE_GPU, A100_80, A100_40, L4, 
 
 
 def chip(device: DeviceDescription, memory_bytes: int | None = None) -> DeviceClass:
-    """The class of `device`; memory_bytes (memory_stats()'s bytes_limit) tells an A100's
-    two sizes apart and places an unknown GPU (>= 70 GiB: the large-GPU figures, as vLLM)."""
+    """The class of `device`; memory_bytes is the card's total memory (engine/device_memory.py's
+    card_bytes, not XLA's allocator limit, which is a fraction of it): it places an A100 whose
+    kind does not name its size and an unknown GPU (>= 70 GiB: the large-GPU figures, as
+    vLLM)."""
     if device.platform == "cpu":
         return CPU
     kind = device.device_kind.lower().strip()
-    if device.platform == "gpu" and "a100" in kind and memory_bytes is not None:
-        return A100_80 if memory_bytes >= 60 * GIB else A100_40
-    for platform, pattern, cls in _KINDS:
-        if platform == device.platform and re.search(pattern, kind):
+    for platform, pattern, least_gib, cls in _KINDS:
+        if platform != device.platform or not re.search(pattern, kind):
+            continue
+        if least_gib is None or (memory_bytes is not None and memory_bytes >= least_gib * GIB):
             return cls
     if device.platform == "tpu":
         return TPU
-    if "a100" in kind:
-        return A100_40
     if memory_bytes is not None and memory_bytes >= 70 * GIB:
         return LARGE_GPU
     return GPU
