@@ -13,6 +13,9 @@ block attends every KV head to that tile before the next one:
 * where Hkv heads share one packed word (bf16 with one KV head, 8-bit with one or two) the
   buffer is widened whole to float32 into a VMEM copy, which folds, and heads are read there.
 tpu_rules.head_access picks between the two; tpu_rules.check must pass or the call raises.
+JAX's TPU simulator (pltpu.InterpretParams) interprets no ref reshape or bitcast, so there
+(and only there) a head is read by indexing the 3-D buffer: the simulator checks the copy
+schedule and semaphores, Pallas' generic interpreter (interpret=True) the head reads.
 The grid runs blocks in order ("arbitrary"): the last tile of a block starts the copy of the
 next block's first tile, so a decode block (often one tile) does not wait for its first
 copy. The price: a megacore chip (v5p, v7x) runs the grid on one of its two cores.
@@ -143,14 +146,21 @@ def _kernel(layer_ref, pages_ref, meta_ref, slot_ref, q_ref, k_hbm, v_hbm, *refs
                    & (kv_row < (cur.hi_page + 1) * c.page_size))     # [tile, 1]
         sources = []
         for i, buf in enumerate((k_buf, v_buf)):
-            if wide is None:
+            if access == "indexed":
+                sources.append(buf.at[slot])
+            elif wide is None:
                 sources.append(buf.at[slot].reshape(c.tile * num_kv_heads, head_dim))
             else:
                 wide[i][...] = buf[slot].astype(jnp.float32)          # [tile, Hkv, D]
                 sources.append(wide[i].reshape(c.tile * num_kv_heads, head_dim))
         k_src, v_src = sources                                       # [tile * Hkv, D]
+        def head(src, h):                                            # [tile, D] float32
+            if access == "indexed":
+                return src[:, h, :].astype(jnp.float32)
+            return head_rows(src, h, num_kv_heads)
+
         for h in range(num_kv_heads):
-            k = head_rows(k_src, h, num_kv_heads).astype(q_dtype)    # [tile, D]
+            k = head(k_src, h).astype(q_dtype)                       # [tile, D]
             s = lax.dot_general(q_ref[h], k, (((1,), (1,)), ((), ())), precision=precision,
                                 preferred_element_type=jnp.float32)  # [rows, tile]
             s = jnp.where(mask, scores(c, s), NEG_INF)
@@ -158,7 +168,7 @@ def _kernel(layer_ref, pages_ref, meta_ref, slot_ref, q_ref, k_hbm, v_hbm, *refs
             m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
             p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
             alpha = jnp.exp(m_prev - m_new)
-            v = jnp.where(fetched, head_rows(v_src, h, num_kv_heads), 0).astype(v_dtype)
+            v = jnp.where(fetched, head(v_src, h), 0).astype(v_dtype)
             pv = lax.dot_general(p.astype(v_dtype), v, (((1,), (0,)), ((), ())),
                                  precision=precision, preferred_element_type=jnp.float32)
             acc_ref[h] = alpha * acc_ref[h] + pv
@@ -186,6 +196,8 @@ def tpu_call(c: KernelConfig, layer, page_table, meta, q_blocks, k_pages, v_page
         raise ValueError("the TPU paged-attention kernel cannot run this configuration: "
                          + "; ".join(problems))
     access = tpu_rules.head_access(config)
+    if isinstance(interpret, pltpu.InterpretParams):
+        access = "indexed"  # the TPU simulator interprets no ref reshape or bitcast
     tiles = meta[:, 4] - meta[:, 3]
     first_slot = ((jnp.cumsum(tiles) - tiles) % 2).astype(jnp.int32)  # [NB]: tiles before, mod 2
     block = pl.BlockSpec((num_kv_heads, None, rows, head_dim), lambda b, *_: (0, b, 0, 0))
