@@ -43,6 +43,7 @@ from pallas_kernels import tpu_tiling
 VMEM_BUDGET = 32 * 2**20
 SMEM_BUDGET = 2**20
 WORD = np.dtype(np.uint32)
+DYNAMIC = "dynamic"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +68,8 @@ class TpuConfig:
 
 class Access(NamedTuple):
     """One memory access of the kernel. kind: dma | fold | bitcast | strided_load.
-    index (dma): per dimension None (whole), an int (one element) or (start, size)."""
+    index (dma): per dimension None (whole), an int (one element), (start, size) or DYNAMIC
+    (an index known only at run time)."""
 
     kind: str
     what: str
@@ -119,7 +121,8 @@ def accesses(c: TpuConfig) -> list[Access]:
             out.append(Access("bitcast", "folded page buffer", folded, c.kv_dtype))
         if hkv > packing:
             words = WORD if packing > 1 else c.kv_dtype
-            out.append(Access("strided_load", "one KV head", folded, words, step=hkv // packing))
+            out.append(Access("strided_load", "one KV head", (c.tile * hkv // packing, d), words,
+                              step=hkv // packing))
     else:
         out.append(Access("fold", "widened page buffer", (c.tile, hkv, d), np.float32))
         if hkv > 1:
@@ -134,6 +137,10 @@ def dma_problems(a: Access) -> list[str]:
     problems = []
     for dim, index, tile in zip(tiled, a.index[-len(tiled):], tiles):
         if index is None:
+            continue
+        if index is DYNAMIC or index == DYNAMIC:
+            problems.append(f"{a.what}: DMA index of a tiled dimension of {dim} is known only "
+                            "at run time, so nothing keeps it on tile boundaries")
             continue
         start, size = (index, 1) if isinstance(index, int) else index
         if start == 0 and size == dim:
