@@ -1,11 +1,12 @@
 """Paged decode attention in Pallas: one query row per request, split over KV pages.
 
 Each request's visible KV range is cut into `num_kv_splits` runs of whole tiles (a tile is
-`tile_pages` pages); one program per (KV head, request, split) runs an online softmax over its
-tiles with the same block kernels as ragged_paged_attention.py (a block here is one token times
-the query heads of one KV head), and the splits are merged by their log-sum-exp. Splitting
-(flash-decoding) gives a GPU enough programs when few long requests decode; tuning.py decides
-how many from the static shapes, and a TPU never splits. Lowerings, interpret modes and the
+`tile_pages` pages); one program per (request, split) on TPU (all KV heads in it), per (KV head,
+request, split) on GPU, runs an online softmax over its tiles with the same block kernels as
+ragged_paged_attention.py (a block here is one token times the query heads of one KV head), and
+the splits are merged by their log-sum-exp. Splitting (flash-decoding) gives a GPU enough
+programs when few long requests decode; tuning.py decides how many from the static shapes, and
+a TPU never splits. Lowerings, interpret modes and the
 caveats on cache contents are those of ragged_paged_attention.py.
 
 This module must not keep state or read pages past a request's context other than the rest of

@@ -35,8 +35,9 @@ class BlockSizes:
 
 
 BLOCK_SIZES = {
-    # TPU: 128-wide MXU; one program per (KV head, block) already fills the 1-2 TensorCores,
-    # so decode never splits. Tiles of 128 tokens keep the double-buffered K/V in VMEM small.
+    # TPU: 128-wide MXU; programs run in order on one TensorCore (ragged_tpu.py prefetches
+    # across them), so decode never splits. Tiles of 128 tokens keep the double-buffered
+    # whole-page K/V buffers within tpu_rules.VMEM_BUDGET for up to 16 KV heads of 256.
     "tpu": BlockSizes(kv_tile_tokens=128, q_block_rows=128, gpu_rows=None, max_kv_splits=1,
                       target_programs=1),
     # Hopper: one warpgroup per block of 64 rows; 132 SMs want a few hundred programs.

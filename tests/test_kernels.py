@@ -48,10 +48,12 @@ def gpu_interpret_params(skip_if_missing: bool = True):
     return InterpretGPUParams(uninitialized_memory="nan")
 
 
-def make_inputs(rng, q_lens, kv_lens, group, page_size, head_dim, dtype, num_rows):
-    """Random q and cache plus a shuffled page table; slots nobody may see are scaled ×30."""
+def make_inputs(rng, q_lens, kv_lens, group, page_size, head_dim, dtype, num_rows,
+                num_kv_heads=NUM_KV_HEADS, kv_dtype=None):
+    """Random q and cache plus a shuffled page table; slots nobody may see are scaled ×30.
+    The cache takes kv_dtype (default: dtype)."""
     num_pages = MAX_SEQS * PAGES_PER_SEQ + 1
-    shape = (NUM_LAYERS, num_pages, page_size, NUM_KV_HEADS, head_dim)
+    shape = (NUM_LAYERS, num_pages, page_size, num_kv_heads, head_dim)
     k, v = (rng.normal(size=shape).astype(np.float32) for _ in range(2))
     page_table = rng.permutation(np.arange(1, num_pages)).reshape(MAX_SEQS, PAGES_PER_SEQ)
     visible = np.zeros((num_pages, page_size), bool)
@@ -60,9 +62,10 @@ def make_inputs(rng, q_lens, kv_lens, group, page_size, head_dim, dtype, num_row
                             .reshape(-1)[:kv_len]] = True
     k[:, ~visible] *= 30
     v[:, ~visible] *= 30
-    q = rng.normal(size=(num_rows, group * NUM_KV_HEADS, head_dim)).astype(np.float32)
+    q = rng.normal(size=(num_rows, group * num_kv_heads, head_dim)).astype(np.float32)
     q[sum(q_lens):] = np.nan
-    return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+    kv_dtype = kv_dtype or dtype
+    return (jnp.asarray(q, dtype), jnp.asarray(k, kv_dtype), jnp.asarray(v, kv_dtype),
             jnp.int32(rng.integers(NUM_LAYERS)), jnp.asarray(kv_lens, jnp.int32),
             jnp.asarray(page_table, jnp.int32))
 
@@ -104,13 +107,15 @@ def compile_once(fn, *args):
     return jax.jit(fn).trace(*args).lower().compile({"xla_backend_optimization_level": 0})
 
 
-def check_ragged(interpret, group, page_size, dtype, head_dim=32, num_draws=2, **kw):
+def check_ragged(interpret, group, page_size, dtype, head_dim=32, num_draws=2,
+                 num_kv_heads=NUM_KV_HEADS, kv_dtype=None, **kw):
     rng = np.random.default_rng([group, page_size, head_dim])
     kw["sm_scale"] = head_dim ** -0.5
     for draw in range(num_draws):
         q_lens, kv_lens, cu_q_lens, num_seqs = ragged_batch(rng, page_size)
         q, k, v, layer, kv, table = make_inputs(rng, q_lens, kv_lens, group, page_size,
-                                                head_dim, dtype, NUM_TOKENS)
+                                                head_dim, dtype, NUM_TOKENS, num_kv_heads,
+                                                kv_dtype)
         args = (q, k, v, layer, kv, table, cu_q_lens, num_seqs)
         if draw == 0:
             ref_fn = compile_once(functools.partial(reference.ragged_paged_attention, **kw),
@@ -122,13 +127,15 @@ def check_ragged(interpret, group, page_size, dtype, head_dim=32, num_draws=2, *
                      f"ragged draw {draw} q_lens={q_lens} kv_lens={kv_lens}")
 
 
-def check_decode(interpret, group, page_size, dtype, num_kv_splits, head_dim=32, **kw):
+def check_decode(interpret, group, page_size, dtype, num_kv_splits, head_dim=32,
+                 num_kv_heads=NUM_KV_HEADS, kv_dtype=None, **kw):
     rng = np.random.default_rng([group, page_size, num_kv_splits, 7])
     kw["sm_scale"] = head_dim ** -0.5
     for draw in range(2):
         kv_lens = decode_lens(rng, page_size)
         q, k, v, layer, kv, table = make_inputs(rng, [1] * MAX_SEQS, kv_lens, group,
-                                                page_size, head_dim, dtype, MAX_SEQS)
+                                                page_size, head_dim, dtype, MAX_SEQS,
+                                                num_kv_heads, kv_dtype)
         q = jnp.where((kv == 0)[:, None, None], jnp.nan, q)   # an unused slot's q is junk
         args = (q, k, v, layer, kv, table)
         if draw == 0:
@@ -174,6 +181,19 @@ def test_decode_matches_reference(group, page_size, dtype, splits):
 
 def test_decode_split_kv_with_soft_cap_and_sliding_window_matches_reference():
     check_decode(True, 4, 8, jnp.float32, 2, soft_cap=3.0, sliding_window=13)
+
+
+@pytest.mark.parametrize("num_kv_heads,kv_dtype,dtype", [
+    (1, jnp.float32, jnp.float32), (1, jnp.bfloat16, jnp.bfloat16),
+    (1, jnp.float8_e4m3fn, jnp.float32), (4, jnp.float8_e5m2, jnp.float32),
+    (4, jnp.bfloat16, jnp.bfloat16)])
+def test_every_tpu_head_read_matches_reference(num_kv_heads, kv_dtype, dtype):
+    """One KV head (f32: the buffer is the head; bf16 and 8-bit: widened first) and four (read
+    as halves / bytes of 32-bit words), ragged and split-KV decode; the reference reads the
+    same pages."""
+    check_ragged(True, 2, 8, dtype, num_draws=1, num_kv_heads=num_kv_heads,
+                 kv_dtype=kv_dtype)
+    check_decode(True, 2, 8, dtype, 2, num_kv_heads=num_kv_heads, kv_dtype=kv_dtype)
 
 
 def run_or_skip_on_jax_limitation(check):
