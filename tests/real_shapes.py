@@ -3,7 +3,7 @@
 Each entry is the keyword arguments of the model's Hugging Face config (`AutoConfig.for_model`),
 from the checkpoint's published config.json: the lowering sweep builds jaxserve's ModelConfig
 from them through the HF config reader, so the shapes it lowers are the ones a checkpoint would
-give. No weights exist anywhere; tests lower abstract steps (runner/abstract_step.py).
+give. No weights exist anywhere; tests lower abstract steps (bench/abstract_step.py).
 """
 
 from __future__ import annotations
