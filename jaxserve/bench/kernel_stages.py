@@ -25,6 +25,7 @@ import itertools
 import statistics
 import time
 import traceback
+from pathlib import Path
 
 FULL = dict(num_seqs=64, num_kv_heads=8, num_heads=32, head_dim=128, max_context=4096,
             page_size=16, num_prefill=16, chunk=32)
@@ -97,14 +98,15 @@ def _lower_all(rec, configs, platform: str, device: bool, pool) -> dict:
 
 
 def sweep_configs(grid: dict) -> list[dict]:
-    """Every decode configuration (one per KV-split count), then the ragged kernel's (its
-    splits do not apply), each over head_dim x KV heads x KV dtype."""
-    base = list(itertools.product(grid["head_dims"], grid["kv_heads"], grid["kv_dtypes"]))
-    decode = [dict(kernel="paged_attention", head_dim=d, kv_heads=h, kv_dtype=t, kv_splits=k)
-              for d, h, t in base for k in grid["kv_splits"]]
-    ragged = [dict(kernel="ragged_paged_attention", head_dim=d, kv_heads=h, kv_dtype=t,
-                   kv_splits=None) for d, h, t in base]
-    return decode + ragged
+    """For each head_dim x KV heads x KV dtype: the decode kernel at each KV-split count, then
+    the ragged kernel (its splits do not apply), so a budget cut loses whole combinations."""
+    configs = []
+    for d, h, t in itertools.product(grid["head_dims"], grid["kv_heads"], grid["kv_dtypes"]):
+        configs += [dict(kernel="paged_attention", head_dim=d, kv_heads=h, kv_dtype=t,
+                         kv_splits=k) for k in grid["kv_splits"]]
+        configs.append(dict(kernel="ragged_paged_attention", head_dim=d, kv_heads=h,
+                            kv_dtype=t, kv_splits=None))
+    return configs
 
 
 def config_label(c: dict) -> str:
@@ -174,8 +176,12 @@ def _verdict(error: BaseException) -> str:
 
 
 def _error_text(error: BaseException) -> str:
-    text = " ".join(str(error).split())
-    return f"{type(error).__name__}: {text[:240] or '(no message)'}"
+    text = " ".join(str(error).split())[:240]
+    if not text:  # a bare assert: where it fired
+        frames = traceback.extract_tb(error.__traceback__)
+        text = f"(no message) at {Path(frames[-1].filename).name}:{frames[-1].lineno} in " \
+            f"{frames[-1].name}" if frames else "(no message)"
+    return f"{type(error).__name__}: {text}"
 
 
 # ---- the kernels against the reference -------------------------------------------------------
