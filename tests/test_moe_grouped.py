@@ -122,3 +122,9 @@ def test_the_work_count_sees_a_dot_over_every_expert(form):
         _dot_flops(_traced(form).jaxpr.jaxpr, "cuda")
     module = _traced(form).lower(lowering_platforms=("cuda",)).as_text()
     assert "chlo.ragged_dot" in module, "the ragged_dot form lowered without a ragged_dot"
+
+
+def test_the_tpu_lowering_keeps_ragged_dot():
+    """XLA's TPU backend keeps ragged_dot a grouped matmul: the TPU's form stays it."""
+    module = _traced("auto").lower(lowering_platforms=("tpu",)).as_text()
+    assert module.count("\"chlo.ragged_dot\"(") == 3, "the TPU step lost its three ragged_dots"
