@@ -26,7 +26,7 @@ layout, groups along `in`). Both forms return float32.
     Qwen3-30B-A3B. (Its exceptions: XLA's experimental cuDNN ragged-dot fusion, off by
     default and only for a 16-bit result, and hipBLASLt's grouped GEMM on some ROCm parts.)
 * `tiled`: each group padded to whole tiles of `tile` rows, so a tile belongs to one expert,
-  and a loop over the tiles multiplies each by its expert's matrix: at most M + E * (tile - 1)
+  and a loop over the tiles multiplies each by its expert's matrix: at most M + (E + 1) * tile
   rows of work, all shapes static. On the CPU one tile a loop step, through qlinear.linear as
   a dense layer (its int8 kernel included). On a GPU `tiles_at_once` tiles a loop step as one
   batched matmul (their experts' matrices gathered, TILE_WEIGHT_BYTES of them at most), with
