@@ -72,12 +72,14 @@ class MoESuite(arch_oracle.ArchSuite):
         err = np.abs(got - case.want_logits).max(axis=-1)
         assert (err <= 0.25).sum() >= len(err) - 1, f"max |logits - transformers|: {err}"
 
-    def test_last_position_logits_through_ragged_dot_match_transformers(self, case,
-                                                                         monkeypatch):
-        """The grouped expert matmul TPU and GPU run (the CPU's default is the tiled loop)."""
+    @pytest.mark.parametrize("form", ["ragged_dot", "batched_tiles"])
+    def test_last_position_logits_through_each_grouped_form_match_transformers(
+            self, case, monkeypatch, form):
+        """The grouped expert matmuls TPU (ragged_dot) and GPU (batched tiles) run; the CPU's
+        default, one tile a loop step, is every other test's."""
         from jaxserve.model import expert_matmul
 
-        monkeypatch.setattr(expert_matmul, "GROUPED", "ragged_dot")
+        monkeypatch.setattr(expert_matmul, "GROUPED", form)
         got = arch_oracle.last_logits(case.load("transformers5"), case.batch)
         arch_oracle.assert_logits_close(got, case.want_logits)
 

@@ -6,10 +6,11 @@ Dropless: every pair is computed (no capacity factor), and every shape is static
 How the pairs meet their experts is chosen statically from M:
 * M <= num_experts (decode of a few requests): each pair gathers its expert's matrices, so a
   step reads only the experts it uses -- the active parameters, not the total.
-* otherwise: the pairs sorted by expert through `jax.lax.ragged_dot` (one group per expert),
-  which XLA lowers to a grouped matmul on TPU and GPU; on the CPU it computes every group over
-  the whole sorted batch (measured: docs/moe.md), so past the gather's range the CPU pays for
-  its total parameters.
+* otherwise: the pairs sorted by expert, one group per expert, through a grouped matmul
+  (expert_matmul.grouped): `jax.lax.ragged_dot` on TPU, which XLA keeps grouped there; on the
+  CPU and GPU, where XLA computes ragged_dot as one dot over every expert, each group padded
+  to whole tiles and a loop over the tiles (expert_matmul.tiled): at most about 2M rows of
+  work.
 Routers (families/base.py Family.router): a softmax over every expert then the top k, optionally
 renormalised (Qwen3-MoE's norm_topk_prob, Mixtral always), or the top k logits then a softmax
 over them (gpt-oss). The expert matrices may be quantized (int8 / int4; model/expert_matmul.py

@@ -3,7 +3,8 @@ top-k log-probabilities a request may ask for.
 
 Each request's key derives from (its seed, the index of the output token), so a seeded request
 samples the same tokens whatever else shares the batch. When no row samples, a lax.cond skips
-the vocabulary sort entirely. No host sync happens here.
+sampling entirely; when rows sample but none asks for top-k or top-p (greedy, temperature,
+min-p), another skips the vocabulary sort. No host sync happens here.
 """
 
 from __future__ import annotations
@@ -23,20 +24,49 @@ def request_keys(seeds, output_index):
         seeds, output_index)
 
 
-def filter_logits(logits, temperature, top_k, top_p, min_p):
-    """Scaled logits with everything outside top-k / top-p / min-p set to -inf. [S, V]."""
-    vocab = logits.shape[-1]
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+def sort_needed(temperature, top_k, top_p, vocab: int):
+    """[] bool: some sampling row (temperature > 0) has top-k or top-p in force, the filters
+    that need the vocabulary sorted; greedy rows sample nothing, so their settings do not
+    count."""
+    top_k_on = (top_k > 0) & (top_k < vocab)
+    return jnp.any((temperature > 0) & (top_k_on | (top_p < 1.0)))
+
+
+def _sorted_filter(scaled, top_k, top_p, min_p):
+    """top-k, top-p and min-p over the vocabulary sorted per row. [S, V]."""
+    vocab = scaled.shape[-1]
     sorted_desc = -jnp.sort(-scaled, axis=-1)
     ranks = jnp.arange(vocab)[None, :]
-    sorted_desc = jnp.where((top_k[:, None] > 0) & (ranks >= top_k[:, None]), -jnp.inf,
-                            sorted_desc)
+    past_top_k = (top_k[:, None] > 0) & (ranks >= top_k[:, None])
+    sorted_desc = jnp.where(past_top_k, -jnp.inf, sorted_desc)
     probs = jax.nn.softmax(sorted_desc, axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = (mass_before < top_p[:, None]) & (probs >= min_p[:, None] * probs[:, :1])
+    # (past_top_k too: with top_p = 1 the top k's mass can round below 1, which would keep
+    # the -inf tail and with it, through the threshold, the whole vocabulary)
+    keep = ((mass_before < top_p[:, None]) & (probs >= min_p[:, None] * probs[:, :1])
+            & ~past_top_k)
     keep = keep.at[:, 0].set(True)
     threshold = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1)
     return jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)
+
+
+def _min_p_filter(scaled, top_k, top_p, min_p):
+    """min-p alone (no row has top-k or top-p in force): a token stays when its probability is
+    at least min_p times the row's largest, which needs the maximum, not a sort. [S, V]."""
+    del top_k, top_p
+    probs = jax.nn.softmax(scaled, axis=-1)
+    keep = (probs >= min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)) | (
+        scaled == jnp.max(scaled, axis=-1, keepdims=True))
+    return jnp.where(keep, scaled, -jnp.inf)
+
+
+def filter_logits(logits, temperature, top_k, top_p, min_p):
+    """Scaled logits with everything outside top-k / top-p / min-p set to -inf. [S, V].
+    The vocabulary is sorted only when some sampling row asks for top-k or top-p (a lax.cond,
+    which XLA keeps as a conditional: the sort sits in one branch)."""
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    return jax.lax.cond(sort_needed(temperature, top_k, top_p, logits.shape[-1]),
+                        _sorted_filter, _min_p_filter, scaled, top_k, top_p, min_p)
 
 
 def sample(logits, sampling: SamplingInputs):
