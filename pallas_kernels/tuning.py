@@ -42,6 +42,12 @@ BLOCK_SIZES = {
     # Hopper: one warpgroup per block of 64 rows; 132 SMs want a few hundred programs.
     "gpu": BlockSizes(kv_tile_tokens=64, q_block_rows=64, gpu_rows=64, max_kv_splits=16,
                       target_programs=2 * 132),
+    # The XLA blocked path (xla_blocked.py): a tile is one gather and one einsum step of every
+    # block at once, so tiles are longer than a kernel's and decode splits until the step's
+    # blocks reach the GPU kernel's program count, shortening the tile loop. Chosen by analogy
+    # with the GPU row, not yet measured on a GPU.
+    "xla": BlockSizes(kv_tile_tokens=128, q_block_rows=128, gpu_rows=None, max_kv_splits=16,
+                      target_programs=2 * 132),
     # Interpret mode on the CPU: small blocks keep the simulated loops short.
     "cpu": BlockSizes(kv_tile_tokens=32, q_block_rows=32, gpu_rows=None, max_kv_splits=4,
                       target_programs=1),
