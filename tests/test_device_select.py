@@ -30,9 +30,9 @@ DEVICES = {
 }
 
 EXPECTED = {  # name -> (attention_impl, dtype) for "auto"
-    "T4": ("reference", "float16"),
-    "L4": ("reference", "bfloat16"),
-    "A100": ("reference", "bfloat16"),
+    "T4": ("xla", "float16"),
+    "L4": ("xla", "bfloat16"),
+    "A100": ("xla", "bfloat16"),
     "H100": ("pallas", "bfloat16"),
     "TPU v5e": ("pallas", "bfloat16"),
     "TPU v6e": ("pallas", "bfloat16"),
@@ -48,7 +48,7 @@ def test_auto_picks_the_tables_attention_and_dtype(name):
     assert chosen.attention_reason and chosen.dtype_reason, "every choice carries its reason"
 
 
-def test_a_pre_hopper_gpu_says_why_it_runs_the_reference():
+def test_a_pre_hopper_gpu_says_why_it_runs_the_xla_path():
     chosen = select(device=DEVICES["T4"])
     assert "sm_75" in chosen.attention_reason and "Hopper" in chosen.attention_reason
     assert "bfloat16 would be emulated" in chosen.dtype_reason
@@ -56,7 +56,7 @@ def test_a_pre_hopper_gpu_says_why_it_runs_the_reference():
 
 def test_blackwell_does_not_get_the_wgmma_kernel():
     chosen = select(device=DeviceDescription("gpu", "NVIDIA B200", "10.0"))
-    assert (chosen.attention_impl, chosen.dtype) == ("reference", "bfloat16")
+    assert (chosen.attention_impl, chosen.dtype) == ("xla", "bfloat16")
     assert "WGMMA" in chosen.attention_reason
 
 
@@ -65,9 +65,9 @@ def test_a_gpu_without_tensor_cores_gets_float32():
     assert chosen.dtype == "float32", chosen.describe()
 
 
-def test_rocm_runs_the_reference_in_bfloat16():
+def test_rocm_runs_the_xla_path_in_bfloat16():
     chosen = select(device=DeviceDescription("gpu", "AMD Instinct MI250X", "gfx90a"))
-    assert (chosen.attention_impl, chosen.dtype) == ("reference", "bfloat16")
+    assert (chosen.attention_impl, chosen.dtype) == ("xla", "bfloat16")
 
 
 @pytest.mark.parametrize("name", ["T4", "L4", "A100", "CPU"])
@@ -82,9 +82,9 @@ def test_explicit_pallas_where_the_kernel_runs_is_kept(name):
     assert select(attention_impl="pallas", device=DEVICES[name]).attention_impl == "pallas"
 
 
-def test_float32_on_a_hopper_gpu_runs_the_reference_the_kernel_takes_16_bit_only():
+def test_float32_on_a_hopper_gpu_runs_the_xla_path_the_kernel_takes_16_bit_only():
     chosen = select(dtype="float32", device=DEVICES["H100"])
-    assert chosen.attention_impl == "reference", chosen.describe()
+    assert chosen.attention_impl == "xla", chosen.describe()
     with pytest.raises(ValueError, match=r"attention_impl='pallas' can't run on .*float32"):
         select(attention_impl="pallas", dtype="float32", device=DEVICES["H100"])
 
@@ -101,7 +101,7 @@ def test_explicit_float16_and_float32_on_a_t4_are_kept(dtype):
 
 @pytest.mark.parametrize("name", list(DEVICES))
 def test_interpret_mode_and_reference_run_everywhere(name):
-    for impl in ("reference", "pallas-interpret"):
+    for impl in ("reference", "xla", "pallas-interpret"):
         assert select(attention_impl=impl, device=DEVICES[name]).attention_impl == impl
 
 
