@@ -173,3 +173,15 @@ def test_pallas_backend_caps_decode_splits_at_the_fits_maximum(monkeypatch):
     free = PallasAttention(AttentionShape(2, 4, 16))._configs((1, 64), None)
     assert (capped[2], capped[1].with_stats) == (1, False), "one split has no float32 stats"
     assert free[2] > 1, "uncapped, one long request splits"
+
+
+def test_an_engine_on_the_xla_impl_gives_the_reference_greedy_tokens(small_llm):
+    from conftest import make_llm
+    from jaxserve import SamplingParams
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(1, 128, n)] for n in (3, 17, 40, 9)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in small_llm.generate(prompts, params, use_tqdm=False)]
+    xla = make_llm(attention_impl="xla", token_buckets=(32,), seq_buckets=(16,))
+    got = [o.token_ids for o in xla.generate(prompts, params, use_tqdm=False)]
+    assert got == want, "the xla impl's greedy tokens differ from the reference's"
