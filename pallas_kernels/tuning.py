@@ -43,6 +43,14 @@ BLOCK_SIZES = {
     # Hopper: one warpgroup per block of 64 rows; 132 SMs want a few hundred programs.
     "gpu": BlockSizes(kv_tile_tokens=64, q_block_rows=64, gpu_rows=64, max_kv_splits=16,
                       target_programs=2 * 132),
+    # The XLA blocked path (xla_blocked.py): a tile is one gather and one einsum step of every
+    # block at once, so tiles are longer than a kernel's and decode splits until the step's
+    # blocks reach the GPU kernel's program count, shortening the tile loop. 64 query rows per
+    # block: per KV position and KV head a tile step gathers K and V (2 x D x 2 bytes) and
+    # writes scores and probabilities (rows x 6 bytes), comparable at 64-128 rows for head_dim
+    # 128; fewer rows gather more, more rows pad more. Reasoned, not yet measured on a GPU.
+    "xla": BlockSizes(kv_tile_tokens=128, q_block_rows=64, gpu_rows=None, max_kv_splits=16,
+                      target_programs=2 * 132),
     # Interpret mode on the CPU: small blocks keep the simulated loops short.
     "cpu": BlockSizes(kv_tile_tokens=32, q_block_rows=32, gpu_rows=None, max_kv_splits=4,
                       target_programs=1),

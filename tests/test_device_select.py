@@ -1,6 +1,7 @@
 """The device selection table (jaxserve/model/device_select.py) with the device description
-mocked as JAX reports it, the refusal of an explicit choice the device can't run, and the two
-engine entry points (resolve_attention_impl, resolve_dtype) on this CPU."""
+mocked as JAX reports it, the refusal of an explicit choice the device can't run, the model
+shape's part on Hopper (model/kernel_fit.py: fewer decode splits or the XLA path), and the
+engine entry points (resolve_attention_impl, get_attention, resolve_dtype) on this CPU."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ import jax.numpy as jnp
 import pytest
 
 from conftest import make_llm
-from jaxserve.model.attention import AttentionShape, get_attention, resolve_attention_impl
+from jaxserve.model.attention import (AttentionShape, PallasAttention, XlaAttention,
+                                      get_attention, resolve_attention_impl)
 from jaxserve.model import device_select
 from jaxserve.model.device_select import DeviceDescription, select
+from jaxserve.model.kernel_fit import KernelShape
 from jaxserve.runner.model_runner import resolve_dtype
 
 # (platform, device_kind, compute_capability) as jax.devices()[0] reports them
@@ -30,9 +33,9 @@ DEVICES = {
 }
 
 EXPECTED = {  # name -> (attention_impl, dtype) for "auto"
-    "T4": ("reference", "float16"),
-    "L4": ("reference", "bfloat16"),
-    "A100": ("reference", "bfloat16"),
+    "T4": ("xla", "float16"),
+    "L4": ("xla", "bfloat16"),
+    "A100": ("xla", "bfloat16"),
     "H100": ("pallas", "bfloat16"),
     "TPU v5e": ("pallas", "bfloat16"),
     "TPU v6e": ("pallas", "bfloat16"),
@@ -48,7 +51,7 @@ def test_auto_picks_the_tables_attention_and_dtype(name):
     assert chosen.attention_reason and chosen.dtype_reason, "every choice carries its reason"
 
 
-def test_a_pre_hopper_gpu_says_why_it_runs_the_reference():
+def test_a_pre_hopper_gpu_says_why_it_runs_the_xla_path():
     chosen = select(device=DEVICES["T4"])
     assert "sm_75" in chosen.attention_reason and "Hopper" in chosen.attention_reason
     assert "bfloat16 would be emulated" in chosen.dtype_reason
@@ -56,7 +59,7 @@ def test_a_pre_hopper_gpu_says_why_it_runs_the_reference():
 
 def test_blackwell_does_not_get_the_wgmma_kernel():
     chosen = select(device=DeviceDescription("gpu", "NVIDIA B200", "10.0"))
-    assert (chosen.attention_impl, chosen.dtype) == ("reference", "bfloat16")
+    assert (chosen.attention_impl, chosen.dtype) == ("xla", "bfloat16")
     assert "WGMMA" in chosen.attention_reason
 
 
@@ -65,9 +68,9 @@ def test_a_gpu_without_tensor_cores_gets_float32():
     assert chosen.dtype == "float32", chosen.describe()
 
 
-def test_rocm_runs_the_reference_in_bfloat16():
+def test_rocm_runs_the_xla_path_in_bfloat16():
     chosen = select(device=DeviceDescription("gpu", "AMD Instinct MI250X", "gfx90a"))
-    assert (chosen.attention_impl, chosen.dtype) == ("reference", "bfloat16")
+    assert (chosen.attention_impl, chosen.dtype) == ("xla", "bfloat16")
 
 
 @pytest.mark.parametrize("name", ["T4", "L4", "A100", "CPU"])
@@ -82,9 +85,9 @@ def test_explicit_pallas_where_the_kernel_runs_is_kept(name):
     assert select(attention_impl="pallas", device=DEVICES[name]).attention_impl == "pallas"
 
 
-def test_float32_on_a_hopper_gpu_runs_the_reference_the_kernel_takes_16_bit_only():
+def test_float32_on_a_hopper_gpu_runs_the_xla_path_the_kernel_takes_16_bit_only():
     chosen = select(dtype="float32", device=DEVICES["H100"])
-    assert chosen.attention_impl == "reference", chosen.describe()
+    assert chosen.attention_impl == "xla", chosen.describe()
     with pytest.raises(ValueError, match=r"attention_impl='pallas' can't run on .*float32"):
         select(attention_impl="pallas", dtype="float32", device=DEVICES["H100"])
 
@@ -101,7 +104,7 @@ def test_explicit_float16_and_float32_on_a_t4_are_kept(dtype):
 
 @pytest.mark.parametrize("name", list(DEVICES))
 def test_interpret_mode_and_reference_run_everywhere(name):
-    for impl in ("reference", "pallas-interpret"):
+    for impl in ("reference", "xla", "pallas-interpret"):
         assert select(attention_impl=impl, device=DEVICES[name]).attention_impl == impl
 
 
@@ -174,3 +177,84 @@ def test_gpu_check_decode_rates_time_every_request_decoding():
     for r in rates:
         tokens = r["tokens_per_s"] * r["ms_per_step"] * steps / 1000
         assert tokens == pytest.approx(r["n"] * steps), f"N={r['n']}: {tokens} tokens timed"
+
+
+GEMMA3 = KernelShape(256, 2, 4, "bfloat16", "bfloat16", 16, sliding_window=True)
+PHI3 = KernelShape(96, 1, 32, "bfloat16", "bfloat16", 16)
+
+
+def test_auto_on_hopper_caps_gemma3s_decode_splits_where_split_stats_overflow_shared_memory():
+    chosen = select(device=DEVICES["H100"], shape=GEMMA3)
+    assert (chosen.attention_impl, chosen.max_kv_splits) == ("pallas", 1), chosen.describe()
+    assert "shared memory" in chosen.attention_reason
+
+
+def test_auto_on_hopper_keeps_every_split_where_they_fit():
+    shape = KernelShape(128, 4, 8, "bfloat16", "bfloat16", 16)
+    chosen = select(device=DEVICES["H100"], shape=shape)
+    assert (chosen.attention_impl, chosen.max_kv_splits) == ("pallas", 16), chosen.describe()
+
+
+@pytest.mark.parametrize("shape,limit", [
+    (PHI3, "head_dim % 64"),
+    (KernelShape(256, 2, 4, "bfloat16", "float8_e4m3fn", 16), "shared memory")])
+def test_auto_on_hopper_takes_the_xla_path_for_shapes_the_kernel_cannot_run(shape, limit):
+    chosen = select(device=DEVICES["H100"], shape=shape)
+    assert chosen.attention_impl == "xla", chosen.describe()
+    assert limit in chosen.attention_reason, chosen.attention_reason
+
+
+def test_explicit_pallas_for_a_shape_the_kernel_cannot_run_names_field_and_limit():
+    with pytest.raises(ValueError, match=r"attention_impl='pallas' can't run on .*head_dim % 64"):
+        select(attention_impl="pallas", device=DEVICES["H100"], shape=PHI3)
+
+
+@pytest.mark.parametrize("name", ["T4", "A100", "CPU", "TPU v5e"])
+def test_the_shape_does_not_change_other_devices_choices(name):
+    assert select(device=DEVICES[name], shape=PHI3).attention_impl == EXPECTED[name][0]
+
+
+def hopper_attention(monkeypatch, impl, **shape):
+    """get_attention as a Hopper process would run it (the device mocked, kernels lowered for
+    the GPU); nothing is compiled."""
+    from pallas_kernels import tuning
+    monkeypatch.setattr(DeviceDescription, "current", classmethod(lambda cls, p=None:
+                                                                  DEVICES["H100"]))
+    monkeypatch.setattr(tuning, "backend", lambda: "gpu")
+    device_select._logged.clear()
+    return get_attention(impl, AttentionShape(**shape))
+
+
+def test_get_attention_builds_the_xla_backend_for_phi3_on_hopper_and_logs_why(monkeypatch,
+                                                                              caplog):
+    with caplog.at_level(logging.INFO, logger="jaxserve.model.device_select"):
+        backend = hopper_attention(monkeypatch, "auto", group=1, num_kv_heads=32, page_size=16,
+                                   head_dim=96, dtype="bfloat16")
+    assert isinstance(backend, XlaAttention), type(backend)
+    assert "attention_impl=xla" in caplog.text and "head_dim % 64" in caplog.text, caplog.text
+
+
+def test_get_attention_gives_gemma3_on_hopper_the_kernel_with_one_split(monkeypatch):
+    backend = hopper_attention(monkeypatch, "auto", group=2, num_kv_heads=4, page_size=16,
+                               sliding_windows=(None, 512), head_dim=256, dtype="bfloat16")
+    assert isinstance(backend, PallasAttention) and backend.max_kv_splits == 1
+    assert backend._configs((4, 64), None)[2] == 1, "the decode call must not split"
+
+
+def test_get_attention_refuses_explicit_pallas_for_phi3_on_hopper(monkeypatch):
+    with pytest.raises(ValueError, match=r"attention_impl='pallas'.*head_dim % 64"):
+        hopper_attention(monkeypatch, "pallas", group=1, num_kv_heads=32, page_size=16,
+                         head_dim=96, dtype="bfloat16")
+
+
+def test_placement_gives_the_attention_shape_head_dim_dtypes_and_sinks(monkeypatch):
+    from jaxserve.runner import tensor_parallel
+    from tiny_models import tiny_config
+    seen = []
+    monkeypatch.setattr(tensor_parallel, "get_attention", lambda impl, shape: seen.append(shape))
+    config = tiny_config()
+    tensor_parallel.Placement(None, config).attention("auto", 16, jnp.bfloat16,
+                                                      jnp.float8_e4m3fn)
+    shape = seen[0]
+    assert (shape.head_dim, shape.dtype, shape.kv_dtype, shape.sinks) == \
+        (config.head_dim, "bfloat16", "float8_e4m3fn", config.family.attention_sinks), shape

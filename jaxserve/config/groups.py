@@ -244,9 +244,10 @@ class RunnerConfig:
     """How the device step is built and run: attention path, layer loop, compiled shapes, the
     compilation cache, the CPU backend's threads and jaxserve's CPU kernels."""
     attention_impl: str = setting(
-        "auto", "paged attention: auto (pallas on TPU/GPU, reference on CPU), reference "
-        "(XLA), pallas, pallas-interpret (kernel tests)",
-        choices=("auto", "reference", "pallas", "pallas-interpret"))
+        "auto", "paged attention: auto (pallas on TPU and on Hopper where the model's shape "
+        "fits, xla on other GPUs, reference on CPU), reference (XLA, CPU-tuned), xla (the "
+        "kernels' blocked algorithm in XLA), pallas, pallas-interpret (kernel tests)",
+        choices=("auto", "reference", "xla", "pallas", "pallas-interpret"))
     layer_loop: str = setting(
         "auto", "how the step runs the layers: auto (unroll on CPU, scan elsewhere), scan "
         "(flat compile time), unroll", choices=LAYER_LOOPS)

@@ -7,15 +7,16 @@ reference path; block metadata for the Pallas kernels, once per distinct sliding
 `backend(q, k_pages, v_pages, layer, prepared, sm_scale=..., sliding_window=..., soft_cap=...,
 sinks=...)` then runs one layer. `sinks` (gpt-oss attention sinks: a float32 [Hq] of the heads
 this device holds, one extra softmax logit per query head with no value) defaults to None, which
-traces exactly the code of a model without sinks. `auto` is resolved per device by
-model/device_select.py: Pallas on TPU and Hopper GPUs, the reference elsewhere; an explicit
-`pallas` the device can't run is refused there.
+traces exactly the code of a model without sinks. `auto` is resolved per device and model shape
+by model/device_select.py (with model/kernel_fit.py's limits of the Hopper kernel): Pallas on
+TPU and on Hopper where the shape fits, the XLA blocked path on other GPUs, the reference on the
+CPU; an explicit `pallas` the device or shape can't run is refused there.
 
-The Pallas backend splits the batch at `num_decode_seqs`: the leading one-row decode requests
-go through the paged decode kernel (split-KV where it pays), the rest through the ragged
-kernel, and the two outputs are joined by row. The reference path needs no split: its own
-blocks already walk decode rows in small per-row tiles. This module selects and prepares; the
-arithmetic lives in pallas_kernels/.
+The Pallas and XLA blocked backends split the batch at `num_decode_seqs`: the leading one-row
+decode requests go through split-KV decode blocks, the rest through ragged blocks (skipped by a
+lax.cond in steps without any), and the two outputs are joined by row. The reference path needs
+no split: its own blocks already walk decode rows in small per-row tiles. This module selects
+and prepares; the arithmetic lives in pallas_kernels/.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any, NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 
-from jaxserve.model import cpu_attention, device_select
+from jaxserve.model import cpu_attention, device_select, kernel_fit
 from jaxserve.model.decode_attention import WIDE_MAX_KV_HEADS, decode_attention, decode_work
 from jaxserve.model.device_select import ATTENTION_IMPLS  # noqa: F401  (re-exported)
 from jaxserve.model.step_inputs import AttentionMetadata
@@ -51,24 +52,53 @@ class AttentionShape:
     num_kv_heads: int          # KV heads on one device
     page_size: int
     sliding_windows: tuple = (None,)  # distinct windows the model's layers use
+    head_dim: int | None = None  # None (with the dtypes): the kernel's shape limits unchecked
+    dtype: str | None = None     # the query's (compute) dtype, e.g. "bfloat16"
+    kv_dtype: str | None = None  # the pages' dtype (default: dtype), e.g. "float8_e4m3fn"
+    sinks: bool = False          # the model's layers have attention sinks
+
+    def kernel_shape(self) -> kernel_fit.KernelShape | None:
+        """What kernel_fit checks, or None while head_dim / dtype are unknown."""
+        if self.head_dim is None or self.dtype is None:
+            return None
+        return kernel_fit.KernelShape(
+            self.head_dim, self.group, self.num_kv_heads, self.dtype,
+            self.kv_dtype or self.dtype, self.page_size,
+            sliding_window=any(w is not None for w in self.sliding_windows), sinks=self.sinks)
 
 
-def resolve_attention_impl(impl: str, backend: str | None = None, dtype: str = "auto") -> str:
-    """"auto" -> the implementation for the first device of `backend` (default: JAX's default
-    backend) in `dtype`, logged once with the reason; an explicit one it can't run is a
+def select_attention(impl: str, backend: str | None = None, dtype: str = "auto",
+                     shape: AttentionShape | None = None, log: bool = True):
+    """device_select.Selection for the first device of `backend` (default: JAX's default
+    backend) in `dtype` (default: shape's) and, given, the model's attention shape; the choice
+    logged once with its reason unless log=False. An explicit impl it can't run is a
     ValueError naming attention_impl."""
     device = device_select.DeviceDescription.current(backend)
-    chosen = device_select.select(attention_impl=impl, dtype=dtype, device=device)
-    device_select.log_choice("attention_impl", chosen.attention_impl, chosen.attention_reason,
-                             device)
-    return chosen.attention_impl
+    if shape is not None and shape.dtype is not None and dtype == "auto":
+        dtype = shape.dtype
+    chosen = device_select.select(attention_impl=impl, dtype=dtype, device=device,
+                                  shape=None if shape is None else shape.kernel_shape())
+    if log:
+        device_select.log_choice("attention_impl", chosen.attention_impl,
+                                 chosen.attention_reason, device)
+    return chosen
+
+
+def resolve_attention_impl(impl: str, backend: str | None = None, dtype: str = "auto",
+                           log: bool = True) -> str:
+    """"auto" -> the implementation for the device alone (select_attention without a shape)."""
+    return select_attention(impl, backend, dtype, log=log).attention_impl
 
 
 def get_attention(impl: str, shape: AttentionShape) -> PagedAttention:
-    impl = resolve_attention_impl(impl)
-    if impl == "reference":
+    """The backend for `impl` ("auto" resolved for this device and shape, logged)."""
+    chosen = select_attention(impl, shape=shape)
+    if chosen.attention_impl == "reference":
         return ReferenceAttention(shape)
-    return PallasAttention(shape, interpret=impl == "pallas-interpret")
+    if chosen.attention_impl == "xla":
+        return XlaAttention(shape)
+    return PallasAttention(shape, interpret=chosen.attention_impl == "pallas-interpret",
+                           max_kv_splits=chosen.max_kv_splits)
 
 
 class _RowMetadata(NamedTuple):
@@ -157,21 +187,32 @@ class _KernelMetadata(NamedTuple):
     page_table: jax.Array      # [S, P]
     num_decode_seqs: jax.Array  # []
     decode_kv_lens: jax.Array  # [S] context of decode requests, 0 for the others
+    any_ragged: jax.Array      # [] bool: some request has more than one row this step
     ragged: tuple              # per sliding window: metadata.RaggedBlocks
     decode: tuple              # per sliding window: [S * splits, 5] split metadata
 
 
 class PallasAttention:
-    """Decode rows through paged_attention's kernel, the rest through the ragged kernel. With
-    sinks, both kernels also report their log-sum-exp and the sinks scale their outputs
-    (ragged_paged_attention.sink_weight): the kernel bodies are the same either way."""
+    """Decode rows through paged_attention's kernel, the rest through the ragged kernel (not
+    run at all in a step of one-row requests only). With sinks, both kernels also report their
+    log-sum-exp and the sinks scale their outputs (ragged_paged_attention.sink_weight): the
+    kernel bodies are the same either way."""
 
-    def __init__(self, shape: AttentionShape, interpret: bool = False):
-        from pallas_kernels import tuning
+    def __init__(self, shape: AttentionShape, interpret: bool = False,
+                 max_kv_splits: int | None = None):
+        """max_kv_splits: the most decode KV splits (kernel_fit's cap where more would not fit
+        in a Hopper block's shared memory; None: tuning.py's)."""
         self.shape = shape
-        self.formulation, self.sizes, self.interpret = tuning.plan(interpret)
+        self.max_kv_splits = max_kv_splits
+        self.formulation, self.sizes, self.interpret = self._plan(interpret)
+
+    @staticmethod
+    def _plan(interpret):
+        from pallas_kernels import tuning
+        return tuning.plan(interpret)
 
     def _configs(self, page_table_shape, sliding_window, sm_scale=1.0, soft_cap=None):
+        from pallas_kernels import tuning
         from pallas_kernels.paged_attention import decode_config
         from pallas_kernels.ragged_paged_attention import ragged_config
         num_seqs, pages_per_seq = page_table_shape
@@ -179,10 +220,13 @@ class PallasAttention:
         ragged = ragged_config(sh.group, sh.page_size, pages_per_seq, self.sizes,
                                sm_scale=sm_scale, soft_cap=soft_cap,
                                sliding_window=sliding_window)
-        decode, num_splits = decode_config(sh.group, sh.page_size, pages_per_seq,
-                                           sh.num_kv_heads, num_seqs, self.sizes,
-                                           sm_scale=sm_scale, soft_cap=soft_cap,
-                                           sliding_window=sliding_window)
+        tile_pages = tuning.pages_per_tile(sh.page_size, self.sizes)
+        splits = tuning.num_kv_splits(sh.num_kv_heads, num_seqs,
+                                      -(-pages_per_seq // tile_pages), self.sizes)
+        decode, num_splits = decode_config(
+            sh.group, sh.page_size, pages_per_seq, sh.num_kv_heads, num_seqs, self.sizes,
+            sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+            tile_pages=tile_pages, num_kv_splits=min(splits, self.max_kv_splits or splits))
         return ragged, decode, num_splits
 
     def prepare(self, metadata: AttentionMetadata, num_tokens: int) -> _KernelMetadata:
@@ -198,27 +242,63 @@ class PallasAttention:
                 md.cu_q_lens, md.kv_lens, md.num_seqs, num_tokens, tokens=rc.tokens,
                 tile=rc.tile, sliding_window=window, first_seq=num_decode))
             decode.append(blocks.kv_split_metadata(decode_kv_lens, num_splits, dc.tile, window))
-        return _KernelMetadata(md.page_table, num_decode, decode_kv_lens, tuple(ragged),
+        return _KernelMetadata(md.page_table, num_decode, decode_kv_lens,
+                               jnp.reshape(md.num_seqs, ()) > num_decode, tuple(ragged),
                                tuple(decode))
+
+    def _ragged(self, q, k_pages, v_pages, layer, page_table, blocks, sinks, c):
+        from pallas_kernels.ragged_paged_attention import ragged_attend
+        return ragged_attend(q, k_pages, v_pages, layer, page_table, blocks, sinks, c=c,
+                             formulation=self.formulation, interpret=self.interpret)
+
+    def _decode(self, q, k_pages, v_pages, layer, page_table, kv_lens, meta, sinks, c,
+                num_splits):
+        from pallas_kernels.paged_attention import decode_attend
+        return decode_attend(q, k_pages, v_pages, layer, page_table, kv_lens, meta, sinks, c=c,
+                             num_splits=num_splits, formulation=self.formulation,
+                             interpret=self.interpret)
 
     def __call__(self, q, k_pages, v_pages, layer, prepared: _KernelMetadata, *, sm_scale,
                  sliding_window=None, soft_cap=None, sinks=None):
-        from pallas_kernels.paged_attention import decode_attend
-        from pallas_kernels.ragged_paged_attention import ragged_attend
+        pr = prepared
         index = self.shape.sliding_windows.index(sliding_window)
-        rc, dc, num_splits = self._configs(prepared.page_table.shape, sliding_window,
-                                           sm_scale, soft_cap)
-        out = ragged_attend(q, k_pages, v_pages, layer, prepared.page_table,
-                            prepared.ragged[index], sinks, c=rc, formulation=self.formulation,
-                            interpret=self.interpret)                    # [T, Hq, D]
-        num_tokens, num_seqs = q.shape[0], prepared.page_table.shape[0]
+        rc, dc, num_splits = self._configs(pr.page_table.shape, sliding_window, sm_scale,
+                                           soft_cap)
+        out = jax.lax.cond(  # [T, Hq, D]; a step of one-row requests has no ragged block
+            pr.any_ragged,
+            lambda a: self._ragged(*a, pr.page_table, pr.ragged[index], sinks, rc),
+            lambda a: jnp.zeros_like(a[0]), (q, k_pages, v_pages, layer))
+        num_tokens, num_seqs = q.shape[0], pr.page_table.shape[0]
         q_decode = q[:num_seqs]  # decode rows are the batch's first rows, one per request
         if num_tokens < num_seqs:
             q_decode = jnp.pad(q_decode, ((0, num_seqs - num_tokens), (0, 0), (0, 0)))
-        decoded = decode_attend(q_decode, k_pages, v_pages, layer, prepared.page_table,
-                                prepared.decode_kv_lens, prepared.decode[index], sinks, c=dc,
-                                num_splits=num_splits, formulation=self.formulation,
-                                interpret=self.interpret)               # [S, Hq, D]
+        decoded = self._decode(q_decode, k_pages, v_pages, layer, pr.page_table,
+                               pr.decode_kv_lens, pr.decode[index], sinks, dc,
+                               num_splits)                               # [S, Hq, D]
         rows = jnp.arange(num_tokens)
         from_decode = decoded[jnp.minimum(rows, num_seqs - 1)]
-        return jnp.where((rows < prepared.num_decode_seqs)[:, None, None], from_decode, out)
+        return jnp.where((rows < pr.num_decode_seqs)[:, None, None], from_decode, out)
+
+
+class XlaAttention(PallasAttention):
+    """The Pallas backend's blocks and split-KV decode, run by pallas_kernels/xla_blocked.py's
+    XLA ops with tuning.py's "xla" block sizes: for GPUs (and shapes) the compiled kernel can't
+    serve."""
+
+    def __init__(self, shape: AttentionShape):
+        super().__init__(shape)
+
+    @staticmethod
+    def _plan(interpret):
+        from pallas_kernels import tuning
+        return "xla", tuning.block_sizes("xla"), False
+
+    def _ragged(self, q, k_pages, v_pages, layer, page_table, blocks, sinks, c):
+        from pallas_kernels.xla_blocked import ragged_attend
+        return ragged_attend(q, k_pages, v_pages, layer, page_table, blocks, sinks, c=c)
+
+    def _decode(self, q, k_pages, v_pages, layer, page_table, kv_lens, meta, sinks, c,
+                num_splits):
+        from pallas_kernels.xla_blocked import decode_attend
+        return decode_attend(q, k_pages, v_pages, layer, page_table, kv_lens, meta, sinks, c=c,
+                             num_splits=num_splits)

@@ -1,11 +1,18 @@
 """Which attention implementation and default dtype a device runs: one table, by platform,
 device kind and compute capability as JAX reports them.
 
-`select(attention_impl, dtype, device)` resolves "auto" for both fields from a
+`select(attention_impl, dtype, device, shape)` resolves "auto" for both fields from a
 DeviceDescription and checks an explicit choice against it, returning each answer with the
 reason, for the start-up log. An explicit choice the device can't run (the compiled Pallas
 kernel off Hopper / TPU or in float32 on a GPU, bfloat16 on a GPU without bfloat16 tensor
-cores) is a ValueError naming the field here, before anything reaches a compiler.
+cores) is a ValueError naming the field here, before anything reaches a compiler. Given the
+model's attention shape (kernel_fit.KernelShape), a Hopper GPU also checks the kernel's
+shape limits (head_dim, page size, shared memory) and caps its decode KV splits where fewer fit.
+
+The implementations: "pallas" (the compiled kernels), "xla" (pallas_kernels/xla_blocked.py:
+the kernels' blocked algorithm in XLA ops, what "auto" picks on a GPU the kernel can't serve),
+"reference" (the CPU-tuned XLA path of model/attention.py's ReferenceAttention, "auto" on the
+CPU), "pallas-interpret" (the kernels in Pallas' interpreter, for tests).
 
 This module must not import the kernels, compile anything or touch device arrays: a mocked
 DeviceDescription must get exactly the answer the real device gets (the tests rely on it).
@@ -15,7 +22,7 @@ primitives, `plgpu.wgmma` (sm_90a only) and `plgpu.tcgen05_mma` (Blackwell), and
 also needs TMA copies (sm_90+). Mosaic GPU's core library has a warp-level `mma.sync` op, but
 Pallas exposes no primitive for it, so there is no pre-Hopper Mosaic GPU kernel to write on this
 JAX. The Pallas Triton backend is still present (deprecated from JAX 0.11), but no kernel of
-ours is written for it. Pre-Hopper GPUs and Blackwell therefore take the XLA reference path.
+ours is written for it. Pre-Hopper GPUs and Blackwell therefore take the XLA path.
 """
 
 from __future__ import annotations
@@ -24,10 +31,11 @@ import logging
 from dataclasses import dataclass
 
 from jaxserve.config import DTYPES
+from jaxserve.model import kernel_fit
 
 log = logging.getLogger(__name__)
 
-ATTENTION_IMPLS = ("auto", "reference", "pallas", "pallas-interpret")
+ATTENTION_IMPLS = ("auto", "reference", "xla", "pallas", "pallas-interpret")
 
 
 @dataclass(frozen=True)
@@ -72,10 +80,11 @@ class Selection:
     """The attention implementation and dtype a step uses, and why."""
 
     device: DeviceDescription
-    attention_impl: str      # "reference" | "pallas" | "pallas-interpret"
+    attention_impl: str      # "reference" | "xla" | "pallas" | "pallas-interpret"
     attention_reason: str
     dtype: str               # "float32" | "bfloat16" | "float16"
     dtype_reason: str
+    max_kv_splits: int | None = None  # "pallas" on a GPU: the most decode splits that fit
 
     def describe(self) -> str:
         return (f"device: {self.device}\nattention: {self.attention_impl} ({self.attention_reason})"
@@ -127,9 +136,16 @@ def _dtype_refusal(dtype: str, device: DeviceDescription) -> str | None:
     return None
 
 
+def _fallback(device: DeviceDescription) -> str:
+    """"auto"'s choice where the compiled kernel can't run."""
+    return "reference" if device.platform == "cpu" else "xla"
+
+
 def select(attention_impl: str = "auto", dtype: str = "auto",
-           device: DeviceDescription | None = None) -> Selection:
-    """Resolve "auto" and check explicit choices for one device (default: the current one)."""
+           device: DeviceDescription | None = None,
+           shape: kernel_fit.KernelShape | None = None) -> Selection:
+    """Resolve "auto" and check explicit choices for one device (default: the current one)
+    and, when given, the model's attention shape."""
     if attention_impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {', '.join(ATTENTION_IMPLS)}, "
                          f"got {attention_impl!r}")
@@ -144,15 +160,22 @@ def select(attention_impl: str = "auto", dtype: str = "auto",
             raise ValueError(f"dtype={dtype!r} can't run natively on {device}: {refusal}")
         dtype_name, dtype_reason = dtype, "chosen explicitly"
     kernel_runs, kernel_reason = _kernel(device, dtype_name)
+    max_splits = None
+    if kernel_runs and device.platform == "gpu" and shape is not None:
+        fit = kernel_fit.hopper_fit(shape)
+        kernel_runs, kernel_reason = fit.impl == "pallas", fit.reason
+        max_splits = fit.max_kv_splits if kernel_runs else None
     if attention_impl == "auto":
-        impl = "pallas" if kernel_runs else "reference"
+        impl = "pallas" if kernel_runs else _fallback(device)
         impl_reason = kernel_reason
     elif attention_impl == "pallas" and not kernel_runs:
         raise ValueError(f"attention_impl='pallas' can't run on {device}: {kernel_reason}; "
-                         "use 'auto' or 'reference' ('pallas-interpret' to debug the kernel)")
+                         f"use 'auto' or '{_fallback(device)}' ('pallas-interpret' to debug "
+                         "the kernel)")
     else:
         impl, impl_reason = attention_impl, "chosen explicitly"
-    return Selection(device, impl, impl_reason, dtype_name, dtype_reason)
+    return Selection(device, impl, impl_reason, dtype_name, dtype_reason,
+                     max_splits if impl == "pallas" else None)
 
 
 _logged: set[tuple[str, str, DeviceDescription]] = set()  # (field, value, device) logged

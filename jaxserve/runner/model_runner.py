@@ -178,7 +178,10 @@ class ModelRunner:
         self.kv_dtype = kv_quant.resolve(kv_cache_dtype, self.dtype)
         self.layer_loop = resolve_layer_loop(layer_loop, backend)
         self.quant_form = quant_select.select(int8_activations, dequant_form).form
-        self.attention_impl = resolve_attention_impl(attention_impl, backend, dtype)
+        # The device alone refuses an impl here, before the weights load; "auto" is resolved
+        # with the model's attention shape by placement.attention (model/kernel_fit.py).
+        resolve_attention_impl(attention_impl, backend, dtype, log=False)
+        self.attention_impl = attention_impl
         self.page_size = page_size
         self.num_pages = num_pages
         self.mesh = mesh
@@ -195,7 +198,8 @@ class ModelRunner:
         self.input_batch = InputBatch(max_num_seqs, p, self.buckets.seq_buckets[-1],
                                       self.placement.replicated)
         self._launcher = StepLauncher()
-        self.attention = self.placement.attention(self.attention_impl, page_size)
+        self.attention = self.placement.attention(self.attention_impl, page_size, self.dtype,
+                                                  self.kv_dtype)
         self.mask_words = -(-model_config.vocab_size // 32)  # grammar bitmask words per row
         self._unused_bitmasks: dict[tuple[int, int], jax.Array] = {}
         self.lora, self.lora_registry = None, lora_registry

@@ -72,7 +72,8 @@ class SpeculativeRunner(RunsInDispatch):
                                                       quant_form=base.quant_form)
         if shares_target:
             draft_state = share_weights(draft_state, base.state)
-        draft_attention = placement.attention(base.attention_impl, base.page_size)
+        draft_attention = placement.attention(base.attention_impl, base.page_size, base.dtype,
+                                              base.kv_dtype)
         caches = (base.cache,)
         if not shares_target:
             self.draft_cache = base.new_cache(placement)
