@@ -99,18 +99,19 @@ def block_rows(group: int, tokens: int, sizes: BlockSizes) -> int:
     return sizes.gpu_rows or -(-(group * tokens) // 8) * 8
 
 
-def plan(interpret) -> tuple[str, BlockSizes, object]:
+def plan(interpret, backend_name: str | None = None) -> tuple[str, BlockSizes, object]:
     """(kernel formulation, block sizes, pallas `interpret` argument) for an interpret setting.
 
     A Mosaic GPU InterpretGPUParams selects the GPU formulation in its simulator; any other
     truthy value (True, pltpu.InterpretParams) the TPU formulation in an interpreter; False
-    the compiled kernel of the backend.
+    the compiled kernel of `backend_name` (default: backend(); another one for a step lowered
+    ahead of time for it).
     """
     if type(interpret).__name__ == "InterpretGPUParams":
         return "gpu", block_sizes("gpu"), interpret
     if interpret:
         return "tpu", block_sizes("cpu"), interpret
-    name = backend()
+    name = backend_name or backend()
     if name not in ("tpu", "gpu"):
         raise ValueError(f"Pallas paged attention needs a TPU or GPU, not {name!r}: pass "
                          "interpret=True, or use pallas_kernels.reference")

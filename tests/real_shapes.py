@@ -61,11 +61,18 @@ DRAFT = ("llama", "LlamaForCausalLM", dict(
     max_position_embeddings=8192, tie_word_embeddings=True))
 
 
-def model_config(name: str, entry=None) -> ModelConfig:
-    """jaxserve's ModelConfig of a family above (or of `entry`), read from its HF config."""
+# Layers of one period of a family's layer kinds (Gemma 3: five local, one global)
+PERIOD = {"Gemma-3-4B": 6, "Gemma-3-12B": 6}
+
+
+def model_config(name: str, entry=None, num_layers: int | None = None) -> ModelConfig:
+    """jaxserve's ModelConfig of a family above (or of `entry`), read from its HF config;
+    num_layers: fewer layers than published (every per-layer shape unchanged)."""
     import transformers
 
     model_type, architecture, kwargs = entry or FAMILIES[name]
+    if num_layers is not None:
+        kwargs = {**kwargs, "num_hidden_layers": num_layers}
     hf = transformers.AutoConfig.for_model(model_type, **kwargs).to_dict()
     hf["architectures"] = [architecture]
     return ModelConfig(name=name, **read_hf_config(hf))

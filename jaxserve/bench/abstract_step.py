@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -26,15 +25,15 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.model import kv_quant, quant_select
-from jaxserve.model.attention import AttentionShape, PagedAttention
+from jaxserve.model.attention import PagedAttention
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.device_select import DeviceDescription
 from jaxserve.model.llama import Llama
 from jaxserve.model.quant import MATRIX_NAMES, QuantizedTensor
-from jaxserve.model.step_inputs import StepInputs
 from jaxserve.model.step_layout import StepLayout
 from jaxserve.runner.logits_processors import empty_arrays
 from jaxserve.runner.model_runner import plain_step
+from jaxserve.runner.tensor_parallel import Placement
 from jaxserve.spec.spec_inputs import empty_spec_inputs
 from jaxserve.spec.step import draft_model_step
 
@@ -64,12 +63,6 @@ class AbstractEngine:
     @property
     def max_pages(self) -> int:
         return -(-self.max_model_len // self.page_size)
-
-    def attention_shape(self) -> AttentionShape:
-        c = self.config
-        return AttentionShape(group=c.num_heads // c.num_kv_heads, num_kv_heads=c.num_kv_heads,
-                              page_size=self.page_size,
-                              sliding_windows=getattr(c, "sliding_windows", (None,)))
 
 
 def abstract_params(config: ModelConfig, quantization: str = "none") -> dict:
@@ -134,6 +127,14 @@ def _lora_stacks(engine: AbstractEngine):
                       engine.max_loras)
 
 
+def target_attention(engine: AbstractEngine, impl: str = "auto",
+                     config: ModelConfig | None = None) -> PagedAttention:
+    """The attention backend the engine would select on its device for `config` (default:
+    the engine's model): runner/tensor_parallel.py's Placement.attention, told the device."""
+    return Placement(None, config or engine.config).attention(
+        impl, engine.page_size, jnp.dtype(engine.dtype), engine.kv_dtype, engine.device)
+
+
 def lower_plain_step(engine: AbstractEngine, shape: tuple[int, int], platform: str,
                      attention: PagedAttention) -> jax.stages.Lowered:
     """The plain step of bucket shape (T, S) lowered for `platform` ("tpu" | "cuda")."""
@@ -168,10 +169,3 @@ def lower_draft_step(engine: AbstractEngine, draft: ModelConfig, shape: tuple[in
     kv = (_kv(engine), _kv(engine, draft))
     return jax.jit(step).trace(state, kv, inputs).lower(lowering_platforms=(platform,))
 
-
-def plain_inputs(shape: tuple[int, int], max_pages: int) -> StepInputs:
-    """All-padding StepInputs of a bucket (for callers that lower their own step)."""
-    return StepInputs.empty(*shape, max_pages)
-
-
-AttentionFactory = Callable[[AbstractEngine], PagedAttention]

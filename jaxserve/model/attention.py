@@ -68,12 +68,13 @@ class AttentionShape:
 
 
 def select_attention(impl: str, backend: str | None = None, dtype: str = "auto",
-                     shape: AttentionShape | None = None, log: bool = True):
-    """device_select.Selection for the first device of `backend` (default: JAX's default
-    backend) in `dtype` (default: shape's) and, given, the model's attention shape; the choice
-    logged once with its reason unless log=False. An explicit impl it can't run is a
+                     shape: AttentionShape | None = None, log: bool = True,
+                     device: device_select.DeviceDescription | None = None):
+    """device_select.Selection for `device` (default: the first device of `backend`, JAX's
+    default backend) in `dtype` (default: shape's) and, given, the model's attention shape; the
+    choice logged once with its reason unless log=False. An explicit impl it can't run is a
     ValueError naming attention_impl."""
-    device = device_select.DeviceDescription.current(backend)
+    device = device or device_select.DeviceDescription.current(backend)
     if shape is not None and shape.dtype is not None and dtype == "auto":
         dtype = shape.dtype
     chosen = device_select.select(attention_impl=impl, dtype=dtype, device=device,
@@ -90,15 +91,19 @@ def resolve_attention_impl(impl: str, backend: str | None = None, dtype: str = "
     return select_attention(impl, backend, dtype, log=log).attention_impl
 
 
-def get_attention(impl: str, shape: AttentionShape) -> PagedAttention:
-    """The backend for `impl` ("auto" resolved for this device and shape, logged)."""
-    chosen = select_attention(impl, shape=shape)
+def get_attention(impl: str, shape: AttentionShape,
+                  device: device_select.DeviceDescription | None = None) -> PagedAttention:
+    """The backend for `impl` ("auto" resolved for the device and shape, logged). device: the
+    one the step will run on (default: this process's first; another one, for a step lowered
+    ahead of time for it: bench/abstract_step.py)."""
+    chosen = select_attention(impl, shape=shape, device=device)
     if chosen.attention_impl == "reference":
         return ReferenceAttention(shape)
     if chosen.attention_impl == "xla":
         return XlaAttention(shape)
     return PallasAttention(shape, interpret=chosen.attention_impl == "pallas-interpret",
-                           max_kv_splits=chosen.max_kv_splits)
+                           max_kv_splits=chosen.max_kv_splits,
+                           platform=None if device is None else device.platform)
 
 
 class _RowMetadata(NamedTuple):
@@ -119,6 +124,8 @@ class ReferenceAttention:
     step has none). Without the kernel, a model with more than WIDE_MAX_KV_HEADS KV heads
     (per device) sends every row through the reference, where the work list measured slower.
     Per-row metadata and work lists are made once a step."""
+
+    uses_kernel = False  # (cpu_attention's C++ kernel is not a device kernel)
 
     def __init__(self, shape: AttentionShape | None = None, *, tile_pages: int = 4,
                  items_per_chunk: int = 64, cpu_kernel: bool | None = None):
@@ -198,18 +205,21 @@ class PallasAttention:
     log-sum-exp and the sinks scale their outputs (ragged_paged_attention.sink_weight): the
     kernel bodies are the same either way."""
 
+    uses_kernel = True  # the step holds a Pallas kernel call
+
     def __init__(self, shape: AttentionShape, interpret: bool = False,
-                 max_kv_splits: int | None = None):
+                 max_kv_splits: int | None = None, platform: str | None = None):
         """max_kv_splits: the most decode KV splits (kernel_fit's cap where more would not fit
-        in a Hopper block's shared memory; None: tuning.py's)."""
+        in a Hopper block's shared memory; None: tuning.py's); platform: "tpu" | "gpu", the
+        kernels' target (None: JAX's default backend)."""
         self.shape = shape
         self.max_kv_splits = max_kv_splits
-        self.formulation, self.sizes, self.interpret = self._plan(interpret)
+        self.formulation, self.sizes, self.interpret = self._plan(interpret, platform)
 
     @staticmethod
-    def _plan(interpret):
+    def _plan(interpret, platform=None):
         from pallas_kernels import tuning
-        return tuning.plan(interpret)
+        return tuning.plan(interpret, platform)
 
     def _configs(self, page_table_shape, sliding_window, sm_scale=1.0, soft_cap=None):
         from pallas_kernels import tuning
@@ -285,11 +295,13 @@ class XlaAttention(PallasAttention):
     XLA ops with tuning.py's "xla" block sizes: for GPUs (and shapes) the compiled kernel can't
     serve."""
 
+    uses_kernel = False
+
     def __init__(self, shape: AttentionShape):
         super().__init__(shape)
 
     @staticmethod
-    def _plan(interpret):
+    def _plan(interpret, platform=None):
         from pallas_kernels import tuning
         return "xla", tuning.block_sizes("xla"), False
 

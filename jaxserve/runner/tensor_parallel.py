@@ -177,10 +177,12 @@ class Placement:
     def kv_sharding(self) -> NamedSharding | None:
         return None if self.mesh is None else sharding.kv_sharding(self.mesh)
 
-    def attention(self, impl: str, page_size: int, dtype=None, kv_dtype=None) -> PagedAttention:
+    def attention(self, impl: str, page_size: int, dtype=None, kv_dtype=None,
+                  device=None) -> PagedAttention:
         """The attention backend for this placement's model in `dtype` with pages of `kv_dtype`
         (None: unknown, the kernel's shape limits unchecked); with a mesh, each device attends
-        with its own heads (q and K/V pages split on heads, the prepared metadata replicated)."""
+        with its own heads (q and K/V pages split on heads, the prepared metadata replicated).
+        device: a DeviceDescription to select for (default: this process's device)."""
         c, tp = self.config, self.tensor_parallel_size
         name = lambda dt: None if dt is None else jnp.dtype(dt).name
         shape = AttentionShape(group=c.num_heads // c.num_kv_heads,
@@ -188,7 +190,7 @@ class Placement:
                                sliding_windows=getattr(c, "sliding_windows", (None,)),
                                head_dim=c.head_dim, dtype=name(dtype), kv_dtype=name(kv_dtype),
                                sinks=c.family.attention_sinks)
-        backend = get_attention(impl, shape)
+        backend = get_attention(impl, shape, device)
         return backend if self.mesh is None else _ShardedAttention(backend, self.mesh)
 
     def jit_shardings(self, num_caches: int = 1, with_out: bool = True,
