@@ -5,7 +5,10 @@ configurations, and the kernels against pallas_kernels/reference.py at realistic
 ragged_paged_attention (decode rows plus prefill chunks) for every head_dim x KV heads x KV
 dtype in its grid, on abstract shapes (nothing is allocated or run), and records each
 configuration as OK (compiled), REFUSED (the kernel's own ValueError / NotImplementedError: a
-limit it states) or ERROR (any other exception, with its text). Lowering is serial (Python);
+limit it states) or ERROR (any other exception, with its text). On a GPU each configuration is
+also put to model/kernel_fit.py, the formula the engine selects by: a failure it predicts is
+FALLBACK (the engine takes fewer splits or the XLA path there, the row says why), and a
+verdict it gets wrong either way is MISMATCH, a failing row. Lowering is serial (Python);
 compiles run in a thread pool. Without the device (--allow-cpu) it lowers for the device's
 platform from the CPU instead (tuning.backend patched in this stage's own process) and
 compiles nothing.
@@ -64,11 +67,7 @@ def sweep(rec, cfg: dict) -> None:
         for done in concurrent.futures.as_completed(pending, timeout=max(rec.left(), 0)):
             label, config = pending.pop(done)
             error, seconds = done.result()
-            if error is None:
-                rec.row(label, f"compiled in {seconds:.1f} s", "OK", **config)
-            else:
-                rec.row(label, _error_text(error), _verdict(error), **config,
-                        **_trace(error))
+            _record(rec, label, config, platform, error, f"compiled in {seconds:.1f} s")
     except concurrent.futures.TimeoutError:
         _record_unreached(rec, list(pending.values()), "compiling", labelled=True)
     pool.shutdown(wait=False, cancel_futures=True)
@@ -87,14 +86,45 @@ def _lower_all(rec, configs, platform: str, device: bool, pool) -> dict:
         try:
             lowered = lower(config, platform, device)
         except Exception as e:  # noqa: BLE001 (each configuration's failure is its row)
-            rec.row(label, _error_text(e), _verdict(e), **config, **_trace(e))
+            _record(rec, label, config, platform, e, "")
             continue
         if device:
             pending[pool.submit(_compile, lowered, start)] = (label, config)
         else:
-            rec.row(label, f"lowered in {time.perf_counter() - start:.2f} s "
-                    "(not compiled: no device)", "OK", **config)
+            _record(rec, label, config, platform, None, f"lowered in "
+                    f"{time.perf_counter() - start:.2f} s (not compiled: no device)")
     return pending
+
+
+def predicted_fit(config: dict, platform: str, num_heads: int = 32):
+    """kernel_fit's verdict for a sweep configuration (a CallFit), or None off the GPU."""
+    if platform != "gpu":
+        return None
+    from jaxserve.model import kernel_fit
+
+    shape = kernel_fit.KernelShape(config["head_dim"], num_heads // config["kv_heads"],
+                                   config["kv_heads"], "bfloat16", DTYPES[config["kv_dtype"]],
+                                   page_size=16)
+    if config["kernel"] == "paged_attention":
+        return kernel_fit.decode_fit(shape, config["kv_splits"])
+    return kernel_fit.ragged_fit(shape)
+
+
+def _record(rec, label: str, config: dict, platform: str, error, ok_text: str) -> None:
+    """One configuration's row: its outcome, held against kernel_fit's prediction on a GPU."""
+    fit = predicted_fit(config, platform)
+    if fit is not None and fit.fits != (error is None):
+        said = "fits" if fit.fits else f"does not fit ({fit.reason})"
+        text = ok_text if error is None else _error_text(error)
+        rec.row(label, f"kernel_fit says it {said}, but: {text}", "MISMATCH", **config,
+                **({} if error is None else _trace(error)))
+    elif error is None:
+        rec.row(label, ok_text, "OK", **config)
+    elif fit is not None:
+        rec.row(label, f"{fit.reason}: the engine falls back here ({_error_text(error)})",
+                "FALLBACK", **config)
+    else:
+        rec.row(label, _error_text(error), _verdict(error), **config, **_trace(error))
 
 
 def sweep_configs(grid: dict) -> list[dict]:

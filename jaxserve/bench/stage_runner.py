@@ -28,7 +28,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-VERDICTS_FAILING = ("FAIL", "ERROR", "CUT")
+VERDICTS_FAILING = ("FAIL", "ERROR", "CUT", "MISMATCH")
 
 
 @dataclasses.dataclass(frozen=True)
