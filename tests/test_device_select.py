@@ -209,6 +209,22 @@ def test_explicit_pallas_for_a_shape_the_kernel_cannot_run_names_field_and_limit
         select(attention_impl="pallas", device=DEVICES["H100"], shape=PHI3)
 
 
+def test_auto_on_a_tpu_takes_the_xla_path_for_kv_heads_the_tiling_cannot_pack():
+    """Phi-3-medium's 10 KV heads per device: neither bf16 nor float32 tiles them exactly."""
+    shape = KernelShape(128, 4, 10, "bfloat16", "bfloat16", 16)
+    chosen = select(device=DEVICES["TPU v5e"], shape=shape)
+    assert chosen.attention_impl == "xla", chosen.describe()
+    assert "10 KV heads per device" in chosen.attention_reason, chosen.attention_reason
+    with pytest.raises(ValueError, match=r"attention_impl='pallas' can't run .*10 KV heads"):
+        select(attention_impl="pallas", device=DEVICES["TPU v5e"], shape=shape)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4, 8])
+def test_auto_on_a_tpu_keeps_the_kernel_for_kv_heads_the_tiling_packs(kv_heads):
+    shape = KernelShape(128, 32 // kv_heads, kv_heads, "bfloat16", "float8_e4m3fn", 16)
+    assert select(device=DEVICES["TPU v5e"], shape=shape).attention_impl == "pallas"
+
+
 @pytest.mark.parametrize("name", ["T4", "A100", "CPU", "TPU v5e"])
 def test_the_shape_does_not_change_other_devices_choices(name):
     assert select(device=DEVICES[name], shape=PHI3).attention_impl == EXPECTED[name][0]
@@ -251,7 +267,8 @@ def test_placement_gives_the_attention_shape_head_dim_dtypes_and_sinks(monkeypat
     from jaxserve.runner import tensor_parallel
     from tiny_models import tiny_config
     seen = []
-    monkeypatch.setattr(tensor_parallel, "get_attention", lambda impl, shape: seen.append(shape))
+    monkeypatch.setattr(tensor_parallel, "get_attention",
+                        lambda impl, shape, device=None: seen.append(shape))
     config = tiny_config()
     tensor_parallel.Placement(None, config).attention("auto", 16, jnp.bfloat16,
                                                       jnp.float8_e4m3fn)

@@ -7,7 +7,8 @@ reason, for the start-up log. An explicit choice the device can't run (the compi
 kernel off Hopper / TPU or in float32 on a GPU, bfloat16 on a GPU without bfloat16 tensor
 cores) is a ValueError naming the field here, before anything reaches a compiler. Given the
 model's attention shape (kernel_fit.KernelShape), a Hopper GPU also checks the kernel's
-shape limits (head_dim, page size, shared memory) and caps its decode KV splits where fewer fit.
+shape limits (head_dim, page size, shared memory) and caps its decode KV splits where fewer fit,
+and a TPU the tiling and packing rules of its kernel (pallas_kernels/tpu_rules.py).
 
 The implementations: "pallas" (the compiled kernels), "xla" (pallas_kernels/xla_blocked.py:
 the kernels' blocked algorithm in XLA ops, what "auto" picks on a GPU the kernel can't serve),
@@ -161,8 +162,8 @@ def select(attention_impl: str = "auto", dtype: str = "auto",
         dtype_name, dtype_reason = dtype, "chosen explicitly"
     kernel_runs, kernel_reason = _kernel(device, dtype_name)
     max_splits = None
-    if kernel_runs and device.platform == "gpu" and shape is not None:
-        fit = kernel_fit.hopper_fit(shape)
+    if kernel_runs and device.platform in ("gpu", "tpu") and shape is not None:
+        fit = (kernel_fit.hopper_fit if device.platform == "gpu" else kernel_fit.tpu_fit)(shape)
         kernel_runs, kernel_reason = fit.impl == "pallas", fit.reason
         max_splits = fit.max_kv_splits if kernel_runs else None
     if attention_impl == "auto":

@@ -174,3 +174,25 @@ def hopper_fit(shape: KernelShape, max_kv_splits: int | None = None) -> KernelCh
                                                   f"{refused}")
     return KernelChoice("xla", 1, f"the decode call can't run even unsplit: "
                                   f"{decode_fit(shape, 1, sizes).reason}")
+
+
+def tpu_fit(shape: KernelShape) -> KernelChoice:
+    """The TPU kernel's ragged and decode calls against pallas_kernels/tpu_rules.py (tiling,
+    packing, VMEM), else the XLA path with the rule that refuses it. The page table's scalar
+    memory depends on the buckets: start-up checks it (engine/device_memory.py)."""
+    from pallas_kernels import tpu_rules
+
+    sizes = tuning.block_sizes("tpu")
+    tile_pages = tuning.pages_per_tile(shape.page_size, sizes)
+    for call, tokens in (("ragged", tuning.tokens_per_block(shape.group, sizes.q_block_rows)),
+                         ("decode", 1)):
+        config = tpu_rules.TpuConfig(
+            shape.head_dim, shape.num_kv_heads, np.dtype(shape.kv_dtype),
+            np.dtype(shape.q_dtype), shape.page_size, tile_pages,
+            tuning.block_rows(shape.group, tokens, sizes), with_stats=shape.sinks)
+        problems = tpu_rules.check(config)
+        if problems:
+            return KernelChoice("xla", 1, f"the TPU kernel's {call} call can't run: "
+                                          f"{'; '.join(problems)}")
+    return KernelChoice("pallas", 1, "the Pallas TPU (Mosaic) kernels: whole-page copies, "
+                                     "heads read by strided loads (tpu_rules.py)")
