@@ -255,7 +255,7 @@ def test_model_info_describes_the_served_engine(served):
 
 def test_engine_finishes_other_than_stop_or_length_end_the_call_with_a_status(served):
     """error: INTERNAL; abort by the server: ABORTED; refused at intake because the page pool
-    can never hold it: RESOURCE_EXHAUSTED. A fake engine yields each outcome for its prompt."""
+    can never hold it: INVALID_ARGUMENT. A fake engine yields each outcome for its prompt."""
     from jaxserve.core.intake import RequestError
     from jaxserve.engine.outputs import CompletionOutput, RequestOutput
     from jaxserve.entrypoints.client_limits import ClientLimits
@@ -276,7 +276,8 @@ def test_engine_finishes_other_than_stop_or_length_end_the_call_with_a_status(se
     fake = SimpleNamespace(engine=engine, error=None, generate=generate,
                            limits=PromptLimits(4096, 1 << 20), clients=ClientLimits(),
                            rank_health=lambda: None)
-    expected = {1001: "RESOURCE_EXHAUSTED", 10: "INTERNAL", 7: "ABORTED"}
+    # a request the pool can never hold is bad input: a retryable status would be retried
+    expected = {1001: "INVALID_ARGUMENT", 10: "INTERNAL", 7: "ABORTED"}
     with ServerThread(fake) as server, JaxServeClient(server.address, timeout=10) as client:
         for length, code in expected.items():
             with pytest.raises(JaxServeError) as info:

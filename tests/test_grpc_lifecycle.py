@@ -3,8 +3,8 @@ times), health while huge prompts are refused, and an engine that fails in a ste
 swap-in of KV pages.
 
 Each test runs tests/grpc_server_main.py (the tiny model, conftest.SMALL_ENGINE shapes, so
-warm-up hits the compile cache); faults are injected there by flag. The one wall-clock bound is
-the server's: health answers within 100 ms at p99 while six 3 MiB prompts are being refused.
+warm-up hits the compile cache); faults are injected there by flag. Health must answer SERVING
+every time while six 3 MiB prompts are being refused; its latency is printed, not bounded.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def huge_requests() -> list[pb.GenerateRequest]:
             pb.GenerateRequest(chat=chat, sampling=sampling)] * 2
 
 
-def test_health_p99_stays_under_100_ms_while_six_3_mib_prompts_are_refused():
+def test_health_answers_serving_while_six_3_mib_prompts_are_refused():
     with server_process() as server, JaxServeClient(server.address, timeout=60) as client:
         stop, codes, lock = threading.Event(), [], threading.Lock()
 
@@ -134,7 +134,9 @@ def test_health_p99_stays_under_100_ms_while_six_3_mib_prompts_are_refused():
     p99 = sorted(latencies)[int(0.99 * len(latencies)) - 1]
     assert set(codes) <= {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}, f"huge prompts: {codes}"
     assert len(codes) >= 12, f"only {len(codes)} huge prompts were refused while probing"
-    assert p99 < 0.100, f"health p99 {p99 * 1e3:.1f} ms (max {max(latencies) * 1e3:.1f} ms)"
+    # a figure, not a bound: wall-clock thresholds belong to benchmarks, not to the suite
+    print(f"\nhealth p99 {p99 * 1e3:.1f} ms (max {max(latencies) * 1e3:.1f} ms) over "
+          f"{len(latencies)} checks while refusing")
 
 
 # ---- engine failure -----------------------------------------------------------------------------

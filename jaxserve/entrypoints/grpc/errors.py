@@ -82,11 +82,11 @@ def add_servicer(servicer, server: grpc.aio.Server) -> None:
 
 def status_for_exception(exc: Exception, validating: bool) -> StatusError:
     """validating: the request has produced no output yet, so a ValueError is bad input. A
-    RequestError (refused at intake) is bad input always: INVALID_ARGUMENT, or
-    RESOURCE_EXHAUSTED when the KV page pool is what it exceeds."""
+    RequestError (refused at intake) is bad input always: INVALID_ARGUMENT, also when the KV
+    page pool is what it exceeds (no retry can pass: RESOURCE_EXHAUSTED, which clients retry,
+    is kept for load that will)."""
     if isinstance(exc, RequestError):
-        return (grpc.StatusCode.RESOURCE_EXHAUSTED if exc.exceeds_kv_pool
-                else grpc.StatusCode.INVALID_ARGUMENT), str(exc)
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, EngineDeadError):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, EngineFailedError):

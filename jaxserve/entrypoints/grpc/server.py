@@ -14,9 +14,9 @@ handler ends, however it ends.
 The process around it (listen, load, serve, drain, exit) is entrypoints/serve.py's.
 
 Status codes (grpc/errors.py): an undecodable request, a RequestError (core/intake.py: every
-check on a request) or another ValueError before the first token -> INVALID_ARGUMENT; a full
-queue or a client at its bound (both with trailing metadata `retry-after`), or a request the KV
-page pool can never hold (RequestError.exceeds_kv_pool) -> RESOURCE_EXHAUSTED; starting,
+check on a request, a request the KV page pool can never hold included) or another ValueError
+before the first token -> INVALID_ARGUMENT; a full queue or a client at its bound (both with
+trailing metadata `retry-after`) -> RESOURCE_EXHAUSTED; starting,
 draining or a dead engine -> UNAVAILABLE; a failed engine, or any other failure of one request
 -> INTERNAL (the server goes on unless the engine failed). This module does no sampling,
 scheduling or device work.

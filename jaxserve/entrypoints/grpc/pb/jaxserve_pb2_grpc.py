@@ -57,8 +57,9 @@ class JaxServeServicer:
     def Generate(self, request, context):
         """Streams one request's output: one message per engine step that produced tokens; the last
         message carries finish_reason and usage. Errors end the stream with a status:
-        INVALID_ARGUMENT   bad input; the message names the field, the value and the limit
-        RESOURCE_EXHAUSTED the waiting queue is full, or the request can never fit the KV cache
+        INVALID_ARGUMENT   bad input (a request the KV cache can never hold too); the message
+        names the field, the value and the limit
+        RESOURCE_EXHAUSTED the waiting queue is full, or the client is at its bound (retry)
         UNAVAILABLE        the server is starting, draining for shutdown, or its engine stopped
         INTERNAL           the request failed inside the server; other requests go on
         Cancelling the call (or its deadline passing) aborts the request and frees its KV pages.
