@@ -252,6 +252,23 @@ def test_vllm_metrics_carry_each_ranks_engine_label(server):
     assert engines == {"0", "1"}, f"vllm:num_requests_running engine labels: {engines}"
 
 
+def test_reset_prefix_cache_empties_every_ranks_cache(server):
+    from jaxserve.core.kv_events import AllBlocksCleared
+
+    events = server["events"]
+    before = {r: len(b) for r, b in events.batches.items()}
+    response = httpx.post(server["http"] + "/reset_prefix_cache", timeout=60)
+    assert response.status_code == 200, response.text
+    deadline = time.monotonic() + 30
+    cleared = set()
+    while cleared != {0, 1} and time.monotonic() < deadline:
+        cleared = {r for r, b in events.batches.items()
+                   if any(isinstance(e, AllBlocksCleared) for _, evs, _ in b[before[r]:]
+                          for e in evs)}
+        time.sleep(0.05)
+    assert cleared == {0, 1}, f"ranks that reported AllBlocksCleared: {cleared}"
+
+
 def test_a_rank_that_cannot_start_fails_the_server_with_its_error(checkpoint):
     """Rank 1's KV-event port is taken: the server exits non-zero naming rank 1 and why."""
     import socket

@@ -148,3 +148,37 @@ def test_both_engine_clients_have_every_member_the_front_ends_use(cls_path):
     missing = [m for m in members if not hasattr(cls, m)
                and f"self.{m} =" not in source and f"self.{m}:" not in source]
     assert not missing, f"{name} lacks {missing}"
+
+
+def test_front_ends_use_only_the_engine_client_members_both_clients_have():
+    """Every `async_engine.<member>` the front ends read is declared on EngineClient (so both
+    clients have it, by the test above); AsyncEngine's `control` only behind the rollout
+    routes' data_parallel_size check."""
+    import re
+    from pathlib import Path
+
+    from jaxserve.entrypoints.engine_client import EngineClient
+
+    declared = set(vars(EngineClient)) | set(EngineClient.__annotations__)
+    root = Path(__file__).resolve().parent.parent / "jaxserve" / "entrypoints"
+    used = {}
+    for path in root.rglob("*.py"):
+        for member in re.findall(r"async_engine\.([a-z_]+)", path.read_text()):
+            used.setdefault(member, set()).add(path.name)
+    undeclared = {m: files for m, files in used.items() if m not in declared and m != "py"}  # (py: the module's name)
+    assert undeclared == {"control": {"rollout_routes.py"}}, undeclared
+    source = (root / "openai" / "rollout_routes.py").read_text()
+    assert "data_parallel_size > 1" in source, "the rollout routes must refuse data parallelism"
+
+
+def test_rollout_endpoints_with_data_parallelism_are_refused_at_start_naming_both():
+    import asyncio
+
+    from jaxserve.config import EngineConfig
+    from jaxserve.entrypoints.openai.http_server import HttpSettings
+    from jaxserve.entrypoints.serve import serve
+
+    with pytest.raises(ValueError, match="enable_rollout_endpoints.*data_parallel_size 2"):
+        asyncio.run(serve(EngineConfig(), "127.0.0.1", 0, 1.0,
+                          http=HttpSettings(enable_rollout_endpoints=True),
+                          data_parallel_size=2))

@@ -91,6 +91,8 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    data_parallel_size = 1  # one engine (EngineClient's field)
+
     def rank_health(self) -> dict[int, str] | None:
         """Per data-parallel rank health (entrypoints/data_parallel/); one engine has none."""
         return None
@@ -188,6 +190,10 @@ class AsyncEngine:
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(("call", (fn, future)))
         return await asyncio.wrap_future(future)
+
+    async def reset_prefix_cache(self) -> None:
+        """Empty the prefix cache between steps (KV-event subscribers are told)."""
+        await self.run_on_engine(lambda engine: engine.reset_prefix_cache())
 
     async def run_on_engine(self, fn):
         """fn(engine)'s result, run on the engine thread between steps (e.g. resetting the

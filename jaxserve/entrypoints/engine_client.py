@@ -17,6 +17,8 @@ class EngineClient(Protocol):
     limits: object                  # prompt_intake.PromptLimits
     text_pool: object               # prompt_intake.TextPool: tokenizing off the event loop
     clients: object                 # client_limits.ClientLimits: requests in flight per key
+    data_parallel_size: int         # engines behind it (1: one engine, which also runs the
+    #                                 rollout verbs through engine.rollout)
 
     def generate(self, prompt=None, params=None, *, request_id: str | None = None,
                  priority: int = 0, prompt_token_ids: list[int] | None = None,
@@ -24,6 +26,9 @@ class EngineClient(Protocol):
         """RequestOutputs of one request; leaving early aborts it."""
 
     def abort(self, request_id: str) -> None: ...
+
+    async def reset_prefix_cache(self) -> None:
+        """Empty every engine's prefix cache between steps; returns once all have."""
 
     def abort_all(self, error: BaseException) -> int: ...
 

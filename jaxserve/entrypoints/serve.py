@@ -54,6 +54,10 @@ async def serve(engine_config: EngineConfig, host: str, port: int, shutdown_time
     if data_parallel_size > 1 and loaded is not None:
         raise ValueError("data_parallel_size > 1 loads the model in each rank process: a "
                          "preloaded model (loaded) cannot be given")
+    if data_parallel_size > 1 and http is not None and http.enable_rollout_endpoints:
+        raise ValueError("enable_rollout_endpoints is not supported with data_parallel_size "
+                         f"{data_parallel_size}: sleep, wake_up and weight updates run on one "
+                         "engine")
 
     parser = None if reasoning is None else reasoning.reasoning_parser
     if reasoning is not None and http is not None:

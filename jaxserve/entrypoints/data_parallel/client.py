@@ -47,6 +47,7 @@ from jaxserve.entrypoints.prompt_intake import INLINE_MAX_CHARS, PromptLimits, T
 
 log = logging.getLogger(__name__)
 WATCH_PERIOD_S = 0.05
+RESET_TIMEOUT_S = 60.0  # a rank that neither resets nor dies in this long fails the call
 
 
 def rank_service_name(rank: int) -> str:
@@ -114,6 +115,7 @@ class DataParallelClient:
             self._push.append(push)
         self._tasks: list[asyncio.Task] = []
         self._stopped = False
+        self._resets: dict[int, tuple[asyncio.Future, set[int]]] = {}  # serial -> ranks left
 
     # ---- lifecycle ------------------------------------------------------------------
     @classmethod
@@ -183,6 +185,29 @@ class DataParallelClient:
     @property
     def num_in_flight(self) -> int:
         return len(self._by_wire)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.num_ranks
+
+    async def reset_prefix_cache(self) -> None:
+        """Every live rank empties its prefix cache (its KV-event subscribers are told)."""
+        serial = next(self._serials)
+        live = {r for r, s in enumerate(self.ranks) if s.exit_code is None}
+        done = asyncio.get_running_loop().create_future()
+        self._resets[serial] = (done, live)
+        for rank in live:
+            self._push[rank].send(wire.pack([wire.RESET, serial]), zmq.NOBLOCK)
+        try:
+            await asyncio.wait_for(done, RESET_TIMEOUT_S)
+        finally:
+            self._resets.pop(serial, None)
+
+    def _reset_done(self, serial: int, rank: int) -> None:
+        done, left = self._resets.get(serial, (None, set()))
+        left.discard(rank)
+        if done is not None and not left and not done.done():
+            done.set_result(None)
 
     def rank_health(self) -> dict[int, str]:
         """Per rank: "serving", or "not_serving" once its process exited."""
@@ -315,6 +340,8 @@ class DataParallelClient:
         elif kind == wire.STATS:
             state = self.ranks[item[1]]
             state.stats, state.exposition = pickle.loads(item[2]), item[3]
+        elif kind == wire.RESET_DONE:
+            self._reset_done(item[2], item[1])
         elif kind == wire.FAILED:
             self.ranks[item[1]].failure = item[2]
         elif kind == wire.READY:
@@ -336,6 +363,8 @@ class DataParallelClient:
         state.exit_code = exit_code
         self.router.died(rank)
         lost = [p for p in self._by_wire.values() if p.rank == rank]
+        for serial in list(self._resets):  # a dead rank's cache is gone: nothing to wait for
+            self._reset_done(serial, rank)
         log.error("data-parallel rank %d (pid %s) exited with code %s: failing its %d "
                   "in-flight request(s); health of %s NOT_SERVING", rank, state.pid, exit_code,
                   len(lost), rank_service_name(rank))

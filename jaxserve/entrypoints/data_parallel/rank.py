@@ -116,8 +116,12 @@ async def _serve(rank: int, config, in_address: str, out_address: str, parent: i
         finally:
             tasks.pop(request_id, None)
 
+    async def reset(serial: int):
+        await async_engine.reset_prefix_cache()
+        sender.put([wire.RESET_DONE, rank, serial])
+
     watcher = asyncio.ensure_future(_watch(async_engine, sender, rank, parent))
-    receiver = asyncio.ensure_future(_receive(inbox, async_engine, tasks, run))
+    receiver = asyncio.ensure_future(_receive(inbox, async_engine, tasks, run, reset))
     done, _ = await asyncio.wait({watcher, receiver}, return_when=asyncio.FIRST_COMPLETED)
     code = next(iter(done)).result()
     for task in (watcher, receiver, *tasks.values()):
@@ -130,7 +134,7 @@ async def _serve(rank: int, config, in_address: str, out_address: str, parent: i
     return code
 
 
-async def _receive(inbox, async_engine, tasks: dict, run) -> int:
+async def _receive(inbox, async_engine, tasks: dict, run, reset) -> int:
     while True:
         message = wire.unpack(await inbox.recv())
         kind = message[0]
@@ -140,6 +144,8 @@ async def _receive(inbox, async_engine, tasks: dict, run) -> int:
                 run(request_id, ids, pickle.loads(params), priority, deadline))
         elif kind == wire.ABORT:  # the engine's abort output ends the task's stream
             async_engine.abort(message[1])
+        elif kind == wire.RESET:
+            tasks[f"reset {message[1]}"] = asyncio.ensure_future(reset(message[1]))
         elif kind == wire.STOP:
             return 0
 

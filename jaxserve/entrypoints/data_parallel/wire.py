@@ -9,7 +9,7 @@ this step's deltas per sample: the front end rebuilds the totals, so a long outp
 crosses again at every step), `err` (request id, the pickled exception: the front ends map
 its type to a status as they do for one engine), `stats` (rank, pickled EngineStats, the
 rank's Prometheus exposition), `failed` (rank, the error that stopped its engine from
-starting, as text).
+starting, as text), `reset_done` (rank, the reset's serial).
 
 Pickle only carries the engine's own types between two processes of the same program that the
 front end started itself; nothing read from a network is unpickled. Encoding and decoding only:
@@ -24,8 +24,9 @@ import msgpack
 
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput
 
-ADD, ABORT, STOP = "add", "abort", "stop"
+ADD, ABORT, STOP, RESET = "add", "abort", "stop", "reset"
 READY, OUT, ERR, STATS, FAILED = "ready", "out", "err", "stats", "failed"
+RESET_DONE = "reset_done"
 
 
 def pack(item) -> bytes:

@@ -244,7 +244,7 @@ def build_app(settings: HttpSettings, state: GateState,
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():  # vLLM's: 200, empty body; KV-event subscribers are told
-        await serving().async_engine.run_on_engine(lambda engine: engine.reset_prefix_cache())
+        await serving().async_engine.reset_prefix_cache()
         return Response(status_code=200)
 
     @app.get("/version")

@@ -12,7 +12,8 @@
 They are off unless the server starts with --enable-rollout-endpoints (or, as vLLM's, with
 VLLM_SERVER_DEV_MODE=1 in the environment): off, every one is a 404, as an unknown path. A
 refused call (requests running and not paused, a bad level / mode / tag, a model of other
-shapes, a missing path) is a 400 naming the field; the server keeps serving. Weights are read
+shapes, a missing path, a server with data parallelism) is a 400 naming the field; the
+server keeps serving. Weights are read
 on the text pool, never on the event loop; the verbs run on the engine thread between steps
 (AsyncEngine.control). Only routing and translation: the verbs are engine/rollout.py's.
 """
@@ -48,7 +49,12 @@ def add_rollout_routes(app: FastAPI, serving: Callable, responses: dict,
             raise OpenAIError(404, f"no route {path}: the rollout endpoints are off (start the "
                                    f"server with --enable-rollout-endpoints)", None,
                               "not_found_error")
-        return serving().async_engine
+        async_engine = serving().async_engine
+        if async_engine.data_parallel_size > 1:  # (VLLM_SERVER_DEV_MODE; the flag is refused)
+            raise bad_request(f"{path} is not supported with data_parallel_size="
+                              f"{async_engine.data_parallel_size}: the rollout verbs run on "
+                              "one engine", "data_parallel_size")
+        return async_engine
 
     async def run(async_engine, fn, field: str):
         try:
