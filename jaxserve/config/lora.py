@@ -29,7 +29,8 @@ class LoRAConfig:
         "under another adapter waits until a slot's adapter is idle", unit="adapters",
         vllm="=")
     max_cpu_loras: int | None = setting(
-        None, "adapters held in host memory (one more is refused); unset: max_loras",
+        None, "adapters held in host memory, least recently used dropped for another (read "
+        "again when named; refused only while all are in use); unset: max_loras",
         unit="adapters", vllm="=")
     max_lora_rank: int = setting(
         16, "highest adapter rank served: every slot is this wide (smaller ranks are "
@@ -78,5 +79,3 @@ class LoRAConfig:
         names = [name for name, _ in pairs]
         need(len(set(names)) == len(names), "lora_modules", self.lora_modules,
              "one entry per adapter name")
-        need(len(pairs) <= self.num_cpu_loras, "lora_modules", self.lora_modules,
-             f"at most max_cpu_loras ({self.num_cpu_loras}) adapters")

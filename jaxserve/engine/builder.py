@@ -104,6 +104,8 @@ def lora_adapters(config: EngineConfig, model_config, num_processes: int):
     from jaxserve.lora.request import LoRARequest
 
     registry = LoRARegistry(model_config, lora.max_lora_rank, lora.num_cpu_loras)
+    # every module is read (and checked) once here; past max_cpu_loras the least recently
+    # used are dropped from host memory again and read back when a request names them
     for lora_id, (name, path) in enumerate(lora.modules(), 1):
         registry.queued(registry.resolve(LoRARequest(name, lora_id, path)))
     log.info("LoRA: up to %d adapters on the device, %d in host memory, rank <= %d; read at "
