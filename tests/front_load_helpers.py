@@ -61,13 +61,13 @@ def per_key_bound(fronts, bound: int):
 
 def address_client(host: str) -> str:
     """The client an HTTP or gRPC caller from host is, without an API key."""
-    from jaxserve.entrypoints.client_limits import client_id
+    from jaxserve.engine.client_limits import client_id
     return client_id(None, host, keyed=False)
 
 
 def key_client(metadata) -> str:
     """The client a gRPC caller sending this authorization metadata is, keys configured."""
-    from jaxserve.entrypoints.client_limits import client_id
+    from jaxserve.engine.client_limits import client_id
     return client_id(metadata[0][1], "unused", keyed=True)
 
 

@@ -1,4 +1,4 @@
-"""Who a client is and how its requests are counted (jaxserve/entrypoints/client_limits.py):
+"""Who a client is and how its requests are counted (jaxserve/engine/client_limits.py):
 plain functions and one counter, no server. The servers' use of them is test_front_load.py's."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from jaxserve.engine.engine import QueueFullError
-from jaxserve.entrypoints.client_limits import (ClientLimitError, ClientLimits, client_id,
+from jaxserve.engine.client_limits import (ClientLimitError, ClientLimits, client_id,
                                                 grpc_client, grpc_peer_host, http_client)
 
 

@@ -46,7 +46,7 @@ def fronts():
     from jaxserve.engine.engine import Engine
     from jaxserve.entrypoints.grpc.background import ServerThread
     from jaxserve.entrypoints.openai.http_server import HttpServer, HttpSettings
-    from jaxserve.entrypoints.prompt_intake import TextPool
+    from jaxserve.engine.prompt_intake import TextPool
 
     engine = Engine(EngineConfig.from_kwargs(**SMALL_ENGINE), loaded=tiny_bpe_loaded(),
                     progress=False)

@@ -258,8 +258,8 @@ def test_engine_finishes_other_than_stop_or_length_end_the_call_with_a_status(se
     can never hold it: INVALID_ARGUMENT. A fake engine yields each outcome for its prompt."""
     from jaxserve.core.intake import RequestError
     from jaxserve.engine.outputs import CompletionOutput, RequestOutput
-    from jaxserve.entrypoints.client_limits import ClientLimits
-    from jaxserve.entrypoints.prompt_intake import PromptLimits
+    from jaxserve.engine.client_limits import ClientLimits
+    from jaxserve.engine.prompt_intake import PromptLimits
     from jaxserve.entrypoints.grpc.background import ServerThread
 
     outcomes = {1: ("refused", "the KV page pool holds 47 pages"), 2: ("error", "kaput"),

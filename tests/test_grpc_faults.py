@@ -116,7 +116,7 @@ def test_a_chat_over_the_character_limit_is_refused_before_templating(served, en
 
 def test_a_long_text_prompt_is_tokenized_on_the_text_pool_not_the_event_loop(served,
                                                                               encode_calls):
-    from jaxserve.entrypoints.prompt_intake import INLINE_MAX_CHARS
+    from jaxserve.engine.prompt_intake import INLINE_MAX_CHARS
 
     with pytest.raises(JaxServeError) as info:  # 5000 byte tokens: over max_model_len
         served.client.generate_text("z" * (INLINE_MAX_CHARS + 1), SamplingParams(max_tokens=2))
@@ -125,7 +125,7 @@ def test_a_long_text_prompt_is_tokenized_on_the_text_pool_not_the_event_loop(ser
 
 
 def test_the_text_pool_queues_work_beyond_its_workers_instead_of_refusing():
-    from jaxserve.entrypoints.prompt_intake import TextPool
+    from jaxserve.engine.prompt_intake import TextPool
 
     pool, release = TextPool(num_workers=1), threading.Event()
 

@@ -13,7 +13,7 @@ front ends map RequestError to INVALID_ARGUMENT (RESOURCE_EXHAUSTED where the KV
 max_model_len, is what the request exceeds) and HTTP 400 with `param` = the field.
 
 Size limits that must hold before any tokenizer work (characters, encoded bytes) are
-entrypoints/prompt_intake.PromptLimits'; turning wire fields into SamplingParams is each front
+engine/prompt_intake.PromptLimits'; turning wire fields into SamplingParams is each front
 end's. This module must not import jax, a tokenizer or the engine, must not tokenize, and must
 not change a request: it only reads and refuses.
 """

@@ -7,7 +7,7 @@ through one asyncio.Queue per request, filled with loop.call_soon_threadsafe. Va
 the caller's thread, so bad input fails fast without waiting for a step; a prompt is checked
 against PromptLimits before any tokenizer work, and a long one is tokenized on the TextPool,
 never on the caller's event loop (a prompt of token ids never waits for it). The front ends
-count each client's requests in `clients` (entrypoints/client_limits.py). When idle, the thread
+count each client's requests in `clients` (engine/client_limits.py). When idle, the thread
 blocks on the inbox (no busy wait).
 
 Before each step the thread drops requests whose deadline has passed (engine.abort: one still
@@ -32,8 +32,8 @@ from typing import AsyncIterator
 
 from jaxserve.engine.engine import Engine, QueueFullError, frozen_heap
 from jaxserve.engine.outputs import RequestOutput
-from jaxserve.entrypoints.client_limits import ClientLimits
-from jaxserve.entrypoints.prompt_intake import INLINE_MAX_CHARS, PromptLimits, TextPool, encode
+from jaxserve.engine.client_limits import ClientLimits
+from jaxserve.engine.prompt_intake import INLINE_MAX_CHARS, PromptLimits, TextPool, encode
 from jaxserve.core.request import RequestStatus, SamplingParams
 
 log = logging.getLogger(__name__)

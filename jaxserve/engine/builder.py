@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 from jaxserve.config import CacheConfig, EngineConfig
 from jaxserve.engine import device_memory, memory_profile
+from jaxserve.engine.phases import phase
 from jaxserve.engine.info import EngineInfo
 from jaxserve.config.kv_events import parse_kv_events_config
 from jaxserve.core.host_prefix_tier import HostPrefixTier
 from jaxserve.core.kv_events import KVEventLog
-from jaxserve.entrypoints.logging_setup import phase
 from jaxserve.core.page_manager import PageManager
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.sliding_window import reusable_window

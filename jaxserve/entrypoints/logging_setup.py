@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import sys
-import time
-from contextlib import contextmanager
 
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 FORMATS = ("text", "json")
@@ -62,12 +60,3 @@ def configure(level: str = "INFO", fmt: str = "text", stream=None) -> None:
     root.addHandler(handler)
     root.setLevel(numeric)
 
-
-@contextmanager
-def phase(log: logging.Logger, what: str):
-    """Log `what` as it starts and how long it took as it ends ("loading model ... done in
-    3.2 s"); a start-up has no silent stretch longer than one phase."""
-    log.info("%s ...", what)
-    start = time.perf_counter()
-    yield
-    log.info("%s: done in %.1f s", what, time.perf_counter() - start)

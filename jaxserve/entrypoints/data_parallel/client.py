@@ -38,12 +38,12 @@ import zmq.asyncio
 from jaxserve.core import intake
 from jaxserve.core.request import SamplingParams
 from jaxserve.engine.async_engine import EngineDeadError, EngineFailedError
-from jaxserve.entrypoints.client_limits import ClientLimits
+from jaxserve.engine.client_limits import ClientLimits
 from jaxserve.entrypoints.data_parallel import wire
 from jaxserve.entrypoints.data_parallel.launch import start_ranks
 from jaxserve.entrypoints.data_parallel.metrics import DataParallelMetrics
 from jaxserve.entrypoints.data_parallel.router import Router
-from jaxserve.entrypoints.prompt_intake import INLINE_MAX_CHARS, PromptLimits, TextPool, encode
+from jaxserve.engine.prompt_intake import INLINE_MAX_CHARS, PromptLimits, TextPool, encode
 
 log = logging.getLogger(__name__)
 WATCH_PERIOD_S = 0.05

@@ -43,8 +43,8 @@ from jaxserve.config.tool_calls import ToolCallSettings
 from jaxserve.core.intake import RequestError
 from jaxserve.core.request import SamplingParams
 from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.entrypoints.client_limits import ClientLimitError, grpc_client
-from jaxserve.entrypoints.prompt_intake import encode
+from jaxserve.engine.client_limits import ClientLimitError, grpc_client
+from jaxserve.engine.prompt_intake import encode
 from jaxserve.entrypoints.grpc import chat as chat_input
 from jaxserve.entrypoints.grpc import convert
 from jaxserve.entrypoints.grpc.auth import interceptors, server_credentials

@@ -19,7 +19,7 @@ from typing import Callable
 from jaxserve.core.intake import RequestError
 from jaxserve.engine.async_engine import DeadlineExceededError, EngineDeadError, EngineFailedError
 from jaxserve.engine.engine import QueueFullError
-from jaxserve.entrypoints.client_limits import RETRY_AFTER_S
+from jaxserve.engine.client_limits import RETRY_AFTER_S
 
 # Parameters the engine cannot honour, each with a test for the values it does honour: best_of
 # > 1 (the best of several samples by cumulative logprob) and suffix (insertion) are not planned.

@@ -6,7 +6,7 @@ entrypoints/security.py's ApiKeys compares in constant time against every key), 
 and detokenize routes (415), readiness (503 while starting, draining or after the engine
 died), and the client's bound (429 with Retry-After once the client, its API key when one is
 set or else its address, has max_queued_requests_per_key requests on those routes in flight;
-entrypoints/client_limits.py). It counts the requests in flight, which shutdown waits on, and
+engine/client_limits.py). It counts the requests in flight, which shutdown waits on, and
 each client's until its request ends, however it ends (a streamed response included).
 Probes, scrapers and the schema (/health, /metrics, /version, /openapi.json, /docs) pass without any check. No routes,
 no engine calls: it reads only the state that http_server.py gives it.
@@ -18,7 +18,7 @@ import time
 
 from fastapi.responses import JSONResponse
 
-from jaxserve.entrypoints.client_limits import ClientLimitError, http_client
+from jaxserve.engine.client_limits import ClientLimitError, http_client
 from jaxserve.entrypoints.openai.errors import OpenAIError, error_for_exception
 from jaxserve.entrypoints.security import UNAUTHENTICATED_MESSAGE, ApiKeys
 

@@ -42,7 +42,7 @@ from jaxserve.entrypoints.openai.responses_output import (OutputAssembler, new_i
 from jaxserve.entrypoints.openai.responses_protocol import ResponseObject, ResponsesRequest
 from jaxserve.entrypoints.openai.responses_request import (FieldNames, chat_request, chat_tools,
                                                          check_stateless)
-from jaxserve.entrypoints.prompt_intake import INLINE_MAX_CHARS, encode
+from jaxserve.engine.prompt_intake import INLINE_MAX_CHARS, encode
 
 log = logging.getLogger(__name__)
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode

@@ -32,7 +32,7 @@ from jaxserve import __version__
 from jaxserve.core import intake
 from jaxserve.core.intake import RequestError
 from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.entrypoints.prompt_intake import INLINE_MAX_CHARS, encode
+from jaxserve.engine.prompt_intake import INLINE_MAX_CHARS, encode
 from jaxserve.core.request import SamplingParams
 from jaxserve.entrypoints.openai import protocol as api
 from jaxserve.config.tool_calls import ToolCallSettings
