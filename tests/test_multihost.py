@@ -193,12 +193,25 @@ def test_every_runner_implements_the_declared_protocol():
 
     members = {n for n in dir(Runner) if not n.startswith("_")} | set(Runner.__annotations__)
     assert {"warmup", "dispatch", "collect", "execute", "wait", "close", "num_host_swapped",
-            "buckets", "timings", "can_overlap"} <= members
+            "buckets", "timings", "can_overlap", "rollout_memory"} <= members
     for cls in (ModelRunner, SpeculativeRunner, LeaderRunner, FollowerRunner):
         assert not hasattr(cls, "__getattr__"), f"{cls.__name__} must not forward implicitly"
         # buckets is an instance attribute of the model and speculative runners
         missing = [n for n in members - {"buckets"} if not hasattr(cls, n)]
         assert not missing, f"{cls.__name__} lacks {missing}"
+
+
+@pytest.mark.parametrize("cls_path, words", [
+    ("jaxserve.spec.runner.SpeculativeRunner", "speculative decoding"),
+    ("jaxserve.runner.multihost.LeaderRunner", "several JAX processes"),
+    ("jaxserve.runner.multihost.FollowerRunner", "several JAX processes")])
+def test_runners_without_rollout_verbs_say_why(cls_path, words):
+    import importlib
+
+    module, name = cls_path.rsplit(".", 1)
+    runner = object.__new__(getattr(importlib.import_module(module), name))
+    with pytest.raises(NotImplementedError, match=words):
+        runner.rollout_memory()
 
 
 def test_follower_runs_every_plan_until_stop_and_never_schedules():

@@ -121,7 +121,7 @@ def test_a_bad_update_names_the_parameter_and_changes_nothing(llm, want):
 def test_sleep_frees_kv_then_weights_and_wake_up_restores_the_same_tokens(llm, want):
     runner = llm.engine.runner
     kv_bytes = sum(a.nbytes for a in runner.kv)
-    weight_bytes = sum(a.nbytes for a in runner.step._leaves)
+    weight_bytes = sum(a.nbytes for a in runner.step.leaves)
     greedy(llm)
     assert llm.engine.pages.stats().num_cached > 0  # the prefix cache holds pages now
     kv_arrays = list(runner.kv)  # this engine's pages (other tests' engines may share shapes)

@@ -38,19 +38,10 @@ class Rollout:
 
     @property
     def memory(self):
-        """The runner's RunnerMemory (a plain runner on one process only)."""
+        """The runner's RunnerMemory (runner/protocol.py's rollout_memory: a runner that has
+        none says why, as a NotImplementedError)."""
         if self._memory is None:
-            import jax
-
-            from jaxserve.runner.model_runner import ModelRunner
-            from jaxserve.runner.rollout_memory import RunnerMemory
-            runner = self.engine.runner
-            if type(runner) is not ModelRunner or jax.process_count() > 1:
-                raise NotImplementedError(
-                    f"weight updates, sleep and wake_up need the plain runner on one process; "
-                    f"this engine runs {type(runner).__name__} (speculative decoding and "
-                    f"several JAX processes are not supported yet)")
-            self._memory = RunnerMemory(runner)
+            self._memory = self.engine.runner.rollout_memory()
         return self._memory
 
     @property

@@ -54,6 +54,16 @@ class CompiledStep:
         self._executables: dict[tuple[int, int], jax.stages.Compiled] = {}
 
     @property
+    def leaves(self) -> tuple:
+        """The weights as the executables take them: one flat tuple of arrays."""
+        return self._leaves
+
+    def replace_leaves(self, leaves: tuple) -> None:
+        """New weights of the same shapes, dtypes and shardings: the executables stay."""
+        self._leaves = tuple(leaves)
+        self.state = jax.tree.unflatten(jax.tree.structure(self.state), self._leaves)
+
+    @property
     def kv(self):
         arrays = tuple(c.arrays for c in self.caches)
         return arrays[0] if len(arrays) == 1 else arrays

@@ -255,6 +255,15 @@ class ModelRunner:
         arrays = placement.kv_cache(self.num_pages, self.page_size, self.kv_dtype)
         return DeviceKV(arrays, self.buckets.max_pages_per_request, self.host_prefix_slots)
 
+    def rollout_memory(self):
+        """A RunnerMemory over this runner (one JAX process: the verbs run here alone)."""
+        if jax.process_count() > 1:
+            raise NotImplementedError(
+                f"weight updates, sleep and wake_up are not supported with several JAX "
+                f"processes ({jax.process_count()}) yet")
+        from jaxserve.runner.rollout_memory import RunnerMemory
+        return RunnerMemory(self)
+
     @property
     def state(self):
         return self.step.state

@@ -91,6 +91,8 @@ class _Wrapping(RunsInDispatch):
     """The Runner members a leader or follower passes straight to the runner it wraps."""
 
     runner: object
+    rollout_refusal = ("weight updates, sleep and wake_up are not supported with several JAX "
+                       "processes yet (every process would have to run each verb together)")
 
     @property
     def buckets(self):

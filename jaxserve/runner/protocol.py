@@ -47,6 +47,11 @@ class Runner(Protocol):
     def close(self) -> None:
         """Release what outlives the engine (multi-host: stop the followers). Idempotent."""
 
+    def rollout_memory(self) -> object:
+        """What the rollout verbs (weight updates, sleep, wake_up: engine/rollout.py) act on:
+        a runner/rollout_memory.py RunnerMemory over this runner's weights and KV pool; a
+        runner that cannot give one raises NotImplementedError saying why."""
+
 
 @dataclass(frozen=True, slots=True)
 class DoneStep:
@@ -67,3 +72,8 @@ class RunsInDispatch:
 
     def collect(self, pending: DoneStep) -> StepResult:
         return pending.result
+
+    def rollout_memory(self) -> object:
+        raise NotImplementedError(self.rollout_refusal)
+
+    rollout_refusal = "this runner does not support weight updates, sleep or wake_up"

@@ -27,12 +27,12 @@ ON_DEVICE, ON_HOST, DISCARDED = "device", "host", "discarded"
 
 class RunnerMemory:
     def __init__(self, runner):
-        """runner: a ModelRunner (runner/model_runner.py); others are refused by the caller."""
+        """runner: a ModelRunner (runner/model_runner.py), whose rollout_memory() makes this."""
         self.runner = runner
         step = runner.step
         self.paths = weight_paths(step.state, runner.model_config)
         self.targets = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
-                        for leaf in step._leaves]
+                        for leaf in step.leaves]
         self.weights = ON_DEVICE
         self.kv_on_device = True
         self._host: list | None = None  # the weights' host copies (level 1 sleep)
@@ -47,7 +47,7 @@ class RunnerMemory:
         """Make `new` (from build) the step's weights; the old device buffers are freed."""
         self.runner.wait()
         step = self.runner.step
-        old = step._leaves
+        old = step.leaves
         leaves = tuple(o if n is None else n for o, n in zip(old, new))
         self._set(leaves)
         if self.weights == ON_DEVICE:
@@ -72,7 +72,7 @@ class RunnerMemory:
             return
         self.runner.wait()
         self._host = [None if where is None else _to_host(leaf)
-                      for leaf, where in zip(self.runner.step._leaves, self.paths)]
+                      for leaf, where in zip(self.runner.step.leaves, self.paths)]
         self._delete_weights()
         self.weights = ON_HOST
 
@@ -87,21 +87,19 @@ class RunnerMemory:
         """The host copies back on the device; False when there are none (discarded)."""
         if self.weights == ON_HOST:
             leaves = tuple(leaf if host is None else jax.device_put(host, target.sharding)
-                           for leaf, host, target in zip(self.runner.step._leaves, self._host,
+                           for leaf, host, target in zip(self.runner.step.leaves, self._host,
                                                          self.targets))
             self._set(leaves)
             self.weights, self._host = ON_DEVICE, None
         return self.weights == ON_DEVICE
 
     def _delete_weights(self) -> None:
-        for leaf, where in zip(self.runner.step._leaves, self.paths):
+        for leaf, where in zip(self.runner.step.leaves, self.paths):
             if where is not None:  # (RoPE frequencies stay: a few bytes, from the config)
                 leaf.delete()
 
     def _set(self, leaves: tuple) -> None:
-        step = self.runner.step
-        step._leaves = leaves
-        step.state = jax.tree.unflatten(jax.tree.structure(step.state), leaves)
+        self.runner.step.replace_leaves(leaves)
 
     # ---- KV ---------------------------------------------------------------------------
     def free_kv(self) -> None:

@@ -41,6 +41,9 @@ class SpeculativeRunner(RunsInDispatch):
     verify step; every step inside dispatch: the scheduler reads each result before the next
     plan."""
 
+    rollout_refusal = ("weight updates, sleep and wake_up are not supported with speculative "
+                       "decoding yet (the draft's weights and cache would need the same verbs)")
+
     def __init__(self, base: ModelRunner, policy: SpeculationPolicy, *, draft=None):
         """draft: (config, params, shares the target's weights) for the draft method."""
         self.base = base
