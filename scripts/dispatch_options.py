@@ -50,7 +50,7 @@ def measure(layer_loop: str, loaded) -> dict:
     placed = jax.device_put(numpy_inputs)
 
     def call(inputs):
-        out, kv = exe(step._leaves, step.kv, inputs)
+        out, kv = exe(step.leaves, step.kv, inputs)
         step._set_kv(kv)
         return out
 
@@ -62,7 +62,7 @@ def measure(layer_loop: str, loaded) -> dict:
                                             lambda: (idle(), call(placed)))
     result["compute_ms"] = _median_ms(lambda: jax.block_until_ready(call(placed)), idle)
     result["state_flatten_ms"] = _median_ms(lambda: jax.tree.flatten(step.state))
-    result["tuple_flatten_ms"] = _median_ms(lambda: jax.tree.flatten(step._leaves))
+    result["tuple_flatten_ms"] = _median_ms(lambda: jax.tree.flatten(step.leaves))
     pool = ThreadPoolExecutor(1)
     result["launcher_submit_ms"] = _median_ms(lambda: pool.submit(call, placed),
                                               lambda: (pool.submit(idle).result()))

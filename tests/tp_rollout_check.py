@@ -69,7 +69,7 @@ def run(quantization: str) -> dict:
         llm.wake_up()
         woke2 = greedy(llm)
     kv = sum(a.nbytes for a in llm.engine.runner.kv)
-    weights = sum(a.nbytes for a in llm.engine.runner.step._leaves)
+    weights = sum(a.nbytes for a in llm.engine.runner.step.leaves)
     llm.close()
     return {"want": want, "before": before_tokens, "updated": updated, "woke1": woke1,
             "woke2": woke2, "compiles": compiles.count, "bytes_before": before,
