@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from jaxserve.engine.engine import QueueFullError
+from jaxserve.core.errors import QueueFullError
 from jaxserve.engine.client_limits import (ClientLimitError, ClientLimits, client_id,
-                                                grpc_client, grpc_peer_host, http_client)
+                                           grpc_client, grpc_peer_host, http_client)
 
 
 @pytest.mark.parametrize("peer, host", [

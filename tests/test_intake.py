@@ -149,3 +149,13 @@ def test_a_token_id_outside_the_vocabulary_is_400_and_invalid_argument_naming_th
     assert info.value.details() == error["message"], "the two front ends word it differently"
     for word in ("logit_bias", str(token), f"[0, {fronts.vocab})"):
         assert word in error["message"], f"{error['message']!r} does not name {word!r}"
+
+
+def test_admission_refuses_an_id_in_use_and_a_full_queue_as_load():
+    from jaxserve.core.intake import QueueFullError, check_admission
+
+    check_admission("new", {"old"}, queued=3, incoming=1, max_queued_requests=4)
+    with pytest.raises(ValueError, match="request_id 'old' is already in use"):
+        check_admission("old", {"old"}, 0, 1, None)
+    with pytest.raises(QueueFullError, match=r"max_queued_requests=4"):
+        check_admission("new", set(), queued=3, incoming=2, max_queued_requests=4)

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from jaxserve.core.errors import RequestError  # noqa: F401 (the intake's error: re-export)
+from jaxserve.core.errors import QueueFullError, RequestError  # noqa: F401 (re-exports)
 from jaxserve.core.request import SamplingParams
 from jaxserve.structured.params import StructuredOutputs
 
@@ -124,3 +124,15 @@ def check_request(limits: RequestLimits, prompt_token_ids: list[int], params: Sa
     check_sampling(limits, params)
     check_structured_outputs(params)
     check_length(limits, len(prompt_token_ids), params.max_tokens, prompt_field=prompt_field)
+
+
+def check_admission(request_id: str, in_use, queued: int, incoming: int,
+                    max_queued_requests: int | None) -> None:
+    """Refuse a request whose id is in use (`in_use`: a container of the live ids) or that
+    would take the waiting queue past max_queued_requests (`queued` waiting now, `incoming`
+    more with this one)."""
+    if max_queued_requests is not None and queued + incoming > max_queued_requests:
+        raise QueueFullError(f"waiting queue is full (max_queued_requests="
+                             f"{max_queued_requests})")
+    if request_id in in_use:
+        raise ValueError(f"request_id {request_id!r} is already in use")

@@ -30,7 +30,8 @@ import threading
 import time
 from typing import AsyncIterator
 
-from jaxserve.engine.engine import Engine, QueueFullError, frozen_heap
+from jaxserve.core import intake
+from jaxserve.engine.engine import Engine, frozen_heap
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine.client_limits import ClientLimits
 from jaxserve.engine.prompt_intake import INLINE_MAX_CHARS, PromptLimits, TextPool, encode
@@ -132,12 +133,9 @@ class AsyncEngine:
                     self.engine.grammars.submit(request.sampling.structured_outputs))
             with self._lock:
                 self._check_alive()
-                limit = self.engine.config.scheduler.max_queued_requests
-                queued = self.engine.stats.num_waiting + self._num_pending_adds
-                if limit is not None and queued >= limit:
-                    raise QueueFullError(f"waiting queue is full (max_queued_requests={limit})")
-                if rid in self._streams:
-                    raise ValueError(f"request_id {rid!r} is already in use")
+                intake.check_admission(
+                    rid, self._streams, self.engine.stats.num_waiting + self._num_pending_adds,
+                    1, self.engine.config.scheduler.max_queued_requests)
                 self._streams[rid] = (asyncio.get_running_loop(), stream)
                 self._num_pending_adds += 1
         except BaseException:

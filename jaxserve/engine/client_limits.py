@@ -21,7 +21,7 @@ import threading
 import urllib.parse
 from typing import Callable
 
-from jaxserve.engine.engine import QueueFullError
+from jaxserve.core.errors import QueueFullError
 
 RETRY_AFTER_S = 1  # the retry hint of every load refusal (HTTP Retry-After, gRPC retry-after)
 _KEY_PREFIX, _ADDRESS_PREFIX = "key:", "address:"

@@ -69,10 +69,6 @@ def frozen_heap():
         gc.unfreeze()
 
 
-class QueueFullError(RuntimeError):
-    """The waiting queue holds max_queued_requests already."""
-
-
 class Engine:
     def __init__(self, config: EngineConfig, loaded=None, progress: bool = True, *,
                  parts: EngineParts | None = None, data_parallel_rank: int = 0):
@@ -196,15 +192,12 @@ class Engine:
 
     def _add(self, request: Request) -> None:
         n = request.sampling.n
-        limit = self.config.scheduler.max_queued_requests
-        if limit is not None and self.scheduler.num_waiting + n > limit:
-            raise QueueFullError(f"waiting queue is full (max_queued_requests={limit})")
+        intake.check_admission(request.external_id, self._outputs, self.scheduler.num_waiting,
+                               n, self.config.scheduler.max_queued_requests)
         samples = [request] + [dataclasses.replace(
             request, request_id=f"{request.request_id}#{i}", seed=sample_seed(request.seed, i),
             sample_index=i, shares_prompt_of=request.request_id, output_token_ids=[],
             prompt_logprobs=[], external_id=f"{request.external_id}#{i}") for i in range(1, n)]
-        if request.external_id in self._outputs:
-            raise ValueError(f"request_id {request.external_id!r} is already in use")
         seq, now = next(self._arrivals), time.monotonic()
         for sample in samples:
             sample.arrival_seq, sample.arrival_time = seq, now

@@ -237,8 +237,8 @@ class DataParallelClient:
         ids, field = await self._prompt_ids(prompt, prompt_token_ids)
         intake.check_request(self.engine.info, ids, params, prompt_field=field)
         rid = request_id or uuid.uuid4().hex
-        if rid in self._by_id:
-            raise ValueError(f"request_id {rid!r} is already in use")
+        # the ranks' own queues refuse load; here only an id already in flight
+        intake.check_admission(rid, self._by_id, 0, 1, None)
         self._check_alive()
         rank, hashes = self.router.choose(ids)
         p = _Pending(rid, f"{rid}#{next(self._serials)}", rank, asyncio.Queue(),

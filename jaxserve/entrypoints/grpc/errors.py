@@ -21,7 +21,7 @@ from google.protobuf.message import DecodeError
 
 from jaxserve.core.intake import RequestError
 from jaxserve.engine.async_engine import DeadlineExceededError, EngineDeadError, EngineFailedError
-from jaxserve.engine.engine import QueueFullError
+from jaxserve.core.errors import QueueFullError
 from jaxserve.engine.client_limits import RETRY_AFTER_S
 from jaxserve.entrypoints.grpc.pb import jaxserve_pb2 as pb
 

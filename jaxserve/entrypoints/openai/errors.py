@@ -18,7 +18,7 @@ from typing import Callable
 
 from jaxserve.core.intake import RequestError
 from jaxserve.engine.async_engine import DeadlineExceededError, EngineDeadError, EngineFailedError
-from jaxserve.engine.engine import QueueFullError
+from jaxserve.core.errors import QueueFullError
 from jaxserve.engine.client_limits import RETRY_AFTER_S
 
 # Parameters the engine cannot honour, each with a test for the values it does honour: best_of
