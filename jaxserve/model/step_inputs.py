@@ -72,7 +72,7 @@ class SamplingInputs:
     min_p: np.ndarray           # [S] f32
     seeds: np.ndarray           # [S] u32
     output_index: np.ndarray    # [S] i32 keys derive from (seed, output_index)
-    any_sampling: np.ndarray    # [] bool: False lets the step skip the sort for top-k/top-p
+    any_sampling: np.ndarray    # [] bool: False lets the step skip sampling (greedy only)
     # Logits processors (runner/logits_processors.py); a row without any points at slot 0.
     processor_slot: np.ndarray      # [S] i32 row of the device processor state
     presence_penalty: np.ndarray    # [S] f32
