@@ -35,6 +35,7 @@ from jaxserve.engine.kv_events import decode_batch
 from jaxserve.entrypoints.grpc.client import JaxServeClient
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
+SERVED_NAME = "tiny-served"
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +110,8 @@ def server(checkpoint):
     proc = subprocess.Popen(
         [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", str(checkpoint),
          "--data-parallel-size", "2", "--port", str(port), "--http-port", str(http_port),
-         *engine_flags(LEAN_ENGINE), *_kv_events_flag(events_port)],
-        stderr=subprocess.PIPE, text=True)
+         *engine_flags(LEAN_ENGINE), *_kv_events_flag(events_port),
+         "--served-model-name", SERVED_NAME], stderr=subprocess.PIPE, text=True)
     lines, pids = [], {}
     for line in proc.stderr:
         lines.append(line)
@@ -246,10 +247,12 @@ def test_each_rank_publishes_kv_events_on_its_own_port_with_its_rank(server):
         assert ranks == {rank}, f"batches on rank {rank}'s port claim ranks {ranks}"
 
 
-def test_vllm_metrics_carry_each_ranks_engine_label(server):
+def test_vllm_metrics_carry_each_ranks_engine_label_and_the_served_name(server):
     text = httpx.get(server["http"] + "/metrics").text
     engines = set(re.findall(r'^vllm:num_requests_running\{[^}]*engine="(\d+)"', text, re.M))
     assert engines == {"0", "1"}, f"vllm:num_requests_running engine labels: {engines}"
+    names = set(re.findall(r'^vllm:num_requests_running\{[^}]*model_name="([^"]*)"', text, re.M))
+    assert names == {SERVED_NAME}, f"model_name labels {names}, not --served-model-name"
 
 
 def test_reset_prefix_cache_empties_every_ranks_cache(server):

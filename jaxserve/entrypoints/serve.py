@@ -87,7 +87,8 @@ async def serve(engine_config: EngineConfig, host: str, port: int, shutdown_time
     if data_parallel_size > 1:
         from jaxserve.entrypoints.data_parallel.client import DataParallelClient
         loading = asyncio.ensure_future(
-            DataParallelClient.launch(engine_config, data_parallel_size))
+            DataParallelClient.launch(engine_config, data_parallel_size,
+                                      http.served_model_name if http is not None else None))
     else:
         loading = in_daemon_thread(lambda: Engine(engine_config, loaded=loaded))
     stopping = asyncio.ensure_future(stop.wait())

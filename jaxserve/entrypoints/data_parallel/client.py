@@ -119,7 +119,8 @@ class DataParallelClient:
 
     # ---- lifecycle ------------------------------------------------------------------
     @classmethod
-    async def launch(cls, config, num_ranks: int) -> "DataParallelClient":
+    async def launch(cls, config, num_ranks: int,
+                     served_model_name: str | None = None) -> "DataParallelClient":
         """Start the ranks and return once every one is ready (they load and compile in
         parallel); a rank that exits first is a RuntimeError, and cancelling this (a stop
         signal while loading) ends them all."""
@@ -133,7 +134,7 @@ class DataParallelClient:
         try:
             processes = start_ranks(config, num_ranks,
                                     [f"ipc://{self._dir}/in-{r}" for r in range(num_ranks)],
-                                    f"ipc://{self._dir}/out")
+                                    f"ipc://{self._dir}/out", served_model_name)
             self.ranks = [RankState(p) for p in processes]
             self._tasks.append(asyncio.ensure_future(self._receive()))
             while not all(r.info is not None for r in self.ranks):

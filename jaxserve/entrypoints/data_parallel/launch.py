@@ -48,8 +48,10 @@ def device_environment(rank: int, devices_per_rank: int,
     return {"CUDA_VISIBLE_DEVICES": ",".join(mine)}
 
 
-def start_ranks(config, num_ranks: int, in_addresses: list[str], out_address: str) -> list:
-    """Spawn the ranks (multiprocessing Process objects, started)."""
+def start_ranks(config, num_ranks: int, in_addresses: list[str], out_address: str,
+                served_model_name: str | None = None) -> list:
+    """Spawn the ranks (multiprocessing Process objects, started); served_model_name: the
+    name their vllm:* metrics give as model_name (None: the model's own)."""
     context = multiprocessing.get_context("spawn")
     shares = cpu_shares(list(os.sched_getaffinity(0)), num_ranks)
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
@@ -59,7 +61,8 @@ def start_ranks(config, num_ranks: int, in_addresses: list[str], out_address: st
         env = device_environment(rank, config.parallel.tensor_parallel_size, visible)
         proc = context.Process(
             target=rank_main, name=f"jaxserve-dp-rank-{rank}",
-            args=(rank, config, in_addresses[rank], out_address, shares[rank], env, level))
+            args=(rank, config, in_addresses[rank], out_address, shares[rank], env, level,
+                  served_model_name))
         proc.start()
         processes.append(proc)
     return processes

@@ -33,7 +33,8 @@ STATS_MAX_AGE_S = 2.0  # sent at least this often even when nothing changed (a l
 
 
 def rank_main(rank: int, config, in_address: str, out_address: str, cpus: list[int] | None,
-              environment: dict[str, str], log_level: str) -> None:
+              environment: dict[str, str], log_level: str,
+              served_model_name: str | None = None) -> None:
     """The process's target: CPU set and environment first, then the engine, then serve."""
     _die_with_parent()
     if cpus:
@@ -42,7 +43,8 @@ def rank_main(rank: int, config, in_address: str, out_address: str, cpus: list[i
     from jaxserve.entrypoints.logging_setup import configure
     configure(log_level)
     parent = os.getppid()
-    code = asyncio.run(_serve(rank, config, in_address, out_address, parent))
+    code = asyncio.run(_serve(rank, config, in_address, out_address, parent,
+                              served_model_name))
     from jaxserve.entrypoints.process import exit_now
     exit_now(code)
 
@@ -75,7 +77,8 @@ class _Sender:
             self.socket.send(wire.pack(items))
 
 
-async def _serve(rank: int, config, in_address: str, out_address: str, parent: int) -> int:
+async def _serve(rank: int, config, in_address: str, out_address: str, parent: int,
+                 served_model_name: str | None) -> int:
     from jaxserve.engine.async_engine import AsyncEngine
     from jaxserve.engine.engine import Engine
 
@@ -94,6 +97,8 @@ async def _serve(rank: int, config, in_address: str, out_address: str, parent: i
         log.exception("data-parallel rank %d: the engine did not start", rank)
         outbox.send(wire.pack([[wire.FAILED, rank, f"{type(exc).__name__}: {exc}"]]))
         return 1
+    if served_model_name:  # vllm:* metrics' model_name label, as one engine's server sets it
+        engine.metrics.vllm.set_model_name(served_model_name)
     async_engine = AsyncEngine(engine)
     async_engine.start()
     tokenizer = pickle.dumps(engine.tokenizer)
