@@ -3,14 +3,16 @@
 A request is refused here, with a RequestError naming the field, the value and the limit, when
 its prompt is empty, longer than max_model_len allows or holds a token id outside the
 vocabulary; when a token id in logit_bias, allowed_token_ids, stop_token_ids or
-structured_outputs_after is outside the vocabulary; when a sampling setting is out of range (SamplingParams.validate, which raises
-RequestError too); when its structured_outputs is not a StructuredOutputs (whose constructor
+structured_outputs_after is outside the vocabulary; when a sampling setting is out of range
+(SamplingParams.validate, which raises RequestError too); when its structured_outputs is not a StructuredOutputs (whose constructor
 checks its shape, raising a RequestError subclass); or when its prompt plus max_tokens needs
 more KV pages than the whole pool (page 0 excluded): such a request could never run.
 Engine.make_request runs `check_request` on every request, so the offline LLM, the gRPC server
 and the HTTP server (through AsyncEngine) refuse the same requests with the same words; the
-front ends map RequestError to INVALID_ARGUMENT (RESOURCE_EXHAUSTED where the KV pool, not
-max_model_len, is what the request exceeds) and HTTP 400 with `param` = the field.
+front ends map RequestError to INVALID_ARGUMENT (the KV pool case too: no retry could pass)
+and HTTP 400 with `param` = the field. `check_admission` is the other half, shared by every
+queue in front of an engine (Engine, AsyncEngine, the data-parallel client): a request id
+already in use, or a full waiting queue (QueueFullError: load, which a retry may pass).
 
 Size limits that must hold before any tokenizer work (characters, encoded bytes) are
 engine/prompt_intake.PromptLimits'; turning wire fields into SamplingParams is each front
