@@ -4,9 +4,10 @@ A request is refused here, with a RequestError naming the field, the value and t
 its prompt is empty, longer than max_model_len allows or holds a token id outside the
 vocabulary; when a token id in logit_bias, allowed_token_ids, stop_token_ids or
 structured_outputs_after is outside the vocabulary; when a sampling setting is out of range
-(SamplingParams.validate, which raises RequestError too); when its structured_outputs is not a StructuredOutputs (whose constructor
-checks its shape, raising a RequestError subclass); or when its prompt plus max_tokens needs
-more KV pages than the whole pool (page 0 excluded): such a request could never run.
+(SamplingParams.validate, which raises RequestError too); when its structured_outputs is not a
+StructuredOutputs (whose constructor checks its shape, raising a RequestError subclass); or
+when its prompt plus max_tokens needs more KV pages than the whole pool (page 0 excluded): such
+a request could never run.
 Engine.make_request runs `check_request` on every request, so the offline LLM, the gRPC server
 and the HTTP server (through AsyncEngine) refuse the same requests with the same words; the
 front ends map RequestError to INVALID_ARGUMENT (the KV pool case too: no retry could pass)
