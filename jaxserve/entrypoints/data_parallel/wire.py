@@ -2,7 +2,8 @@
 
 Front end -> rank (one PUSH socket per rank): `add` (request id, prompt token ids, pickled
 SamplingParams, priority, deadline as a time.monotonic() instant: CLOCK_MONOTONIC is one clock
-for every process on the host), `abort` (request id), `stop`.
+for every process on the host), `abort` (request id), `stop`, `reset` (a serial: empty the
+prefix cache, then answer `reset_done`).
 Rank -> front end (one PULL socket all ranks push to), in batches (a list of items per send):
 `ready` (rank, pid, CPU set, pickled EngineInfo and tokenizer), `out` (one RequestOutput as
 this step's deltas per sample: the front end rebuilds the totals, so a long output never
