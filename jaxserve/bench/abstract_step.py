@@ -116,15 +116,12 @@ def _abstract(tree):
 
 
 def _lora_stacks(engine: AbstractEngine):
-    """The resident adapters' per-layer A [d_in, slots * rank] and B [slots * rank, d_out]
-    stacks, as lora/device.py's DeviceLoRA lays them out for the unrolled loop."""
-    from jaxserve.lora.device import LoRAStacks, lora_targets
-    n, width = engine.config.num_layers, engine.max_loras * engine.max_lora_rank
-    dtype = jnp.dtype(engine.dtype)
-    return LoRAStacks({name: (tuple(SDS((d_in, width), dtype) for _ in range(n)),
-                              tuple(SDS((width, d_out), dtype) for _ in range(n)))
-                       for name, (d_in, d_out) in lora_targets(engine.config).items()},
-                      engine.max_loras)
+    """The resident adapters' stacks as lora/device.py's DeviceLoRA lays them out for the
+    unrolled loop, traced (nothing allocated)."""
+    from jaxserve.lora.device import DeviceLoRA
+    return jax.eval_shape(lambda: DeviceLoRA(engine.config, engine.max_loras,
+                                             engine.max_lora_rank, jnp.dtype(engine.dtype),
+                                             per_layer=True).arrays)
 
 
 def target_attention(engine: AbstractEngine, impl: str = "auto",
