@@ -11,7 +11,10 @@ import time
 from conftest import SMALL_ENGINE
 from scale_out_fixtures import engine_flags, free_port, save_tiny_checkpoint
 
-from jaxserve.entrypoints.chat_cli import ContextFull, run_chat
+import pytest
+
+from jaxserve.core.intake import RequestLimits
+from jaxserve.entrypoints.chat_cli import ContextFull, _room, run_chat
 
 
 def test_generate_wait_ready_started_with_serve_prints_the_answer(tmp_path):
@@ -113,3 +116,13 @@ def test_chat_drops_the_oldest_turns_when_the_conversation_outgrows_the_context(
     run_chat(backend, system="sys", stdin=io.StringIO("a\nb\nc\n"), stdout=out, notes=notes)
     assert seen == [["sys", "a"], ["sys", "a", "ok", "b"], ["sys", "b", "ok", "c"]]
     assert "oldest turn was dropped" in notes.getvalue()
+
+
+def test_chat_room_is_the_servers_intake_limit_kv_pool_included():
+    # max_model_len 512, but the pool holds 4 pages of 16 tokens: 64 tokens in all.
+    limits = RequestLimits(max_model_len=512, vocab_size=100, page_size=16, num_pages=5)
+    assert _room(limits, 60, None) == 4, "room left by a 60-token conversation in a 64-token pool"
+    with pytest.raises(ContextFull, match="KV page pool"):
+        _room(limits, 60, 10)
+    with pytest.raises(ContextFull, match="conversation has 64 tokens"):
+        _room(limits, 64, None)

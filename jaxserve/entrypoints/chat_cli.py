@@ -14,6 +14,8 @@ from __future__ import annotations
 import sys
 from typing import Callable, Iterator
 
+from jaxserve.core import intake
+
 Messages = list[dict]
 Backend = Callable[[Messages], Iterator[str]]
 HELP = "commands: /exit, /reset (forget the conversation), /system TEXT"
@@ -23,10 +25,15 @@ class ContextFull(ValueError):
     """The conversation no longer fits the model's context (raised before any text)."""
 
 
-def _check_fits(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
-    if prompt_len + (max_tokens or 1) > max_model_len:
-        raise ContextFull(f"the conversation has {prompt_len} tokens; with "
-                          f"{max_tokens or 1} more it exceeds max_model_len {max_model_len}")
+def _room(limits, prompt_len: int, max_tokens: int | None) -> int:
+    """The output room the conversation leaves (intake's words, the server's limits: context
+    and KV pool); ContextFull when it leaves none or less than max_tokens."""
+    try:
+        if max_tokens is not None:
+            intake.check_length(limits, prompt_len, max_tokens, prompt_field="conversation")
+        return intake.output_room(limits, prompt_len, "conversation")
+    except intake.RequestError as exc:
+        raise ContextFull(str(exc)) from None
 
 
 def run_chat(backend: Backend, system: str | None = None, stdin=None, stdout=None,
@@ -95,13 +102,12 @@ def remote_backend(address: str, overrides: dict, **connect) -> Backend:
     from jaxserve.entrypoints.grpc.client import JaxServeClient, JaxServeError
 
     client = JaxServeClient(address, **connect)
-    max_model_len = client.model_info().max_model_len
+    limits = client.model_info()  # (its max_model_len, vocab_size, page_size, num_pages)
 
     def backend(messages: Messages) -> Iterator[str]:
         given = dict(overrides)
-        prompt_len = len(client.tokenize(messages=messages))
-        _check_fits(prompt_len, given.get("max_tokens"), max_model_len)
-        given.setdefault("max_tokens", max_model_len - prompt_len)
+        room = _room(limits, len(client.tokenize(messages=messages)), given.get("max_tokens"))
+        given.setdefault("max_tokens", room)
         call = client.generate(messages=messages, params=sampling_params(given))
         try:
             for response in call:
@@ -122,10 +128,10 @@ def offline_backend(engine, overrides: dict, model_defaults: dict) -> Backend:
         text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         ids = engine.tokenizer.encode(text, add_special_tokens=False)
         given = dict(overrides)
-        _check_fits(len(ids), given.get("max_tokens", model_defaults.get("max_tokens")),
-                    engine.max_model_len)
+        room = _room(engine.info, len(ids),
+                     given.get("max_tokens", model_defaults.get("max_tokens")))
         if "max_tokens" not in given and "max_tokens" not in model_defaults:
-            given["max_tokens"] = engine.max_model_len - len(ids)
+            given["max_tokens"] = room
         engine.add_request(ids, sampling_params(given, model_defaults))
         while engine.has_unfinished():
             for out in engine.step():
