@@ -203,6 +203,15 @@ def test_bad_words_banning_every_token_the_grammar_allows_are_a_400_naming_both(
     assert wait_all_pages_free(server) == ALL_PAGES, "a KV page leaked"
 
 
+def test_a_streamed_dead_end_ends_the_stream_with_a_400_error_event(server):
+    r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 8, "stream": True,
+                                         "bad_words": ["x"], "guided_choice": ["x"]})
+    events = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: {")]
+    errors = [e["error"] for e in events if "error" in e]
+    assert errors and errors[-1]["code"] == 400 and errors[-1]["param"] == "bad_words", r.text
+
+
 def test_a_model_without_a_grammar_tokenizer_refuses_constraints_naming_the_field():
     from jaxserve.entrypoints.openai.errors import error_for_exception
 
