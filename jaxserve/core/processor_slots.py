@@ -12,9 +12,8 @@ processor point there and it is never handed out. Plain Python: no jax.
 
 from __future__ import annotations
 
-from jaxserve.core.plan import ProcessorInit, ProcessorRow
+from jaxserve.core.plan import MAX_BANNED, ProcessorInit, ProcessorRow
 from jaxserve.core.request import Request
-from jaxserve.model.step_inputs import MAX_BANNED
 
 NEG_INF = float("-inf")
 
