@@ -4,14 +4,14 @@
 
 XLA_FLAGS must ask for 4 host devices before jax starts, hence a process of its own, one for
 every configuration: SPEC.json names the MoE checkpoints ({"models": {name: directory}}) and
-the prompts. Each model is served greedily on one device, with plain tensor parallelism 2, and
-with expert parallelism 2 (on 2 devices), 4 (on 4, scanned layers) and 2 x tensor 2 (on 4);
-the first model again as a jaxserve checkpoint restored straight into the 2 x 2 shardings, and
-with int8 weights on one device and 2 x 2;
-then a dense checkpoint with expert parallelism asked for (ignored, with a warning). OUT.json
-gets each run's tokens, preemptions, the compilations counted while serving (after warm-up),
-and the shardings found on the expert weights and the router. It asserts nothing: the test
-reads the JSON and does.
+the prompts. The first model is served greedily on one device, with plain tensor parallelism 2,
+and with expert parallelism 2 (on 2 devices), 4 (on 4, scanned layers) and 2 x tensor 2 (on
+4); the others on one device, with EP 4 and with EP 2 x TP 2 (OTHER_MODELS_RUNS). The first
+model again as a jaxserve checkpoint restored straight into the 2 x 2 shardings, and with int8
+weights on one device and 2 x 2; then a dense checkpoint with expert parallelism asked for
+(ignored, with a warning). OUT.json gets each run's tokens, preemptions, the compilations
+counted while serving (after warm-up), and the shardings found on the expert weights and the
+router. It asserts nothing: the test reads the JSON and does.
 """
 
 from __future__ import annotations

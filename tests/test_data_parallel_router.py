@@ -122,6 +122,15 @@ def test_deltas_sent_over_the_wire_rebuild_the_outputs_one_engine_gives(params):
             sent.finished, sent.finish_reason, sent.latency)
 
 
+def test_a_request_at_fault_keeps_its_error_field_over_the_wire():
+    sent = RequestOutput("r#1", [1, 2], [CompletionOutput(0, finish_reason="error")], True,
+                         "bad_words ban every token", error_field="bad_words")
+    item = wire.unpack(wire.pack([wire.output_item(sent)]))[0]
+    got = wire.OutputRebuilder("r", [1, 2], SamplingParams(max_tokens=4)).rebuild(item)
+    assert (got.finish_reason, got.error, got.error_field) == (
+        "error", sent.error, "bad_words"), "the front end must see the request was at fault"
+
+
 def test_an_error_crosses_the_wire_as_its_own_type():
     from jaxserve.core.intake import RequestError
 

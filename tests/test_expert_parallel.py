@@ -1,8 +1,9 @@
-"""Tensor and expert parallelism of mixture-of-experts models: tiny Qwen3-MoE (8 experts, top-2)
-and Mixtral (4 experts, top-2) written by transformers give transformers' greedy tokens on one
-device, with plain tensor parallelism 2, expert parallelism 2 and 4, and expert 2 x tensor 2,
-without a compilation after warm-up, the experts really split; a dense model ignores expert
-parallelism with a warning.
+"""Tensor and expert parallelism of mixture-of-experts models written by transformers give
+transformers' greedy tokens without a compilation after warm-up, the experts really split:
+tiny Qwen3-MoE (8 experts, top-2) on one device, with plain tensor parallelism 2, expert
+parallelism 2 and 4, and expert 2 x tensor 2; Mixtral and gpt-oss (4 experts, top-2) on one
+device, with expert parallelism 4 and expert 2 x tensor 2 (runs_of). A dense model ignores
+expert parallelism with a warning.
 
 The serving runs in tests/ep_check.py (one subprocess with 4 fake CPU devices for every
 configuration); these tests read its JSON report. One device's share of the MoE FFN

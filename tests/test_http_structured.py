@@ -4,7 +4,8 @@ vocabulary the grammar compiler accepts) and the official openai client.
 
 response_format json_schema gives every choice JSON that validates (n=2, streamed and not);
 json_object gives a JSON object; vLLM's guided_regex / guided_choice / structured_outputs match;
-two constraints at once, or an invalid schema / regex, are a 400 naming the field; vLLM's
+two constraints at once, or an invalid schema / regex, are a 400 naming the field, and so are
+bad_words that ban every token the grammar allows (the server then serves the next); vLLM's
 prompt_logprobs equal the offline LLM's. Every KV page is free afterwards.
 """
 
@@ -172,6 +173,45 @@ def test_an_invalid_constraint_is_a_400_naming_its_field(server, body, field):
         assert error["param"] == field and field in error["message"], (path, body, error)
 
 
+def wait_all_pages_free(server) -> float:
+    """The free KV page count once it reaches ALL_PAGES (the engine thread frees the last
+    request's pages after its response), or the last count read."""
+    metric = re.compile(r"^jaxserve_kv_cache_free_pages (\S+)$", re.M)
+    for _ in range(200):
+        free = float(metric.search(httpx.get(server + "/metrics").text).group(1))
+        if free == ALL_PAGES:
+            break
+        time.sleep(0.05)
+    return free
+
+
+@pytest.mark.parametrize("path,prompt,constraint", [
+    ("/v1/completions", {"prompt": "x"}, {"guided_choice": ["x"]}),
+    ("/v1/chat/completions", {"messages": HELLO},
+     {"response_format": {"type": "json_schema", "json_schema": {
+         "name": "x", "schema": {"enum": ["x"]}}}})], ids=["guided_choice", "response_format"])
+def test_bad_words_banning_every_token_the_grammar_allows_are_a_400_naming_both(
+        server, path, prompt, constraint):
+    banned = "x" if "guided_choice" in constraint else '"'
+    r = post(server, path, {**prompt, "max_tokens": 8, "bad_words": [banned], **constraint})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "bad_words", error
+    assert "bad_words" in error["message"] and "response_format" in error["message"], error
+    again = post(server, path, {**prompt, "max_tokens": 8, "temperature": 0.0, **constraint})
+    assert again.status_code == 200, f"the next request failed: {again.text}"
+    assert wait_all_pages_free(server) == ALL_PAGES, "a KV page leaked"
+
+
+def test_a_streamed_dead_end_ends_the_stream_with_a_400_error_event(server):
+    r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 8, "stream": True,
+                                         "bad_words": ["x"], "guided_choice": ["x"]})
+    events = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: {")]
+    errors = [e["error"] for e in events if "error" in e]
+    assert errors and errors[-1]["code"] == 400 and errors[-1]["param"] == "bad_words", r.text
+
+
 def test_a_model_without_a_grammar_tokenizer_refuses_constraints_naming_the_field():
     from jaxserve.entrypoints.openai.errors import error_for_exception
 
@@ -254,10 +294,5 @@ def test_every_kv_page_is_free_afterwards(server, client):
     r = client.completions.create(model=MODEL, prompt="still here", max_tokens=3,
                                   temperature=0.0, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 3
-    metric = re.compile(r"^jaxserve_kv_cache_free_pages (\S+)$", re.M)
-    for _ in range(200):  # the last request's pages are freed by the engine thread
-        free = float(metric.search(httpx.get(server + "/metrics").text).group(1))
-        if free == ALL_PAGES:
-            break
-        time.sleep(0.05)
+    free = wait_all_pages_free(server)
     assert free == ALL_PAGES, f"{free} of {ALL_PAGES} KV pages free"

@@ -1,12 +1,16 @@
-"""The import graph of jaxserve/: no loop, and no module importing a layer above its own
-(docs/architecture.md's map: plain data, then model and kernels, then runner, then spec, then
-the engine, then front ends and benchmarks). The compiled step takes exactly (state, kv, inputs).
+"""The import graph of jaxserve/: no loop, and no module importing a layer above its own.
+
+The layers are docs/architecture.md's ("Layers"), by top-level package folder of jaxserve/ so
+that regrouping modules inside a folder keeps their layer: plain data (core, config,
+structured), then the model and its LoRA adapters, then the runner, then speculative decoding,
+then the engine, then the front ends, the benchmarks and the package root. A top-level folder
+no layer names fails the test. The compiled step takes exactly (state, kv, inputs).
 
 Every import statement is an edge, wherever it sits: at module level, inside a function (a lazy
-import, to keep start-up light, still runs the module it names), and under `if TYPE_CHECKING:`
-(a type checker follows it). Relative imports are resolved. `from pkg import name` is an edge
-to pkg.name when that is a module, else to pkg. Generated protobuf code
-(jaxserve/entrypoints/grpc/pb/) is left out.
+import, to keep start-up light, still runs the module it names, so it may not climb either),
+and under `if TYPE_CHECKING:` (a type checker follows it). Relative imports are resolved.
+`from pkg import name` is an edge to pkg.name when that is a module, else to pkg. Generated
+protobuf code (jaxserve/entrypoints/grpc/pb/) is left out.
 
 The package root jaxserve/__init__.py is a facade. Python runs it before any submodule of the
 package; that implicit edge is not drawn (it would close a loop through each of the root's eager
@@ -24,10 +28,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 EXCLUDED = ("jaxserve.entrypoints.grpc.pb",)
-# plain data: the scheduler side, settings, grammars, and what the engine hands back
-DATA = ("jaxserve.core", "jaxserve.config", "jaxserve.structured", "jaxserve.engine.info",
-        "jaxserve.engine.outputs", "jaxserve.engine.detokenizer", "jaxserve.model.byte_level",
-        "jaxserve.model.step_inputs", "jaxserve.model.step_layout")
+# Lowest first, by top-level folder of jaxserve/ ("": the package root, jaxserve/__init__.py).
+LAYERS = (
+    ("core", "config", "structured"),   # plain data: the scheduler side, settings, grammars
+    ("model", "lora"),                  # the model, and its LoRA adapters
+    ("runner",),                        # the device side: compiled steps, KV cache, sampler
+    ("spec",),                          # speculative decoding, on the runner's pieces
+    ("engine",),                        # the loop, its thread, intake: no front end
+    ("entrypoints", "bench", ""),       # front ends, benchmarks, the package root
+)
 MAX_LOOPS_LISTED = 100
 
 
@@ -135,18 +144,21 @@ def describe(loop: list[str], graph: dict[str, dict[str, int]], files: dict[str,
     return " -> ".join(steps + [loop[-1]])
 
 
+def folder(module: str) -> str:
+    """The module's top-level package folder under jaxserve/ ("" for the root itself)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
 def layer(module: str) -> int:
-    if any(_within(module, d) for d in DATA):
-        return 0
-    if _within(module, "jaxserve.model") or _within(module, "jaxserve.lora"):
-        return 1  # the model, and its LoRA adapters (read on the host, stacked on the device)
-    if _within(module, "jaxserve.runner"):
-        return 2
-    if _within(module, "jaxserve.spec"):
-        return 3
-    if _within(module, "jaxserve.engine"):
-        return 4  # the engine, its thread and what it checks of a request: no front end
-    return 5  # front ends, benchmarks, cli, the package root
+    """The index in LAYERS of the module's top-level folder; KeyError when none names it."""
+    return {name: i for i, names in enumerate(LAYERS) for name in names}[folder(module)]
+
+
+def climbing(graph: dict[str, dict[str, int]]) -> list[tuple[str, int, str]]:
+    """(module, line, module it imports) for every import of a layer above the importer's."""
+    return [(m, line, d) for m, deps in graph.items() for d, line in deps.items()
+            if layer(d) > layer(m)]
 
 
 def test_the_graph_sees_lazy_relative_and_type_checking_imports(tmp_path):
@@ -175,17 +187,29 @@ def test_no_import_loop():
                        f"its import of the next:\n  {listed}")
 
 
-def test_the_layers_name_modules_that_exist():
-    files = module_files()
-    missing = [d for d in DATA if not any(_within(m, d) for m in files)]
-    assert not missing, f"DATA names no module: {missing}"
+def test_every_top_level_folder_has_a_layer_and_every_layer_a_folder():
+    folders = {folder(m) for m in module_files()}
+    named = {name for names in LAYERS for name in names}
+    assert not folders - named, f"folders no layer names: {sorted(folders - named)}"
+    assert not named - folders, f"layers name folders that do not exist: {sorted(named - folders)}"
+
+
+def test_a_lazy_import_that_climbs_is_caught(tmp_path):
+    core, engine = tmp_path / "jaxserve" / "core", tmp_path / "jaxserve" / "engine"
+    core.mkdir(parents=True)
+    engine.mkdir()
+    (core / "a.py").write_text("def f():\n    from jaxserve.engine import b\n    return b\n")
+    (engine / "b.py").write_text("from jaxserve.core import a\n")
+    files = {"jaxserve.core.a": core / "a.py", "jaxserve.engine.b": engine / "b.py"}
+    graph = {n: {d: line for d, line in _imports(n, p, files) if d in files}
+             for n, p in files.items()}
+    assert climbing(graph) == [("jaxserve.core.a", 2, "jaxserve.engine.b")], graph
 
 
 def test_no_module_imports_a_layer_above_its_own():
     graph, files = module_graph(), module_files()
-    bad = [f"{m} (layer {layer(m)}, {files[m].relative_to(ROOT)}:{line}) -> {d} (layer {layer(d)})"
-           for m, deps in graph.items() for d, line in deps.items()
-           if layer(m) < 5 and layer(d) > layer(m)]
+    bad = [f"{m} ({folder(m)}, layer {layer(m)}, {files[m].relative_to(ROOT)}:{line}) -> {d} "
+           f"({folder(d)}, layer {layer(d)})" for m, line, d in climbing(graph)]
     assert not bad, "imports from above:\n  " + "\n  ".join(bad)
 
 

@@ -1,7 +1,10 @@
 """Tool calling without a model: tool_choice plans and their refusals (openai/tools.py), the
 schema of tool_choice "required" (a tool's $refs still resolve inside it), a chat choice's text
 shaped into tool calls whole and streamed in any pieces (openai/tool_calls.py), the
-conversation rules, tools and tool calls reaching a chat template, and the tool-calling flags.
+conversation rules, tools and tool calls reaching a chat template (a conversation with tools,
+calls and their results renders as transformers' apply_chat_template renders it, through Llama
+4's template as the installed transformers ships it and the tests' ChatML one), and the
+tool-calling flags.
 """
 
 from __future__ import annotations
@@ -209,7 +212,7 @@ def test_template_kwargs_may_not_replace_the_servers_variables():
     assert refusal(check_template_kwargs, {"tools": []}).field == "chat_template_kwargs"
 
 
-def test_tools_and_tool_calls_reach_the_template_as_transformers_gives_them():
+def test_tools_and_tool_calls_reach_the_template_as_dicts_and_no_tools_as_none():
     from model_fixtures import tiny_tokenizer
 
     tokenizer = tiny_tokenizer()
@@ -225,6 +228,69 @@ def test_tools_and_tool_calls_reach_the_template_as_transformers_gives_them():
     assert text == (f"False|user:hi;assistant:1c1;tool:c12;{json.dumps(TOOLS[:1])}!"), text
     text, _ = render_chat(tokenizer, messages[:1], False)
     assert text.startswith("True|"), text  # no tools: None, as transformers passes it
+
+
+# An OpenAI conversation with tools: two calls (arguments as JSON text), their results, a reply.
+TOOL_CONVERSATION = [
+    {"role": "system", "content": "You call tools when they help."},
+    {"role": "user", "content": "Add one and two, then tell me the weather in Oslo."},
+    {"role": "assistant", "content": None, "tool_calls": [
+        CALL, {"id": "c2", "type": "function",
+               "function": {"name": "get_weather",
+                            "arguments": '{"city": "Oslo", "unit": "celsius"}'}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "3"},
+    {"role": "tool", "tool_call_id": "c2", "content": "sunny, 4 degrees"},
+    {"role": "assistant", "content": "It is 3; Oslo is sunny."},
+    {"role": "user", "content": "Thanks!"}]
+
+
+def as_transformers_documents_it(messages: list[dict]) -> list[dict]:
+    """The same conversation in transformers' chat format: tool-call arguments as dicts, an
+    assistant's absent content as an empty string."""
+    out = []
+    for m in messages:
+        m = dict(m, content=m["content"] or "")
+        if "tool_calls" in m:
+            m["tool_calls"] = [dict(c, function=dict(c["function"], arguments=json.loads(
+                c["function"]["arguments"]))) for c in m["tool_calls"]]
+        out.append(m)
+    return out
+
+
+def tool_templates() -> dict[str, str]:
+    """Chat templates that render tools, tool calls and tool results: Llama 4's, as the
+    installed transformers ships it, and the tests' ChatML one (tool_chat_template.jinja)."""
+    from tool_fixtures import TEMPLATE
+
+    templates = {"chatml_tools": TEMPLATE}
+    try:
+        from transformers.models.llama4 import processing_llama4
+    except ImportError:
+        return templates
+    return {"llama4": processing_llama4.chat_template, **templates}
+
+
+@pytest.mark.parametrize("name", sorted(tool_templates()))
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_a_conversation_with_tools_renders_as_transformers_apply_chat_template_renders_it(
+        name, add_generation_prompt):
+    transformers = pytest.importorskip("transformers")
+    from model_fixtures import tiny_tokenizer
+
+    ours = tiny_tokenizer()
+    ours.chat_template = tool_templates()[name]
+    theirs = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=ours.backend, bos_token=ours.backend.id_to_token(ours.bos_token_id),
+        eos_token=ours.backend.id_to_token(ours.eos_token_ids[0]))
+    tools = TOOLS[:3]
+    text, _ = render_chat(ours, TOOL_CONVERSATION, add_generation_prompt, tools=tools)
+    want = theirs.apply_chat_template(as_transformers_documents_it(TOOL_CONVERSATION),
+                                      tools=tools, chat_template=ours.chat_template,
+                                      add_generation_prompt=add_generation_prompt,
+                                      tokenize=False)
+    assert text == want, f"{name}: ours and transformers' prompts differ:\n{text}\n---\n{want}"
+    for call in ("add", "get_weather", "sunny, 4 degrees", "Oslo"):
+        assert call in text, f"{name}: {call!r} is missing from the prompt"
 
 
 def test_a_template_failing_on_a_conversation_is_a_value_error_not_a_crash():

@@ -25,6 +25,9 @@ class ProcessorInit:
     stop_token_ids: tuple[int, ...]             # masked while below min_tokens
 
 
+MAX_BANNED = 16  # multi-token bad words' last tokens one row can ban in one step
+
+
 @dataclass(slots=True)  # built per request and step: cheap to make, never changed
 class ProcessorRow:
     """A request's logits processors for the token it samples this step."""

@@ -12,9 +12,8 @@ processor point there and it is never handed out. Plain Python: no jax.
 
 from __future__ import annotations
 
-from jaxserve.core.plan import ProcessorInit, ProcessorRow
+from jaxserve.core.plan import MAX_BANNED, ProcessorInit, ProcessorRow
 from jaxserve.core.request import Request
-from jaxserve.model.step_inputs import MAX_BANNED
 
 NEG_INF = float("-inf")
 
@@ -34,6 +33,16 @@ def bad_words_ids(tokenizer, words: tuple[str, ...]) -> tuple[tuple[int, ...], .
         raise ValueError(f"bad_words tokenize to {len(multi)} multi-token sequences; at most "
                          f"{MAX_BANNED} are supported")
     return tuple(seqs)
+
+
+def completed_bans(request: Request) -> tuple[int, ...]:
+    """The last tokens of the multi-token bad words whose earlier tokens end the output: banned
+    for the next token only (single-token words are banned for good, by ProcessorInit)."""
+    outputs = request.output_token_ids
+    return tuple(dict.fromkeys(
+        seq[-1] for seq in request.bad_words_ids
+        if len(seq) > 1 and len(outputs) >= len(seq) - 1
+        and tuple(outputs[len(outputs) - len(seq) + 1:]) == seq[:-1]))
 
 
 class ProcessorSlots:
@@ -59,13 +68,10 @@ class ProcessorSlots:
             self._slot_of[request.request_id] = slot
             init = self._init(request)
         outputs = request.output_token_ids
-        banned = tuple(dict.fromkeys(
-            seq[-1] for seq in request.bad_words_ids
-            if len(seq) > 1 and len(outputs) >= len(seq) - 1
-            and tuple(outputs[len(outputs) - len(seq) + 1:]) == seq[:-1]))
         return ProcessorRow(slot, sp.presence_penalty, sp.frequency_penalty,
                             sp.repetition_penalty,
-                            len(outputs) + request.num_pending_tokens < sp.min_tokens, banned, init)
+                            len(outputs) + request.num_pending_tokens < sp.min_tokens,
+                            completed_bans(request), init)
 
     def release(self, request_id: str) -> None:
         slot = self._slot_of.pop(request_id, None)

@@ -338,6 +338,9 @@ class TokenEvent:
     error: str | None = None
     # sampling.logprobs = k > 0: per new token, its k most likely (token id, logprob) pairs
     new_top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+    # an error that is the request's own (bad input, which no retry passes: the front ends
+    # answer 400 / INVALID_ARGUMENT): the request field at fault; None: the engine failed
+    error_field: str | None = None
 
 
 @dataclass(slots=True)  # one per step

@@ -10,8 +10,9 @@ to the scheduler.
 
 It validates and tokenizes requests, fans an n > 1 request out into its samples, starts the
 compile of a structured request's grammar (off-thread) and gives each sample its matcher once
-ready, and turns the scheduler's token events into RequestOutputs with text (output_processor:
-one record per request and per sample). Its parts (model, page pool, scheduler, runner) are
+ready (ending, before its next step, one whose own token bans leave that grammar no token:
+structured/dead_end.py), and turns the scheduler's token events into RequestOutputs with text
+(output_processor: one record per request and per sample). Its parts (model, page pool, scheduler, runner) are
 wired by engine_builder.build_engine. It is single-threaded: callers on other threads go
 through AsyncEngine. It never touches device arrays itself.
 """
@@ -93,6 +94,7 @@ class Engine:
         self._pending_events: list[TokenEvent] = []
         self.grammars = None        # a GrammarCompiler, made by the first structured request
         self._awaiting_grammar: list[Request] = []  # samples whose grammar is compiling
+        self._banning: list[Request] = []  # constrained samples whose processors ban tokens
         self._arrivals = itertools.count()
         self._serials = itertools.count(1)  # (thread-safe: make_request runs on callers' threads)
         self._seed_rng = random.Random(self.config.model.seed)
@@ -277,6 +279,7 @@ class Engine:
     def _attach_grammars(self) -> None:
         """Each sample whose grammar has compiled gets its own matcher, and may be scheduled;
         one whose grammar failed (or timed out) finishes with the error."""
+        from jaxserve.structured.dead_end import may_dead_end
         from jaxserve.structured.deferred import request_matcher
         waiting = []
         for sample in self._awaiting_grammar:
@@ -294,6 +297,8 @@ class Engine:
             else:
                 sample.grammar = request_matcher(compiled,
                                                  sample.sampling.structured_outputs_after)
+                if may_dead_end(sample.sampling):
+                    self._banning.append(sample)
         self._awaiting_grammar = waiting
 
     def step(self) -> list[RequestOutput]:
@@ -307,11 +312,13 @@ class Engine:
         if self._in_flight is not None and not ahead:  # the lag can't hold: read it first
             events = self._update(*self._in_flight)
             self._in_flight = None
+        if self._banning:  # (after the update: the state the step's bitmasks are built from)
+            events += self._end_dead_ends()
         with self.timings.phase("schedule"):
             plan = self.scheduler.schedule()
         pending = self.runner.dispatch(plan)
         if self._in_flight is not None:  # the device runs `plan` meanwhile
-            events = self._update(*self._in_flight)
+            events += self._update(*self._in_flight)
             self.num_overlapped_steps += bool(plan.num_seqs)
         self._in_flight = None
         if ahead and plan.num_seqs:
@@ -327,6 +334,24 @@ class Engine:
             self.metrics.observe_outputs(outputs)
         self.metrics.observe_step(time.perf_counter() - start)
         return outputs
+
+    def _end_dead_ends(self) -> list[TokenEvent]:
+        """Finish each constrained sample whose own bans leave its grammar no next token with
+        the RequestError that says so (bad input: the front ends answer 400), before a step
+        would sample it from logits that are all -inf."""
+        from jaxserve.structured.dead_end import dead_end
+        events, live = [], []
+        for sample in self._banning:
+            if sample.is_finished:
+                continue
+            error = dead_end(sample)
+            if error is None:
+                live.append(sample)
+            elif self.scheduler.finish(sample.request_id, FinishReason.ERROR):
+                events.append(TokenEvent(sample.request_id, (), (), FinishReason.ERROR,
+                                         error.message, error_field=error.field))
+        self._banning = live
+        return events
 
     def _update(self, plan, pending) -> list[TokenEvent]:
         """A dispatched step's results into the scheduler: the step's token events."""

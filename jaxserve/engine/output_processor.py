@@ -194,7 +194,7 @@ class OutputProcessor:
         if reason is not None:
             c.finish_reason = reason.value
             if event.error:
-                out.error = event.error
+                out.error, out.error_field = event.error, event.error_field
             group.running.discard(request.request_id)
             del self._samples[request.request_id]
 
@@ -210,4 +210,4 @@ class OutputProcessor:
                              [outputs[0].hand_out()] if len(outputs) == 1
                              else [c.hand_out() for c in outputs], out.finished, out.error,
                              out.num_cached_tokens, out.time_to_first_token, out.latency,
-                             out.prompt_logprobs, self.weight_version)
+                             out.prompt_logprobs, self.weight_version, out.error_field)

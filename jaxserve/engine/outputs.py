@@ -198,6 +198,9 @@ class RequestOutput:
     # the weights that sampled this output's newest tokens (engine/rollout.py: 0 as loaded,
     # one more per update_weights)
     weight_version: int = 0
+    # set with `error` when the request itself is at fault (its bans leave its grammar no
+    # token: bad input, the front ends answer 400): the request field named, e.g. bad_words
+    error_field: str | None = None
 
     # ---- the first sample's fields (the only sample, unless n > 1) ------------------------
     @property

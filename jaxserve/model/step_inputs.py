@@ -16,9 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxserve.core.plan import MAX_BANNED  # multi-token bad words a row bans in one step
 from jaxserve.core.request import MAX_LOGPROBS as MAX_TOP_LOGPROBS  # alternatives a row can report
-
-MAX_BANNED = 16  # multi-token bad words' last tokens one row can ban in one step
 
 
 @dataclass

@@ -50,7 +50,7 @@ def output_item(out: RequestOutput) -> list:
                 c.cumulative_logprob, c.finish_reason] for c in out.outputs]
     prompt_logprobs = None if out.prompt_logprobs is None else pickle.dumps(out.prompt_logprobs)
     return [OUT, out.request_id, out.finished, out.error, out.num_cached_tokens,
-            out.time_to_first_token, out.latency, prompt_logprobs, samples]
+            out.time_to_first_token, out.latency, prompt_logprobs, samples, out.error_field]
 
 
 def error_item(request_id: str, exc: BaseException) -> list:
@@ -92,7 +92,8 @@ class OutputRebuilder:
         return record
 
     def rebuild(self, item: list) -> RequestOutput:
-        _, _, finished, error, num_cached, ttft, latency, prompt_logprobs, samples = item
+        (_, _, finished, error, num_cached, ttft, latency, prompt_logprobs, samples,
+         error_field) = item
         outputs = []
         for index, ids, text, logprobs, tops, cumulative, finish_reason in samples:
             record = self._record(index)
@@ -102,4 +103,5 @@ class OutputRebuilder:
             outputs.append(record.hand_out())
         return RequestOutput(self.request_id, self.prompt_token_ids, outputs, finished, error,
                              num_cached, ttft, latency,
-                             None if prompt_logprobs is None else pickle.loads(prompt_logprobs))
+                             None if prompt_logprobs is None else pickle.loads(prompt_logprobs),
+                             error_field=error_field)

@@ -104,7 +104,10 @@ def status_for_exception(exc: Exception, validating: bool) -> StatusError:
 def status_for_finish(out) -> StatusError:
     """The status of a request that finished neither by stop nor by length. One refused at
     intake never gets here (make_request raised RequestError), so an error finish is the
-    engine's failure."""
+    engine's failure, unless the engine found the request at fault while it ran
+    (out.error_field: its token bans leave its grammar no token), which is bad input."""
     if out.finish_reason == "abort":
         return grpc.StatusCode.ABORTED, f"request {out.request_id} was aborted by the server"
+    if out.error_field is not None:
+        return grpc.StatusCode.INVALID_ARGUMENT, out.error or f"{out.error_field} is invalid"
     return grpc.StatusCode.INTERNAL, out.error or "request failed in the engine"

@@ -37,12 +37,15 @@ def usage(outs: list[RequestOutput]) -> dict:
 
 
 def finish_reason(sample: CompletionOutput, out: RequestOutput) -> str | None:
-    """A sample's stop / length; an aborted or failed request is an error, not a reason."""
+    """A sample's stop / length; an aborted or failed request is an error, not a reason: a 400
+    naming the field when the request itself was at fault (out.error_field), else a 500."""
     if sample.finish_reason in (None, "stop", "length"):
         return sample.finish_reason
     if sample.finish_reason == "abort":
         raise OpenAIError(503, f"request {out.request_id} was aborted by the server",
                           None, "service_unavailable")
+    if out.error_field is not None:
+        raise OpenAIError(400, out.error or f"{out.error_field} is invalid", out.error_field)
     raise OpenAIError(500, out.error or "the request failed in the engine", None,
                       "internal_error")
 
