@@ -12,8 +12,8 @@ It validates and tokenizes requests, fans an n > 1 request out into its samples,
 compile of a structured request's grammar (off-thread) and gives each sample its matcher once
 ready (ending, before its next step, one whose own token bans leave that grammar no token:
 structured/dead_end.py), and turns the scheduler's token events into RequestOutputs with text
-(output_processor: one record per request and per sample). Its parts (model, page pool, scheduler, runner) are
-wired by engine_builder.build_engine. It is single-threaded: callers on other threads go
+(output_processor: one record per request and per sample). Its parts (model, page pool,
+scheduler, runner) are wired by engine_builder.build_engine. It is single-threaded: callers on other threads go
 through AsyncEngine. It never touches device arrays itself.
 """
 
