@@ -13,8 +13,8 @@ compile of a structured request's grammar (off-thread) and gives each sample its
 ready (ending, before its next step, one whose own token bans leave that grammar no token:
 structured/dead_end.py), and turns the scheduler's token events into RequestOutputs with text
 (output_processor: one record per request and per sample). Its parts (model, page pool,
-scheduler, runner) are wired by engine_builder.build_engine. It is single-threaded: callers on other threads go
-through AsyncEngine. It never touches device arrays itself.
+scheduler, runner) are wired by engine_builder.build_engine. It is single-threaded: callers
+on other threads go through AsyncEngine. It never touches device arrays itself.
 """
 
 from __future__ import annotations
