@@ -231,10 +231,7 @@ class Request:
     # async scheduling: tokens sampled by steps in flight, not yet on the host (0 or 1)
     num_pending_tokens: int = 0
     batch_slot: int = 0            # its row of the device-side batch state (0: none)
-    # its LoRA adapter (lora_int_id; 0: the base model) and, while running, that adapter's
-    # device slot (core/lora_slots.py; 0: none)
-    lora_id: int = 0
-    lora_slot: int = 0
+    lora_id: int = 0               # its LoRA adapter (lora_int_id; 0: the base model)
     num_cached_tokens: int = 0     # prompt tokens served by the prefix cache at admission
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxserve.core.lora_slots import LoRASlots
 from jaxserve.core.page_manager import NULL_PAGE, PageManager
 from jaxserve.core.plan import DecodeRows, PageUpdate, SamplingRow, StepPlan
 from jaxserve.core.processor_slots import ProcessorSlots
@@ -42,9 +43,11 @@ def page_update(held: tuple[int, ...] | None, table: tuple[int, ...]) -> PageUpd
 
 
 class RowLayout:
-    def __init__(self, pages: PageManager, processor_slots: ProcessorSlots):
+    def __init__(self, pages: PageManager, processor_slots: ProcessorSlots,
+                 lora_slots: LoRASlots):
         self.pages = pages
         self.processor_slots = processor_slots
+        self.lora_slots = lora_slots  # each running request's adapter slot
         # request id -> the page table its batch slot last got (every chunk sends its diff)
         self.sent_tables: dict[str, tuple[int, ...]] = {}
         # requests whose batch slot holds their plain sampling row (steady ones that sampled)
@@ -72,6 +75,7 @@ class RowLayout:
     def lay_out(self, plan: StepPlan, scheduled: list[tuple[Request, int]]) -> None:
         """plan.decode and plan.chunks from (request, tokens it computes this step)."""
         table_of, sent, settled = self.pages.page_table_tuple, self.sent_tables, self.settled
+        adapter_slot = self.lora_slots.slot_of
         ids, rows, meta, chunk_rows = [], [], [], []
         for request, num_new in scheduled:  # (per request and step: plain locals)
             rid = request.request_id
@@ -85,7 +89,7 @@ class RowLayout:
             rows.append(request.sampling_row)
             meta += (start, 0 if pending else outputs[-1] if outputs
                      else request.prompt_token_ids[-1], request.batch_slot, pending,
-                     len(outputs) + pending, request.lora_slot)
+                     len(outputs) + pending, adapter_slot(rid))
             request.num_computed_tokens = start + 1
             request.num_pending_tokens = pending + 1
         plan.decode = DecodeRows(ids, rows, np.array(meta, np.int64).reshape(-1, 6))
@@ -95,7 +99,8 @@ class RowLayout:
             rid = request.request_id
             chunk = build_chunk(request, num_new, page_update(sent.get(rid), table),
                                 self.processor_slots,
-                                drafts[rid].token_ids if rid in drafts else ())
+                                drafts[rid].token_ids if rid in drafts else (),
+                                adapter_slot(rid))
             chunks.append(chunk)
             sent[rid] = table
             request.num_computed_tokens += num_new  # being computed; update() confirms

@@ -12,8 +12,9 @@ token is read on the device from the request's batch slot, held while running); 
 Features arrive as objects it asks, never as branches here: the batching policy
 (batching_policy.py: when to admit, what padding costs), the speculation (speculation.py:
 each step's drafter; StepPlan.drafts), the sliding window (sliding_window.py: pages given
-back), prompt sharing of n > 1 samples (prompt_sharing.py), the LoRA adapters' device slots
-(lora_slots.py: a request runs only with its adapter in a slot), and the row layout
+back), prompt sharing of n > 1 samples (prompt_sharing.py), the LoRA adapters (lora_slots.py:
+which adapters are in use, and a request runs only with its adapter in a slot; one call per
+request event, never a branch on a request's adapter here), and the row layout
 (row_layout.py: DecodeRows or chunks). Plain Python: no jax, no device arrays, no text (stop
 strings are the engine's job, finish()).
 """
@@ -21,7 +22,6 @@ strings are the engine's job, finish()).
 from __future__ import annotations
 
 import bisect
-from collections import Counter
 
 from jaxserve.core.batching_policy import make_batching_policy
 from jaxserve.core.lora_slots import LoRASlots
@@ -75,9 +75,8 @@ class Scheduler(SchedulerResults):
                              RequestStatus.FINISHED: lambda request: None}
         self._dropped_swaps: list[str] = []
         self.processor_slots = ProcessorSlots(max_num_seqs + 1)
-        self.lora_slots = LoRASlots(max_loras)  # LoRA adapters' device slots (0: none served)
-        self.lora_refs: Counter = Counter()     # adapter id -> unfinished requests under it
-        self.layout = RowLayout(page_manager, self.processor_slots)
+        self.lora_slots = LoRASlots(max_loras)  # LoRA adapters in use and in device slots
+        self.layout = RowLayout(page_manager, self.processor_slots, self.lora_slots)
         self._num_plain_only = 0  # requests only plain steps compute: none speculates meanwhile
         self._num_host_bound = 0  # requests whose inputs need their last token on the host
         self._free_batch_slots = list(range(max_num_seqs, 0, -1))  # 0: none
@@ -91,23 +90,14 @@ class Scheduler(SchedulerResults):
         """Queue a request. One that can never fit is finished at once; its event is returned
         (a defensive invariant, else it would wait forever: the engine's requests were refused
         already by core/intake.py, which tells clients)."""
-        total = min(request.num_tokens + request.sampling.max_tokens, self.max_model_len)
-        needed = self.pages.num_pages_for(total)
-        capacity = self.pages.num_pages - 1
         self.requests[request.request_id] = request
-        self.lora_refs[request.lora_id] += bool(request.lora_id)
         request.stop_ids = self._stop_sets.of(request)
         request.max_output_tokens = min(request.sampling.max_tokens,
                                         self.max_model_len - request.num_tokens)
         self.layout.prepare(request, self.decode_rows)
         self._num_plain_only += request.sampling.needs_plain_steps(self._host_drafts)
         self._num_host_bound += request.needs_host_tokens
-        if request.lora_id and not self.lora_slots.max_loras:
-            request.error = (f"request names LoRA adapter {request.lora_id}, but this engine "
-                             "serves no adapters (enable_lora is off)")
-        elif needed > capacity:
-            request.error = (f"request needs {needed} KV pages ({total} tokens) but the page "
-                             f"pool holds {capacity}; lower max_tokens or the prompt length")
+        request.error = self.lora_slots.add(request) or self._never_fits(request)
         if request.error is not None:
             request.status = RequestStatus.FINISHED  # (in no queue yet)
             self._finish(request, FinishReason.ERROR)
@@ -117,6 +107,14 @@ class Scheduler(SchedulerResults):
             return None
         bisect.insort(self.waiting, request, key=Request.sort_key)
         return None
+
+    def _never_fits(self, request: Request) -> str | None:
+        """Why the request can never fit the page pool, or None."""
+        total = min(request.num_tokens + request.sampling.max_tokens, self.max_model_len)
+        needed, capacity = self.pages.num_pages_for(total), self.pages.num_pages - 1
+        return None if needed <= capacity else (
+            f"request needs {needed} KV pages ({total} tokens) but the page pool holds "
+            f"{capacity}; lower max_tokens or the prompt length")
 
     def finish(self, request_id: str, reason: FinishReason) -> bool:
         """Finish a request from outside (abort, stop string). False if unknown or done."""
@@ -135,10 +133,7 @@ class Scheduler(SchedulerResults):
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]
-        if request.lora_id:
-            self.lora_refs[request.lora_id] -= 1
-            if not self.lora_refs[request.lora_id]:
-                del self.lora_refs[request.lora_id]
+        self.lora_slots.finish(request)
         self._num_plain_only -= request.sampling.needs_plain_steps(self._host_drafts)
         self._num_host_bound -= request.needs_host_tokens
 

@@ -18,10 +18,12 @@ from jaxserve.core.request import Request
 
 
 def build_chunk(request: Request, num_new: int, pages: PageUpdate | None,
-                processor_slots: ProcessorSlots, drafts: tuple[int, ...] = ()) -> ScheduledChunk:
+                processor_slots: ProcessorSlots, drafts: tuple[int, ...] = (),
+                adapter_slot: int = 0) -> ScheduledChunk:
     """The request's next num_new tokens, from num_computed_tokens on; pages: its page table's
     change since its batch slot last got it (None: none). drafts: the host's
-    proposals verified after them (speculative steps), which its grammar masks too. Called
+    proposals verified after them (speculative steps), which its grammar masks too;
+    adapter_slot: its LoRA adapter's device slot (core/lora_slots.py; 0: none). Called
     per request and step: the common cases (a decode, no grammar) take the fewest steps."""
     start = request.num_computed_tokens
     end = start + num_new
@@ -68,7 +70,7 @@ def build_chunk(request: Request, num_new: int, pages: PageUpdate | None,
             tokens += (0,) * (end - known)
     return ScheduledChunk(request.request_id, tokens, start, pages, sampling, k,
                           first, nxt, request.batch_slot, end > known, output_index,
-                          request.lora_slot)
+                          adapter_slot)
 
 
 def prompt_logprob_entries(chunk: ScheduledChunk, first_row: int,

@@ -24,7 +24,7 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
                       chunks: list[ScheduledChunk] | None = None,
                       shape: tuple[int, int] | None = None, mask_words: int = 1,
                       batch=None, layouts: dict[tuple[int, int], StepLayout] | None = None,
-                      tables=None, lora: bool = False) -> StepInputs | PackedStepInputs:
+                      tables=None) -> StepInputs | PackedStepInputs:
     """chunks: the rows to lay out (default plan.chunks; speculation passes them with their
     draft rows appended); shape: a fixed (T, S) bucket instead of the smallest that fits;
     mask_words: grammar bitmask words per row (the step's compiled width); batch: the runner's
@@ -35,8 +35,9 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
     (runner/page_tables.py), whose rows the plan updates and each request's table is copied
     from, each row's settings written; layouts: one buffer layout per bucket (step_layout.py;
     with batch): the result is then a PackedStepInputs whose `views` were filled, its
-    grammar_bitmask None when no row has a grammar. lora: without layouts, rows carry their
-    request's LoRA slot (every row of a chunk, draft rows included, its request's)."""
+    grammar_bitmask None when no row has a grammar. Every row carries its request's LoRA
+    adapter slot (every row of a chunk, draft rows included, its request's; 0: none), which a
+    step without adapter stacks never reads."""
     chunks = plan.chunks if chunks is None else chunks
     host = batch.host_tables if batch is not None else tables
     if host is None:
@@ -71,8 +72,7 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
     t, s = shape or buckets.select(num_rows, num_seqs + num_finished)
     p = buckets.max_pages_per_request
     if layouts is None:
-        packed, b = None, StepInputs.empty(t, s, p, mask_words, device_tables=batch is not None,
-                                          lora=lora)
+        packed, b = None, StepInputs.empty(t, s, p, mask_words, device_tables=batch is not None)
     else:
         packed = layouts[t, s].new(with_bitmask=False)  # made below if a row has a grammar
         b = packed.views
@@ -90,8 +90,8 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
         _layout_with_slots(b, chunks, meta, slots, num_decode, page_size, host, num_steady)
     _fill_sampling(b, chunks, meta, slots, None if batch is None else batch.sampling,
                    mask_words, num_steady)
-    if b.model.lora_slots is not None:  # a request's rows are contiguous, in meta's order
-        b.model.lora_slots[:int(lens.sum())] = np.repeat(meta[:, 9], lens)
+    # (a request's rows are contiguous, in meta's order)
+    b.model.adapter_slots[:int(lens.sum())] = np.repeat(meta[:, 9], lens)
     a = b.attention
     row = int(a.cu_q_lens[num_seqs])
     a.num_decode_seqs[...] = num_decode
