@@ -1,12 +1,14 @@
 """RowLayout: a step's scheduled requests laid out as the plan's rows, and counted as computed.
 
 The scheduler decides which requests run and how many tokens each computes; this lays them out:
-steady decoders (one token, a plain request whose batch slot already holds its sampling
+steady decoders (one token, a plain request whose device row already holds its sampling
 settings and its unchanged page table: decode_rows) as plan.DecodeRows arrays, first; every
 other request as a ScheduledChunk (step_rows.build_chunk), decode chunks before prefill chunks.
-A page table crosses to the runner as a diff (plan.PageUpdate) against the one this request's
-batch slot last got: whole when the request is new to its slot, else the pages it gained, the
-leading pages a sliding window released, or where rejected drafts cut it. A scheduled chunk's
+Which row a request has is the runner's (plan.py); what its row holds is known here by request
+id, from what the plans sent since the request started running. A page table crosses to the
+runner as a diff (plan.PageUpdate) against the one this request's row last got: whole when the
+request is new to its row, else the pages it gained, the leading pages a sliding window
+released, or where rejected drafts cut it. A scheduled chunk's
 tokens count as computed at once and its sample as pending (update() confirms them when the
 step's results are in, one step later under async scheduling). Plain Python: no jax, no
 scheduling decisions, no page accounting.
@@ -48,25 +50,32 @@ class RowLayout:
         self.pages = pages
         self.processor_slots = processor_slots
         self.lora_slots = lora_slots  # each running request's adapter slot
-        # request id -> the page table its batch slot last got (every chunk sends its diff)
+        # request id -> the page table its row last got (every chunk sends its diff)
         self.sent_tables: dict[str, tuple[int, ...]] = {}
-        # requests whose batch slot holds their plain sampling row (steady ones that sampled)
+        # requests whose row holds their plain sampling row (steady ones that sampled)
         self.settled: set[str] = set()
+        # request id -> the SamplingRow of its plain steps, for its life (made when queued)
+        self.sampling_rows: dict[str, SamplingRow] = {}
 
     def forget(self, request_id: str) -> None:
-        """The request left its batch slot (finished, preempted) or got a new one: nothing
-        of it is in a slot now."""
+        """The request left its row (finished, preempted) or gets a new one: nothing of it is
+        in a row now."""
         self.sent_tables.pop(request_id, None)
         self.settled.discard(request_id)
 
-    def prepare(self, request: Request, decode_rows: bool) -> None:
+    def finish(self, request_id: str) -> None:
+        """The request ended: nothing of it is kept."""
+        self.forget(request_id)
+        self.sampling_rows.pop(request_id, None)
+
+    def add(self, request: Request, decode_rows: bool) -> None:
         """When a request is queued: the SamplingRow of its plain steps, whether that row is
         all its steps need (no logits processor, no prompt logprobs), and whether its decodes
-        may be DecodeRows (decode_rows: the runner keeps each batch slot's settings and page
-        table; plain rows, no top logprobs, no grammar)."""
+        may be DecodeRows (decode_rows: the runner keeps each row's settings and page table;
+        plain rows, no top logprobs, no grammar)."""
         sp = request.sampling
-        request.sampling_row = SamplingRow(sp.temperature, sp.top_k, sp.top_p, sp.min_p,
-                                           request.seed, sp.top_logprobs)
+        self.sampling_rows[request.request_id] = SamplingRow(
+            sp.temperature, sp.top_k, sp.top_p, sp.min_p, request.seed, sp.top_logprobs)
         request.plain_rows = not sp.uses_processors and (sp.prompt_logprobs is None
                                                          or request.sample_index != 0)
         request.steady_rows = (decode_rows and request.plain_rows and not sp.top_logprobs
@@ -75,7 +84,7 @@ class RowLayout:
     def lay_out(self, plan: StepPlan, scheduled: list[tuple[Request, int]]) -> None:
         """plan.decode and plan.chunks from (request, tokens it computes this step)."""
         table_of, sent, settled = self.pages.page_table_tuple, self.sent_tables, self.settled
-        adapter_slot = self.lora_slots.slot_of
+        adapter_slot, sampling_rows = self.lora_slots.slot_of, self.sampling_rows
         ids, rows, meta, chunk_rows = [], [], [], []
         for request, num_new in scheduled:  # (per request and step: plain locals)
             rid = request.request_id
@@ -86,19 +95,20 @@ class RowLayout:
             start, pending = request.num_computed_tokens, request.num_pending_tokens
             outputs = request.output_token_ids
             ids.append(rid)
-            rows.append(request.sampling_row)
+            rows.append(sampling_rows[rid])
             meta += (start, 0 if pending else outputs[-1] if outputs
-                     else request.prompt_token_ids[-1], request.batch_slot, pending,
+                     else request.prompt_token_ids[-1], pending,
                      len(outputs) + pending, adapter_slot(rid))
             request.num_computed_tokens = start + 1
             request.num_pending_tokens = pending + 1
-        plan.decode = DecodeRows(ids, rows, np.array(meta, np.int64).reshape(-1, 6))
+        plan.decode = DecodeRows(ids, rows,
+                                 np.array(meta, np.int64).reshape(-1, DecodeRows.WIDTH))
         chunk_rows.sort(key=lambda item: item[1] != 1)  # decode chunks first (a stable sort)
         chunks, drafts = plan.chunks, plan.drafts
         for request, num_new, table in chunk_rows:
             rid = request.request_id
             chunk = build_chunk(request, num_new, page_update(sent.get(rid), table),
-                                self.processor_slots,
+                                sampling_rows[rid], self.processor_slots,
                                 drafts[rid].token_ids if rid in drafts else (),
                                 adapter_slot(rid))
             chunks.append(chunk)
@@ -106,5 +116,5 @@ class RowLayout:
             request.num_computed_tokens += num_new  # being computed; update() confirms
             if chunk.sampling is not None:
                 request.num_pending_tokens += 1
-                if request.steady_rows:  # its slot gets its settings now
+                if request.steady_rows:  # its row gets its settings now
                     settled.add(rid)

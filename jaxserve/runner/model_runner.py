@@ -198,8 +198,7 @@ class ModelRunner:
         self.processors = ProcessorState(max_num_seqs + 1, model_config.vocab_size,
                                          self.placement.replicated)
         p = self.buckets.max_pages_per_request
-        self.input_batch = InputBatch(max_num_seqs, p, self.buckets.seq_buckets[-1],
-                                      self.placement.replicated)
+        self.input_batch = InputBatch(max_num_seqs, p, self.placement.replicated)
         self._launcher = StepLauncher()
         self.attention = self.placement.attention(self.attention_impl, page_size, self.dtype,
                                                   self.kv_dtype)
@@ -300,6 +299,7 @@ class ModelRunner:
         """Lay the plan out as inputs, hand it to the launcher and return at once."""
         with self._phase("build"):
             inputs, unsent = None, None
+            self.input_batch.rows.release(plan)  # (a plan without rows frees rows too)
             if plan.num_seqs:
                 inputs = build_step_inputs(plan, self.buckets, self.page_size,
                                            mask_words=self.mask_words, batch=self.input_batch,

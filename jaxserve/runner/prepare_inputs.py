@@ -7,7 +7,9 @@ are views of it, one transfer per step), the speculative runner as separate arra
 transfer per array). Padding rows write their K/V into reserved page 0 and sample nothing.
 Decode rows come first (the scheduler orders them so: plan.decode's, then the decode chunks),
 and num_decode_seqs says where they end. plan.decode's rows are laid out from its arrays (their
-slots' page tables and settings are already the InputBatch's).
+slots' page tables and settings are already the InputBatch's). Each request's slot is the
+runner's (runner/batch_rows.py, kept with the host page tables): the layout frees those of
+plan.released, then gives each request new to the batch a free one.
 """
 
 from __future__ import annotations
@@ -46,24 +48,21 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
     num_finished = 0 if padding is None else padding.num_finished_slots
     num_steady = plan.num_decode_rows
     num_seqs = num_steady + len(chunks)
-    # every chunk's scalars in one pass: start, tokens, pages (below), slot, token on device,
-    # first token, prompt-logprob rows, output index, samples, LoRA slot [n, 10] (per request
-    # and step)
-    meta = np.array([(c.start_position, len(c.token_ids), 0, c.batch_slot,
-                      c.token_on_device, c.token_ids[0], len(c.prompt_logprob_next),
-                      c.output_index, c.sampling is not None, c.lora_slot)
+    # every chunk's scalars in one pass: start, tokens, pages (below), row (below), token on
+    # device, first token, prompt-logprob rows, output index, samples, LoRA slot [n, 10] (per
+    # request and step)
+    meta = np.array([(c.start_position, len(c.token_ids), 0, 0, c.token_on_device,
+                      c.token_ids[0], len(c.prompt_logprob_next), c.output_index,
+                      c.sampling is not None, c.lora_slot)
                      for c in chunks], np.int64).reshape(len(chunks), 10)
     if num_steady:  # the same scalars of plan.decode's rows, before the chunks'
         if batch is None:
             raise ValueError("plan.decode rows need the runner's InputBatch (batch=)")
         meta = np.concatenate([_steady_meta(plan.decode), meta])
+    host.rows.release(plan)  # (before any request new to the batch takes a row)
+    ids = [c.request_id for c in chunks]
+    meta[:, 3] = host.rows.rows(plan.decode.request_ids + ids if num_steady else ids)
     slots = meta[:, 3].astype(np.int32)
-    transient = slots == 0  # rows without a batch slot: row i uses slot num_slots + i
-    if transient.any():
-        if host.num_transient < num_seqs:
-            raise ValueError(f"{num_seqs} rows without a batch slot each need a transient "
-                             f"page-table slot; the runner has {host.num_transient}")
-        slots[transient] = host.num_slots + np.flatnonzero(transient)
     host.apply_all(chunks, slots[num_steady:].tolist())
     meta[:, 2] = host.lengths[slots]
     starts, lens, num_pages = meta[:, 0], meta[:, 1], meta[:, 2]
@@ -115,7 +114,7 @@ def _steady_meta(decode) -> np.ndarray:
     """build_step_inputs' per-chunk scalars of plan.decode's rows, from its arrays."""
     d, meta = decode.meta, np.empty((len(decode.meta), 10), np.int64)
     meta[:, 0], meta[:, 1], meta[:, 2] = d[:, decode.POSITION], 1, 0
-    meta[:, 3], meta[:, 4] = d[:, decode.SLOT], d[:, decode.ON_DEVICE]
+    meta[:, 3], meta[:, 4] = 0, d[:, decode.ON_DEVICE]
     meta[:, 5], meta[:, 6] = d[:, decode.TOKEN], 0
     meta[:, 7], meta[:, 8] = d[:, decode.OUTPUT_INDEX], 1
     meta[:, 9] = d[:, decode.LORA_SLOT]
@@ -165,7 +164,7 @@ def _layout_rows(b: StepInputs, chunks, first: int, row: int, page_size: int,
         table = tables[slots[i]]
         m.token_ids[row:row + n] = chunk.token_ids
         if chunk.token_on_device:  # its last token: the step before sampled it, on the device
-            m.token_slots[row + n - 1] = chunk.batch_slot
+            m.token_slots[row + n - 1] = slots[i]
         m.positions[row:row + n] = pos
         m.slot_mapping[row:row + n] = table[pos // page_size] * page_size + pos % page_size
         m.logits_indices[i] = row + n - 1
