@@ -64,7 +64,7 @@ def test_the_layout_gives_rows_from_request_ids_and_frees_released_ones():
 
 def test_a_request_carries_no_row_or_slot_of_the_runner():
     names = {f.name for f in dataclasses.fields(Request)}
-    held = names & {"batch_slot", "lora_slot", "sampling_row"}
+    held = names & {"batch_slot", "lora_slot", "sampling_row", "plain_rows", "steady_rows"}
     assert not held, f"Request still carries the runner's {sorted(held)}"
     chunk_names = {f.name for f in dataclasses.fields(ScheduledChunk)}
     assert "batch_slot" not in chunk_names, "plans still name the runner's rows"

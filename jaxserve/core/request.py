@@ -239,13 +239,6 @@ class Request:
     # (max_tokens within max_model_len)
     stop_ids: frozenset = frozenset()
     max_output_tokens: int = 0
-    # whether its plain steps' SamplingRow (core/row_layout.py) is all its steps need (no
-    # logits processor, no prompt logprobs): then building its rows reads nothing of its
-    # SamplingParams
-    plain_rows: bool = False
-    # Scheduler(decode_rows=True): whether its decodes may be plan.DecodeRows (plain rows, no
-    # top logprobs, no grammar; core/row_layout.py)
-    steady_rows: bool = False
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -54,8 +54,11 @@ class RowLayout:
         self.sent_tables: dict[str, tuple[int, ...]] = {}
         # requests whose row holds their plain sampling row (steady ones that sampled)
         self.settled: set[str] = set()
-        # request id -> the SamplingRow of its plain steps, for its life (made when queued)
-        self.sampling_rows: dict[str, SamplingRow] = {}
+        # request id -> its SamplingRow for life, of requests whose steps need no more (no
+        # logits processor, no prompt logprobs): building their rows reads no SamplingParams
+        self.plain_rows: dict[str, SamplingRow] = {}
+        # requests whose decodes may be plan.DecodeRows (plain, no top logprobs, no grammar)
+        self.steady: set[str] = set()
 
     def forget(self, request_id: str) -> None:
         """The request left its row (finished, preempted) or gets a new one: nothing of it is
@@ -66,25 +69,26 @@ class RowLayout:
     def finish(self, request_id: str) -> None:
         """The request ended: nothing of it is kept."""
         self.forget(request_id)
-        self.sampling_rows.pop(request_id, None)
+        self.plain_rows.pop(request_id, None)
+        self.steady.discard(request_id)
 
     def add(self, request: Request, decode_rows: bool) -> None:
-        """When a request is queued: the SamplingRow of its plain steps, whether that row is
-        all its steps need (no logits processor, no prompt logprobs), and whether its decodes
-        may be DecodeRows (decode_rows: the runner keeps each row's settings and page table;
-        plain rows, no top logprobs, no grammar)."""
-        sp = request.sampling
-        self.sampling_rows[request.request_id] = SamplingRow(
-            sp.temperature, sp.top_k, sp.top_p, sp.min_p, request.seed, sp.top_logprobs)
-        request.plain_rows = not sp.uses_processors and (sp.prompt_logprobs is None
-                                                         or request.sample_index != 0)
-        request.steady_rows = (decode_rows and request.plain_rows and not sp.top_logprobs
-                               and sp.structured_outputs is None)
+        """When a request is queued: its SamplingRow for life when that row is all its steps
+        need (no logits processor, no prompt logprobs), and whether its decodes may be
+        DecodeRows (decode_rows: the runner keeps each row's settings and page table; plain
+        rows, no top logprobs, no grammar)."""
+        sp, rid = request.sampling, request.request_id
+        if sp.uses_processors or (sp.prompt_logprobs is not None and request.sample_index == 0):
+            return
+        self.plain_rows[rid] = SamplingRow(sp.temperature, sp.top_k, sp.top_p, sp.min_p,
+                                           request.seed, sp.top_logprobs)
+        if decode_rows and not sp.top_logprobs and sp.structured_outputs is None:
+            self.steady.add(rid)
 
     def lay_out(self, plan: StepPlan, scheduled: list[tuple[Request, int]]) -> None:
         """plan.decode and plan.chunks from (request, tokens it computes this step)."""
         table_of, sent, settled = self.pages.page_table_tuple, self.sent_tables, self.settled
-        adapter_slot, sampling_rows = self.lora_slots.slot_of, self.sampling_rows
+        adapter_slot, plain_rows, steady = self.lora_slots.slot_of, self.plain_rows, self.steady
         ids, rows, meta, chunk_rows = [], [], [], []
         for request, num_new in scheduled:  # (per request and step: plain locals)
             rid = request.request_id
@@ -95,7 +99,7 @@ class RowLayout:
             start, pending = request.num_computed_tokens, request.num_pending_tokens
             outputs = request.output_token_ids
             ids.append(rid)
-            rows.append(sampling_rows[rid])
+            rows.append(plain_rows[rid])  # (settled: steady, so plain)
             meta += (start, 0 if pending else outputs[-1] if outputs
                      else request.prompt_token_ids[-1], pending,
                      len(outputs) + pending, adapter_slot(rid))
@@ -108,7 +112,7 @@ class RowLayout:
         for request, num_new, table in chunk_rows:
             rid = request.request_id
             chunk = build_chunk(request, num_new, page_update(sent.get(rid), table),
-                                sampling_rows[rid], self.processor_slots,
+                                plain_rows.get(rid), self.processor_slots,
                                 drafts[rid].token_ids if rid in drafts else (),
                                 adapter_slot(rid))
             chunks.append(chunk)
@@ -116,5 +120,5 @@ class RowLayout:
             request.num_computed_tokens += num_new  # being computed; update() confirms
             if chunk.sampling is not None:
                 request.num_pending_tokens += 1
-                if request.steady_rows:  # its row gets its settings now
+                if rid in steady:  # its row gets its settings now
                     settled.add(rid)

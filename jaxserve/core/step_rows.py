@@ -18,18 +18,19 @@ from jaxserve.core.request import Request
 
 
 def build_chunk(request: Request, num_new: int, pages: PageUpdate | None,
-                plain_row: SamplingRow, processor_slots: ProcessorSlots,
+                plain_row: SamplingRow | None, processor_slots: ProcessorSlots,
                 drafts: tuple[int, ...] = (), adapter_slot: int = 0) -> ScheduledChunk:
     """The request's next num_new tokens, from num_computed_tokens on; pages: its page table's
-    change since its row last got it (None: none); plain_row: the SamplingRow of its plain
-    steps (row_layout.py makes it when the request is queued). drafts: the host's
+    change since its row last got it (None: none); plain_row: its SamplingRow for life, when
+    that is all its steps need (row_layout.py makes it when the request is queued; None: its
+    SamplingParams are read). drafts: the host's
     proposals verified after them (speculative steps), which its grammar masks too;
     adapter_slot: its LoRA adapter's device slot (core/lora_slots.py; 0: none). Called
     per request and step: the common cases (a decode, no grammar) take the fewest steps."""
     start = request.num_computed_tokens
     end = start + num_new
     # (its SamplingParams are read only where its rows need more than plain_row)
-    sp = None if request.plain_rows else request.sampling
+    sp = None if plain_row is not None else request.sampling
     prompt, outputs = request.prompt_token_ids, request.output_token_ids
     num_prompt = len(prompt)
     known = num_prompt + len(outputs)  # the rest, to num_scheduled_tokens, is on the device
