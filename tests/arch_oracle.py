@@ -115,6 +115,7 @@ def last_logits(loaded, batch: list[list[int]], *, layer_loop: str = "unroll",
 
     from jaxserve.model.attention import AttentionShape, get_attention
     from jaxserve.model.llama import Llama, init_kv_cache
+    from jaxserve.model.lora import Adapters
     from jaxserve.model.step_inputs import AttentionMetadata, ModelInputs
 
     config = loaded.config
@@ -133,8 +134,8 @@ def last_logits(loaded, batch: list[list[int]], *, layer_loop: str = "unroll",
     pad = lambda a: jnp.asarray(np.pad(np.asarray(a, np.int32), (0, num_rows - len(a))))
     inputs = ModelInputs(pad(tokens), pad(positions), pad(slots),
                          jnp.asarray(np.asarray(cu[1:]) - 1, jnp.int32))
-    if lora is not None:
-        inputs.lora_slots = pad(np.repeat(lora_slots, [len(p) for p in batch]))
+    adapters = None if lora is None else Adapters(
+        lora, pad(np.repeat(lora_slots, [len(p) for p in batch])))
     metadata = AttentionMetadata(jnp.asarray(cu, jnp.int32),
                                  jnp.asarray([len(p) for p in batch], jnp.int32),
                                  jnp.asarray(table), jnp.int32(len(batch)), jnp.int32(0))
@@ -145,11 +146,11 @@ def last_logits(loaded, batch: list[list[int]], *, layer_loop: str = "unroll",
                                       layer_loop=layer_loop))
 
     @jax.jit
-    def forward(state, inputs, metadata, kv, lora):
-        return nnx.merge(graphdef, state)(inputs, metadata, kv, attention, lora=lora)[0]
+    def forward(state, inputs, metadata, kv, adapters):
+        return nnx.merge(graphdef, state)(inputs, metadata, kv, attention, adapters=adapters)[0]
 
     kv = init_kv_cache(config, num_pages, page_size, getattr(jnp, dtype))
-    return np.asarray(forward(state, inputs, metadata, kv, lora))
+    return np.asarray(forward(state, inputs, metadata, kv, adapters))
 
 
 def engine_greedy(loaded, batch: list[list[int]], **settings):

@@ -161,7 +161,7 @@ def engine_greedy_tp(case: LoRACase, tensor_parallel_size: int,
               "    return [list(x.sharding.spec), list(x.sharding.shard_shape(x.shape)),\n"
               "            list(x.shape)]\n"
               "first = lambda x: x[0] if isinstance(x, tuple) else x\n"
-              "stacks = llm.engine.runner.lora.arrays.weights\n"
+              "stacks = llm.engine.runner.adapters.arrays.weights\n"
               "placement = {name: {'a': placed(first(a)), 'b': placed(first(b))}\n"
               "             for name, (a, b) in stacks.items()}\n"
               "print(json.dumps([[o.token_ids for o in outs], placement]))\n")

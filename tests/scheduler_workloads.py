@@ -188,22 +188,24 @@ def check_victims(run: Run, plan, running_before: set[str], step: int) -> None:
                                 f"requests {sorted(older_kept)}")
 
 
-def check_page_tables(plan, pm: PageManager, held: dict[int, tuple[int, ...]],
+def check_page_tables(plan, pm: PageManager, held: dict[str, tuple[int, ...]],
                       step: int) -> None:
-    """The page tables a runner keeps by batch slot from the plans' diffs (plan.PageUpdate;
-    none for DecodeRows and unchanged chunks) are the page manager's, every step."""
-    slots = plan.decode.meta[:, plan.decode.SLOT].tolist()
-    for rid, slot in zip(plan.decode.request_ids, slots):
-        assert held.get(slot) == tuple(pm.page_table(rid)), (
-            f"step {step}: decode row {rid} reads slot {slot}'s table {held.get(slot)}, "
-            f"not its own {pm.page_table(rid)}")
+    """The page tables a runner keeps per request from the plans' diffs (plan.PageUpdate;
+    none for DecodeRows and unchanged chunks), dropped when a plan releases the request's row,
+    are the page manager's, every step."""
+    for rid in plan.released:
+        held.pop(rid, None)
+    for rid in plan.decode.request_ids:
+        assert held.get(rid) == tuple(pm.page_table(rid)), (
+            f"step {step}: decode row {rid} reads the table {held.get(rid)}, not its own "
+            f"{pm.page_table(rid)}")
     for chunk in plan.chunks:
-        assert chunk.batch_slot, f"step {step}: {chunk.request_id} has no batch slot"
+        rid = chunk.request_id
         if chunk.pages is not None:
-            held[chunk.batch_slot] = chunk.pages.apply(held.get(chunk.batch_slot, ()))
-        assert held.get(chunk.batch_slot) == tuple(pm.page_table(chunk.request_id)), (
-            f"step {step}: {chunk.request_id}'s slot {chunk.batch_slot} holds "
-            f"{held.get(chunk.batch_slot)}, not its table {pm.page_table(chunk.request_id)}")
+            held[rid] = chunk.pages.apply(held.get(rid, ()))
+        assert held.get(rid) == tuple(pm.page_table(rid)), (
+            f"step {step}: {rid}'s row holds {held.get(rid)}, not its table "
+            f"{pm.page_table(rid)}")
 
 
 def run_workload(cfg: Config, specs: list[Spec], *, check_budgets=False,

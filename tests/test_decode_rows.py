@@ -49,7 +49,7 @@ class Side:
                                decode_rows=decode_rows)
         self.buckets = BucketTable.build(BUDGET, SEQS, MAX_LEN, PAGE, (SEQS, BUDGET), (SEQS,))
         p = self.buckets.max_pages_per_request
-        self.batch = InputBatch(SEQS, p, SEQS)
+        self.batch = InputBatch(SEQS, p)
         self.layouts = layouts_for(self.buckets.shapes(), p, 1)
         self.device_tables = np.zeros_like(self.batch.host_tables.tables)  # as the device's
         self.num_decode_rows = 0
@@ -58,6 +58,7 @@ class Side:
         """Schedule and lay out one step: (plan, {request id: its rows}, tokens, logprobs)."""
         plan = self.sched.schedule()
         self.num_decode_rows += plan.num_decode_rows
+        self.batch.rows.release(plan)  # (as ModelRunner.dispatch: a plan without rows too)
         if not plan.num_seqs:
             return plan, {}, np.zeros(0, np.int32), np.zeros(0, np.float32)
         b = build_step_inputs(plan, self.buckets, PAGE, batch=self.batch,

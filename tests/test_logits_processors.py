@@ -83,7 +83,7 @@ def device_rows(requests, logits):
         chunks.append(ScheduledChunk(r.request_id, (3,), i, PageUpdate.whole((1,)), row,
                                      output_index=len(r.output_token_ids)))
     plan, buckets = StepPlan(chunks=chunks), BucketTable.build(64, 16, 64, 16)
-    tables = HostPageTables(1, buckets.max_pages_per_request, len(chunks))
+    tables = HostPageTables(len(chunks) + 1, buckets.max_pages_per_request)
     inputs = build_step_inputs(plan, buckets, 16, tables=tables)
     arrays = list(lp.empty_arrays(len(requests) + 1, V))
     for chunk in chunks:

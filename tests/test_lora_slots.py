@@ -25,7 +25,7 @@ def test_a_resident_adapter_is_shared_and_an_idle_one_is_replaced_least_recent_f
     for r in (a, b, a2):
         assert slots.can_acquire(r)
         slots.acquire(r)
-    assert (a.lora_slot, b.lora_slot, a2.lora_slot) == (1, 2, 1)
+    assert [slots.slot_of(r.request_id) for r in (a, b, a2)] == [1, 2, 1]
     assert slots.take_loads() == [(1, 1), (2, 2)] and slots.take_loads() == []
     assert not slots.can_acquire(c), "both slots hold adapters in use: c must wait"
     slots.release(a)
@@ -33,11 +33,11 @@ def test_a_resident_adapter_is_shared_and_an_idle_one_is_replaced_least_recent_f
     slots.release(b)
     slots.release(a2)  # adapter 2 went idle first: it is the one replaced
     slots.acquire(c)
-    assert c.lora_slot == 2 and slots.take_loads() == [(2, 3)]
+    assert slots.slot_of("c") == 2 and slots.take_loads() == [(2, 3)]
     assert slots.resident == {1: 1, 3: 2} and (slots.num_loads, slots.num_evictions) == (3, 1)
     base = request("base", 0)
     slots.acquire(base)
-    assert base.lora_slot == 0 and slots.take_loads() == []
+    assert slots.slot_of("base") == 0 and slots.take_loads() == []
 
 
 def test_the_scheduler_gives_rows_their_slot_and_holds_back_a_request_without_one():
@@ -58,6 +58,35 @@ def test_a_request_under_an_adapter_is_refused_when_no_adapter_is_served():
                           max_model_len=64)
     event = scheduler.add(request("a", 1))
     assert event is not None and "serves no adapters" in event.error
+    assert scheduler.lora_slots.in_use == frozenset(), "a refused request still holds its adapter"
+
+
+def test_an_adapter_is_in_use_from_queueing_until_its_last_request_finishes():
+    from jaxserve.core.request import FinishReason
+
+    scheduler = Scheduler(PageManager(64, 4), max_num_seqs=4, max_num_batched_tokens=64,
+                          max_model_len=64, max_loras=1)
+    for r in (request("a", 1), request("b", 1), request("base", 0)):
+        scheduler.add(r)
+    assert scheduler.lora_slots.in_use == {1}, "queued requests' adapter is not in use"
+    scheduler.schedule()
+    scheduler.finish("a", FinishReason.ABORT)
+    assert scheduler.lora_slots.in_use == {1}, "b still runs under adapter 1"
+    scheduler.finish("b", FinishReason.ABORT)
+    assert scheduler.lora_slots.in_use == frozenset(), "no request uses adapter 1 any more"
+    assert scheduler.lora_slots.slot_of("b") == 0, "a finished request kept its adapter slot"
+
+
+def test_the_scheduler_asks_the_adapter_object_before_any_request_runs():
+    """Even base-model requests: the scheduler holds no rule of its own about adapters."""
+    scheduler = Scheduler(PageManager(64, 4), max_num_seqs=4, max_num_batched_tokens=64,
+                          max_model_len=64, max_loras=1)
+    asked = []
+    scheduler.lora_slots.can_acquire = lambda r: asked.append(r.request_id) or False
+    scheduler.add(request("base", 0))
+    plan = scheduler.schedule()
+    assert asked == ["base"], f"the scheduler asked LoRASlots about {asked}, not 'base'"
+    assert not plan.chunks, "a request ran though LoRASlots refused it a slot"
 
 
 @pytest.mark.parametrize("host_tier", [False, True])

@@ -228,3 +228,12 @@ def test_follower_runs_every_plan_until_stop_and_never_schedules():
     assert follower.follow() == 2 and ran == plans
     with pytest.raises(RuntimeError, match="only process 0 schedules"):
         follower.execute(plans[0])
+
+
+def test_a_plan_that_only_frees_rows_reaches_the_followers():
+    """Every process keeps the same request -> row mapping (runner/batch_rows.py)."""
+    from jaxserve.core.plan import StepPlan
+    from jaxserve.runner.multihost import _touches_runner
+
+    assert _touches_runner(StepPlan(released=["a"])), (
+        "followers would keep a finished request's row while process 0 hands it out")

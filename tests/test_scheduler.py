@@ -96,7 +96,8 @@ def test_static_batch_computes_finished_members_slots_over_the_longest_context()
 
     def step():
         plan, _ = run_step(sched)
-        host.apply_all(plan.chunks, [c.batch_slot for c in plan.chunks])
+        host.rows.release(plan)
+        host.apply_all(plan.chunks, host.rows.rows([c.request_id for c in plan.chunks]))
 
     sched = make_scheduler(batching="static")
     # member 0 finishes after its first token; member 3, the longest, has 30 prompt tokens

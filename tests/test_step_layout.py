@@ -26,18 +26,18 @@ def _plan() -> StepPlan:
     return StepPlan(chunks=[
         ScheduledChunk("a", (5,), 20, whole((1, 2)),
                        SamplingRow(0.7, 5, 0.9, 0.05, 2**32 - 3, 2),
-                       batch_slot=1, token_on_device=True, output_index=4),
+                       token_on_device=True, output_index=4),
         ScheduledChunk("b", (6,), 3, whole((3,)),
                        SamplingRow(0.0, 0, 1.0, 0.0, 12, 0, proc, bitmask),
-                       batch_slot=2, output_index=1),
+                       output_index=1),
         ScheduledChunk("c", (8, 9, 10, 11), 0, whole((4,)),
                        SamplingRow(1.2, 0, 0.5, 0.0, 13),
                        prompt_logprobs=2, prompt_logprob_first_row=0,
-                       prompt_logprob_next=(9, 10, 11), batch_slot=3)])
+                       prompt_logprob_next=(9, 10, 11))])
 
 
 def _build(layouts=None):
-    batch = InputBatch(8, BUCKETS.max_pages_per_request, 8)
+    batch = InputBatch(8, BUCKETS.max_pages_per_request)
     return build_step_inputs(_plan(), BUCKETS, 16, mask_words=WORDS, batch=batch,
                              layouts=layouts)
 
@@ -96,9 +96,9 @@ def test_host_views_write_through_to_the_buffer_and_each_step_gets_a_fresh_one()
 
 def test_a_step_without_grammars_makes_no_bitmask():
     layouts = layouts_for(BUCKETS.shapes(), BUCKETS.max_pages_per_request, WORDS)
-    batch = InputBatch(8, BUCKETS.max_pages_per_request, 8)
+    batch = InputBatch(8, BUCKETS.max_pages_per_request)
     plan = StepPlan(chunks=[ScheduledChunk("a", (5,), 20, PageUpdate.whole((1, 2)),
-                                           SamplingRow(0.0, 0, 1.0, 0.0, 1), batch_slot=1)])
+                                           SamplingRow(0.0, 0, 1.0, 0.0, 1))])
     packed = build_step_inputs(plan, BUCKETS, 16, mask_words=WORDS, batch=batch,
                                layouts=layouts)
     assert packed.grammar_bitmask is None and not packed.views.sampling.any_grammar

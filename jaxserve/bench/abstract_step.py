@@ -141,11 +141,10 @@ def lower_plain_step(engine: AbstractEngine, shape: tuple[int, int], platform: s
     vocab = engine.config.vocab_size
     processors = tuple(SDS((num_slots, vocab), a.dtype) for a in empty_arrays(1, vocab))
     last_tokens = SDS((num_slots,), jnp.int32)
-    tables = SDS((num_slots + shape[1], engine.max_pages), jnp.int32)
-    caches = (_kv(engine), processors, last_tokens, tables)
-    if engine.max_loras:
-        caches += (_lora_stacks(engine),)
-    layout = StepLayout(*shape, engine.max_pages, -(-vocab // 32), lora=bool(engine.max_loras))
+    tables = SDS((num_slots, engine.max_pages), jnp.int32)
+    caches = (_kv(engine), processors, last_tokens, tables,
+              _lora_stacks(engine) if engine.max_loras else None)
+    layout = StepLayout(*shape, engine.max_pages, -(-vocab // 32))
     inputs = _abstract(layout.new())
     step = functools.partial(plain_step, graphdef, attention)
     return jax.jit(step).trace(state, caches, inputs).lower(lowering_platforms=(platform,))

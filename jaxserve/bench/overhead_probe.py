@@ -179,7 +179,8 @@ def host_only(n: int, steps: int, tokenizer, cold: bool = False) -> dict:
     takes = inspect.signature(build_step_inputs).parameters
     if "batch" in takes:  # the runner's persistent rows as one InputBatch
         InputBatch = _attr("InputBatch", "jaxserve.runner.input_batch")
-        layout = {"batch": InputBatch(n, table.max_pages_per_request, n)}
+        transient = (n,) if "max_num_rows" in inspect.signature(InputBatch).parameters else ()
+        layout = {"batch": InputBatch(n, table.max_pages_per_request, *transient)}
     else:  # before it: the persistent rows, where the commit has them, one by one
         try:
             from jaxserve.runner.host_page_tables import HostPageTables

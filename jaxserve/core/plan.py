@@ -2,7 +2,10 @@
 
 No jax, no references to live Request objects: everything the runner needs is copied in, so
 the runner can never mutate scheduler state and a plan can be logged or replayed. The steady
-decoders (DecodeRows) come as arrays, one row per request, not an object each.
+decoders (DecodeRows) come as arrays, one row per request, not an object each. Rows of the
+device batch are the runner's: a plan names requests, never a row; the runner gives a request
+a row when a plan first lays it out and frees it when a plan lists it in `released` (as
+vLLM's InputBatch.req_id_to_index and SchedulerOutput.finished_req_ids).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ class SamplingRow:
     """Sampling settings of one request for the token it samples this step. A request without
     logits processors or a grammar has one for its whole life (the scheduler makes it when the
     request is queued), so the runner's persistent batch (runner/input_batch.py) finds its
-    slot holding equal settings and writes them once per batch slot."""
+    row holding equal settings and writes them once per row."""
 
     temperature: float
     top_k: int
@@ -63,11 +66,11 @@ class SamplingRow:
 
 @dataclass(frozen=True, slots=True)
 class PageUpdate:
-    """How a request's page table changed since its batch slot last got it (the runner keeps
-    each slot's table): its first num_kept entries stay, the leading num_released of them now
+    """How a request's page table changed since its device row last got it (the runner keeps
+    each row's table): its first num_kept entries stay, the leading num_released of them now
     NULL_PAGE (pages a sliding window gave back), new_pages follow, and nothing after (a
     table shortened by rejected drafts ends at num_kept). num_kept 0: the whole table (a
-    request new to its slot). Applying it twice gives the same table."""
+    request new to its row). Applying it twice gives the same table."""
 
     num_kept: int
     new_pages: tuple[int, ...]
@@ -78,7 +81,7 @@ class PageUpdate:
         return cls(0, tuple(page_table))
 
     def apply(self, held: tuple[int, ...]) -> tuple[int, ...]:
-        """The table this makes of the one the slot held."""
+        """The table this makes of the one the row held."""
         return ((0,) * self.num_released + tuple(held[self.num_released:self.num_kept])
                 + self.new_pages)
 
@@ -90,17 +93,16 @@ class ScheduledChunk:
     request_id: str
     token_ids: tuple[int, ...]
     start_position: int            # position of token_ids[0]
-    pages: PageUpdate | None       # its page table's change (None: its slot holds it as is)
+    pages: PageUpdate | None       # its page table's change (None: its row holds it as is)
     sampling: SamplingRow | None   # None: a prefill chunk that is not the last one
     # prompt_logprobs = k: rows from prompt_logprob_first_row on report the log-probability of
     # the prompt token that follows them (prompt_logprob_next, in order) and k alternatives
     prompt_logprobs: int = 0
     prompt_logprob_first_row: int = 0
     prompt_logprob_next: tuple[int, ...] = ()
-    # The request's row of the device batch state (0: none): its sampled token is kept there,
-    # and with token_on_device the last of token_ids (a placeholder) is read from there: the
-    # token the step before sampled, not yet on the host (async scheduling).
-    batch_slot: int = 0
+    # The last of token_ids is a placeholder, read on the device from the request's row of the
+    # runner's batch state: the token the step before sampled, not yet on the host (async
+    # scheduling).
     token_on_device: bool = False
     # with sampling: which output token it samples (keys derive from (seed, output_index))
     output_index: int = 0
@@ -119,20 +121,21 @@ class ScheduledChunk:
 @dataclass(slots=True)
 class DecodeRows:
     """The step's steady decode rows, laid out before every chunk: one token each, of running
-    requests whose batch slot already holds their sampling settings and page table, unchanged
-    (they came with an earlier chunk of the request in that slot), with a plain SamplingRow (no
-    processors, grammar, top or prompt logprobs). Row i is request request_ids[i]; `meta`
-    [D, 6] int64 holds its start position, its token (0: a placeholder when on the device), its
-    batch slot, whether the token is on the device (the step before sampled it), the
-    output index it samples, and its LoRA adapter's device slot (0: none). sampling is the row
-    its slot holds (chunks() makes the chunks these rows stand for, for any reader that wants
-    objects)."""
+    requests whose device row already holds their sampling settings and page table, unchanged
+    (they came with an earlier chunk of the request since it got that row), with a plain
+    SamplingRow (no processors, grammar, top or prompt logprobs). Row i is request
+    request_ids[i]; `meta` [D, 5] int64 holds its start position, its token (0: a placeholder
+    when on the device), whether the token is on the device (the step before sampled it), the
+    output index it samples, and its LoRA adapter's device slot (0: none). sampling is the
+    settings its row holds (chunks() makes the chunks these rows stand for, for any reader
+    that wants objects)."""
 
     request_ids: list[str]
     sampling: list[SamplingRow]
     meta: np.ndarray
 
-    POSITION, TOKEN, SLOT, ON_DEVICE, OUTPUT_INDEX, LORA_SLOT = range(6)
+    POSITION, TOKEN, ON_DEVICE, OUTPUT_INDEX, LORA_SLOT = range(5)
+    WIDTH = 5
 
     def __len__(self) -> int:
         return len(self.request_ids)
@@ -144,13 +147,12 @@ class DecodeRows:
 
     @classmethod
     def empty(cls) -> "DecodeRows":
-        return cls([], [], np.zeros((0, 6), np.int64))
+        return cls([], [], np.zeros((0, cls.WIDTH), np.int64))
 
     def chunks(self) -> list[ScheduledChunk]:
-        return [ScheduledChunk(rid, (token,), pos, None, row, batch_slot=slot,
-                               token_on_device=bool(dev), output_index=index,
-                               lora_slot=lora)
-                for rid, row, (pos, token, slot, dev, index, lora)
+        return [ScheduledChunk(rid, (token,), pos, None, row, token_on_device=bool(dev),
+                               output_index=index, lora_slot=lora)
+                for rid, row, (pos, token, dev, index, lora)
                 in zip(self.request_ids, self.sampling, self.meta.tolist())]
 
 
@@ -206,6 +208,9 @@ class StepPlan:
     prefix_loads: list[tuple[int, int]] = field(default_factory=list)
     # LoRA adapters into device slots before the step: [(slot, adapter id)] (core/lora_slots.py)
     lora_loads: list[tuple[int, int]] = field(default_factory=list)
+    # requests that stopped running since the last plan (finished, preempted): the runner frees
+    # their device rows before laying this plan out (one that runs again here gets a new row)
+    released: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -244,7 +249,8 @@ class StepPlan:
     @property
     def is_empty(self) -> bool:
         return not (self.chunks or self.decode or self.swap_out or self.swap_in
-                    or self.prefix_stores or self.prefix_loads or self.lora_loads)
+                    or self.prefix_stores or self.prefix_loads or self.lora_loads
+                    or self.released)
 
 
 @dataclass

@@ -230,11 +230,7 @@ class Request:
     num_computed_tokens: int = 0   # tokens whose KV is in the cache, or is being computed
     # async scheduling: tokens sampled by steps in flight, not yet on the host (0 or 1)
     num_pending_tokens: int = 0
-    batch_slot: int = 0            # its row of the device-side batch state (0: none)
-    # its LoRA adapter (lora_int_id; 0: the base model) and, while running, that adapter's
-    # device slot (core/lora_slots.py; 0: none)
-    lora_id: int = 0
-    lora_slot: int = 0
+    lora_id: int = 0               # its LoRA adapter (lora_int_id; 0: the base model)
     num_cached_tokens: int = 0     # prompt tokens served by the prefix cache at admission
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
@@ -243,14 +239,6 @@ class Request:
     # (max_tokens within max_model_len)
     stop_ids: frozenset = frozenset()
     max_output_tokens: int = 0
-    # plan.SamplingRow of its steps (no logits processors nor grammar), made when queued, and
-    # whether that row is all its steps need (no logits processor, no prompt logprobs): then
-    # building its rows reads nothing of its SamplingParams
-    sampling_row: object = None
-    plain_rows: bool = False
-    # Scheduler(decode_rows=True): whether its decodes may be plan.DecodeRows (plain rows, no
-    # top logprobs, no grammar; core/row_layout.py)
-    steady_rows: bool = False
 
     @property
     def all_token_ids(self) -> list[int]:

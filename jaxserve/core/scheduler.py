@@ -6,14 +6,16 @@ swapped-out requests coming back, then waiting requests (priority, then arrival)
 latest-arrived running request is preempted (recompute, or swap with recompute as fallback).
 Async scheduling: a scheduled chunk's tokens count as computed and its sample as pending at
 once, so the next step can be planned before this one's tokens reach the host (the pending
-token is read on the device from the request's batch slot, held while running); update()
+token is read on the device from the request's row of the runner's batch, which the runner
+holds from its first chunk until a plan lists it in StepPlan.released); update()
 (scheduler_results.py) takes them in one step late.
 
 Features arrive as objects it asks, never as branches here: the batching policy
 (batching_policy.py: when to admit, what padding costs), the speculation (speculation.py:
 each step's drafter; StepPlan.drafts), the sliding window (sliding_window.py: pages given
-back), prompt sharing of n > 1 samples (prompt_sharing.py), the LoRA adapters' device slots
-(lora_slots.py: a request runs only with its adapter in a slot), and the row layout
+back), prompt sharing of n > 1 samples (prompt_sharing.py), the LoRA adapters (lora_slots.py:
+which adapters are in use, and a request runs only with its adapter in a slot; one call per
+request event, never a branch on a request's adapter here), and the row layout
 (row_layout.py: DecodeRows or chunks). Plain Python: no jax, no device arrays, no text (stop
 strings are the engine's job, finish()).
 """
@@ -21,7 +23,6 @@ strings are the engine's job, finish()).
 from __future__ import annotations
 
 import bisect
-from collections import Counter
 
 from jaxserve.core.batching_policy import make_batching_policy
 from jaxserve.core.lora_slots import LoRASlots
@@ -60,8 +61,8 @@ class Scheduler(SchedulerResults):
         # drafts to verify (spec/policy.py's SpeculationPolicy), or none
         self.speculation: Speculation = speculation or NoSpeculation()
         self.window = sliding_window.kv_window(page_manager, kv_window)  # pages it left behind
-        # steady decoders as plan.DecodeRows: only for a runner that keeps each batch slot's
-        # settings and page table (ModelRunner's plain steps)
+        # steady decoders as plan.DecodeRows: only for a runner that keeps each request's
+        # settings and page table in its row (ModelRunner's plain steps)
         self.decode_rows = decode_rows
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []   # sorted by Request.sort_key
@@ -75,12 +76,11 @@ class Scheduler(SchedulerResults):
                              RequestStatus.FINISHED: lambda request: None}
         self._dropped_swaps: list[str] = []
         self.processor_slots = ProcessorSlots(max_num_seqs + 1)
-        self.lora_slots = LoRASlots(max_loras)  # LoRA adapters' device slots (0: none served)
-        self.lora_refs: Counter = Counter()     # adapter id -> unfinished requests under it
-        self.layout = RowLayout(page_manager, self.processor_slots)
+        self.lora_slots = LoRASlots(max_loras)  # LoRA adapters in use and in device slots
+        self.layout = RowLayout(page_manager, self.processor_slots, self.lora_slots)
         self._num_plain_only = 0  # requests only plain steps compute: none speculates meanwhile
         self._num_host_bound = 0  # requests whose inputs need their last token on the host
-        self._free_batch_slots = list(range(max_num_seqs, 0, -1))  # 0: none
+        self._released: list[str] = []  # stopped running since the last plan: rows to free
         self._host_drafts = self.speculation.method == "ngram"
         self.num_preemptions = 0
         self.num_swaps = 0
@@ -91,23 +91,14 @@ class Scheduler(SchedulerResults):
         """Queue a request. One that can never fit is finished at once; its event is returned
         (a defensive invariant, else it would wait forever: the engine's requests were refused
         already by core/intake.py, which tells clients)."""
-        total = min(request.num_tokens + request.sampling.max_tokens, self.max_model_len)
-        needed = self.pages.num_pages_for(total)
-        capacity = self.pages.num_pages - 1
         self.requests[request.request_id] = request
-        self.lora_refs[request.lora_id] += bool(request.lora_id)
         request.stop_ids = self._stop_sets.of(request)
         request.max_output_tokens = min(request.sampling.max_tokens,
                                         self.max_model_len - request.num_tokens)
-        self.layout.prepare(request, self.decode_rows)
+        self.layout.add(request, self.decode_rows)
         self._num_plain_only += request.sampling.needs_plain_steps(self._host_drafts)
         self._num_host_bound += request.needs_host_tokens
-        if request.lora_id and not self.lora_slots.max_loras:
-            request.error = (f"request names LoRA adapter {request.lora_id}, but this engine "
-                             "serves no adapters (enable_lora is off)")
-        elif needed > capacity:
-            request.error = (f"request needs {needed} KV pages ({total} tokens) but the page "
-                             f"pool holds {capacity}; lower max_tokens or the prompt length")
+        request.error = self.lora_slots.add(request) or self._never_fits(request)
         if request.error is not None:
             request.status = RequestStatus.FINISHED  # (in no queue yet)
             self._finish(request, FinishReason.ERROR)
@@ -117,6 +108,14 @@ class Scheduler(SchedulerResults):
             return None
         bisect.insort(self.waiting, request, key=Request.sort_key)
         return None
+
+    def _never_fits(self, request: Request) -> str | None:
+        """Why the request can never fit the page pool, or None."""
+        total = min(request.num_tokens + request.sampling.max_tokens, self.max_model_len)
+        needed, capacity = self.pages.num_pages_for(total), self.pages.num_pages - 1
+        return None if needed <= capacity else (
+            f"request needs {needed} KV pages ({total} tokens) but the page pool holds "
+            f"{capacity}; lower max_tokens or the prompt length")
 
     def finish(self, request_id: str, reason: FinishReason) -> bool:
         """Finish a request from outside (abort, stop string). False if unknown or done."""
@@ -135,10 +134,8 @@ class Scheduler(SchedulerResults):
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]
-        if request.lora_id:
-            self.lora_refs[request.lora_id] -= 1
-            if not self.lora_refs[request.lora_id]:
-                del self.lora_refs[request.lora_id]
+        self.lora_slots.finish(request)
+        self.layout.finish(request.request_id)
         self._num_plain_only -= request.sampling.needs_plain_steps(self._host_drafts)
         self._num_host_bound -= request.needs_host_tokens
 
@@ -147,7 +144,7 @@ class Scheduler(SchedulerResults):
 
     def _leave_running(self, request: Request) -> None:
         self.running.remove(request)
-        self._release_batch_slot(request)
+        self._stop_running(request)
 
     def _leave_swapped(self, request: Request) -> None:
         self.swapped.remove(request)
@@ -205,6 +202,7 @@ class Scheduler(SchedulerResults):
         self.layout.lay_out(plan, scheduled)
         plan.prefix_stores, plan.prefix_loads = self.pages.take_prefix_ops()
         plan.lora_loads = self.lora_slots.take_loads()
+        plan.released, self._released = self._released, []
         return plan
 
     def _schedule_running(self, plan: StepPlan, scheduled, budget: int) -> tuple[int, bool]:
@@ -317,14 +315,14 @@ class Scheduler(SchedulerResults):
 
     def _start_running(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING
-        self.layout.forget(request.request_id)  # a new slot: its settings and table not sent yet
-        request.batch_slot = self._free_batch_slots.pop()  # never empty: <= max_num_seqs run
+        self.layout.forget(request.request_id)  # a new row: its settings and table not sent yet
         self.lora_slots.acquire(request)  # (the callers checked can_acquire)
         bisect.insort(self.running, request, key=Request.sort_key)
 
-    def _release_batch_slot(self, request: Request) -> None:
-        self._free_batch_slots.append(request.batch_slot)
-        request.batch_slot = 0
+    def _stop_running(self, request: Request) -> None:
+        """The request leaves the running set (finished, preempted): its device row is freed
+        with the next plan (StepPlan.released)."""
+        self._released.append(request.request_id)
         self.lora_slots.release(request)
         self.layout.forget(request.request_id)
 
@@ -335,7 +333,7 @@ class Scheduler(SchedulerResults):
 
     def _preempt(self, victim: Request, plan: StepPlan) -> None:
         self.running.remove(victim)
-        self._release_batch_slot(victim)
+        self._stop_running(victim)
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.processor_slots.release(victim.request_id)  # refilled from histories on resume

@@ -18,22 +18,26 @@ from jaxserve.core.request import Request
 
 
 def build_chunk(request: Request, num_new: int, pages: PageUpdate | None,
-                processor_slots: ProcessorSlots, drafts: tuple[int, ...] = ()) -> ScheduledChunk:
+                plain_row: SamplingRow | None, processor_slots: ProcessorSlots,
+                drafts: tuple[int, ...] = (), adapter_slot: int = 0) -> ScheduledChunk:
     """The request's next num_new tokens, from num_computed_tokens on; pages: its page table's
-    change since its batch slot last got it (None: none). drafts: the host's
-    proposals verified after them (speculative steps), which its grammar masks too. Called
+    change since its row last got it (None: none); plain_row: its SamplingRow for life, when
+    that is all its steps need (row_layout.py makes it when the request is queued; None: its
+    SamplingParams are read). drafts: the host's
+    proposals verified after them (speculative steps), which its grammar masks too;
+    adapter_slot: its LoRA adapter's device slot (core/lora_slots.py; 0: none). Called
     per request and step: the common cases (a decode, no grammar) take the fewest steps."""
     start = request.num_computed_tokens
     end = start + num_new
-    # (its SamplingParams are read only where its rows need more than sampling_row)
-    sp = None if request.plain_rows else request.sampling
+    # (its SamplingParams are read only where its rows need more than plain_row)
+    sp = None if plain_row is not None else request.sampling
     prompt, outputs = request.prompt_token_ids, request.output_token_ids
     num_prompt = len(prompt)
     known = num_prompt + len(outputs)  # the rest, to num_scheduled_tokens, is on the device
     sampling, output_index = None, 0
     if end == known + request.num_pending_tokens:
         output_index = len(outputs) + request.num_pending_tokens
-        sampling = request.sampling_row  # the request's own, for life (the usual case)
+        sampling = plain_row  # the request's own, for life (the usual case)
         if request.grammar is not None or sp is not None:  # settings of this step only
             sp = request.sampling
             mask, draft_masks = None, ()
@@ -67,8 +71,7 @@ def build_chunk(request: Request, num_new: int, pages: PageUpdate | None,
         if end > known:  # its last tokens: the step in flight samples them, placeholders
             tokens += (0,) * (end - known)
     return ScheduledChunk(request.request_id, tokens, start, pages, sampling, k,
-                          first, nxt, request.batch_slot, end > known, output_index,
-                          request.lora_slot)
+                          first, nxt, end > known, output_index, adapter_slot)
 
 
 def prompt_logprob_entries(chunk: ScheduledChunk, first_row: int,

@@ -84,5 +84,5 @@ def _lora_stats(scheduler) -> dict:
     slots = scheduler.lora_slots
     return dict(lora_running=ids(scheduler.running),
                 lora_waiting=ids(scheduler.waiting + scheduler.swapped),
-                lora_in_use=frozenset(scheduler.lora_refs), lora_slot_loads=slots.num_loads,
+                lora_in_use=slots.in_use, lora_slot_loads=slots.num_loads,
                 lora_slot_evictions=slots.num_evictions)

@@ -15,7 +15,9 @@ unchanged. Under tensor parallelism the stacks are sharded like the base weights
 (model/sharding.py's lora_specs: A on the base's input axis, B on its output axis).
 
 The runner calls `apply_loads(plan.lora_loads, registry)` before each step, on the thread that
-launches steps, so writes and steps keep their order. Which adapter goes into which slot is
+launches steps, so writes and steps keep their order. An engine that serves no adapters holds
+`NoAdapters` in their place: its stacks are None, so the step's model input `Adapters` is None
+and no delta is compiled. Which adapter goes into which slot is
 the scheduler's (core/lora_slots.py); reading adapters is lora/peft.py's.
 """
 
@@ -130,3 +132,21 @@ class DeviceLoRA:
         lora/registry.py LoRARegistry)."""
         for slot, lora_id in loads:
             self.write(slot, registry.get(lora_id))
+
+
+class NoAdapters:
+    """The runner's adapters when the engine serves none: the steps' adapter entry is None
+    (a pytree without leaves: the compiled step is the one without adapters), and no plan
+    loads one (core/lora_slots.py refuses requests that name an adapter)."""
+
+    arrays = None
+    shardings = None
+    max_loras = 0
+
+    def warmup(self) -> None:
+        pass
+
+    def apply_loads(self, loads: list[tuple[int, int]], registry) -> None:
+        if loads:
+            raise RuntimeError(f"a plan loads LoRA adapters {loads}, but this engine serves "
+                               "none")

@@ -139,11 +139,11 @@ class Llama(nnx.Module):
 
     def __call__(self, inputs: ModelInputs, metadata: AttentionMetadata,
                  kv: tuple[jax.Array, jax.Array], attention: PagedAttention, *,
-                 return_hidden: bool = False, lora: lora_ops.LoRAStacks | None = None):
+                 return_hidden: bool = False, adapters: lora_ops.Adapters | None = None):
         """Returns (logits [R, V] float32, updated kv), and with return_hidden the last layer's
         output of every row [T, D] too (model.logits of it: every row's logits). K/V pages:
-        [L, N, page_size, Hkv, Dh]. lora: the resident adapters (model/lora.py), each row's
-        slot in inputs.lora_slots; None: no adapters.
+        [L, N, page_size, Hkv, Dh]. adapters: the resident LoRA adapters and each row's slot
+        (model/lora.py); None: no adapters.
 
         The attention backend prepares its per-step metadata once here, before the layer loop;
         every layer then reads the same prepared object."""
@@ -158,8 +158,8 @@ class Llama(nnx.Module):
         kv_scales = self.kv_scales[...]  # [2, L]: read by fp8 pages only
         write_page = inputs.slot_mapping // page_size
         write_offset = inputs.slot_mapping % page_size
-        adapters = (None if lora is None
-                    else lora_ops.StepAdapters(lora, inputs.lora_slots, x.dtype))
+        deltas = (None if adapters is None
+                  else lora_ops.StepAdapters(adapters.stacks, adapters.slots, x.dtype))
 
         def norm(h, weight):
             return layers.rms_norm(h, weight, cfg.rms_norm_eps, family.norm_plus_one)
@@ -167,7 +167,7 @@ class Llama(nnx.Module):
         def layer(x, k_pages, v_pages, idx, w, kind: LayerKind, lw):
             def proj(h, key):  # a projection, and the rows' adapter deltas (lw: the layer's)
                 y = linear(h, w[key])
-                return y if adapters is None else adapters.add(y, h, lw, key)
+                return y if deltas is None else deltas.add(y, h, lw, key)
 
             h = norm(x, w["attn_norm"])
             q, k, v = proj(h, "wq"), proj(h, "wk"), proj(h, "wv")
@@ -214,12 +214,12 @@ class Llama(nnx.Module):
                 return layer(x, k_pages, v_pages, idx, w, self.kinds[0], lw), None
 
             idxs = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-            lws = {} if lora is None else lora_ops.stacked_weights(lora)
+            lws = {} if adapters is None else lora_ops.stacked_weights(adapters.stacks)
             (x, k_pages, v_pages), _ = jax.lax.scan(body, (x, k_pages, v_pages),
                                                     (idxs, self.layers.as_dict(), lws))
         else:
             for i, weights in enumerate(self.layers):
-                lw = {} if lora is None else lora_ops.layer_weights(lora, i)
+                lw = {} if adapters is None else lora_ops.layer_weights(adapters.stacks, i)
                 x, k_pages, v_pages = layer(x, k_pages, v_pages, jnp.int32(i),
                                             weights.as_dict(), self.kinds[i], lw)
 

@@ -8,8 +8,11 @@ work is spent on the zeros slot 0 would hold). R = max_lora_rank (smaller ranks 
 zero-padded, which adds exact zeros); the scaling is folded into B.
 `LoRAStacks.weights` holds them per layer (a tuple of L arrays: the unrolled loop's, which
 never slices) or stacked [L, ...] (the scan's, sliced by the scan like the layer weights).
-Every token row names its slot (ModelInputs.lora_slots [T]). A projection y = x @ W becomes
-y + (x @ A[slot]) @ B[slot], in one of two forms with the same result:
+Every token row names its slot (ModelInputs.adapter_slots [T]); a step gets the stacks and
+the slots together as one optional model input, `Adapters` (None: the model adds no deltas,
+and since a pytree's presence is static under jit, a step without stacks compiles none).
+A projection y = x @ W becomes y + (x @ A[slot]) @ B[slot], in one of two forms with the same
+result:
 
 * "gather": each row's slot blocks gathered, [T, in, R] and [T, R, out], then two batched
   matrix-vector products (rows of slot 0 zeroed): reads T * R columns of weights, copied per
@@ -52,6 +55,22 @@ class LoRAStacks:
 
 
 jax.tree_util.register_dataclass(LoRAStacks, data_fields=["weights"], meta_fields=["max_loras"])
+
+
+@dataclass(frozen=True)
+class Adapters:
+    """One step's adapter input to the model: the resident stacks and each token row's slot."""
+
+    stacks: LoRAStacks
+    slots: jax.Array  # [T] i32 each row's slot (0: the base model)
+
+    @classmethod
+    def of(cls, stacks: LoRAStacks | None, slots) -> "Adapters | None":
+        """The step's input from its adapter stacks (None: none resident) and row slots."""
+        return None if stacks is None else cls(stacks, slots)
+
+
+jax.tree_util.register_dataclass(Adapters, data_fields=["stacks", "slots"], meta_fields=[])
 
 
 def choose_form(num_rows: int, backend: str | None = None, form: str | None = None) -> str:

@@ -32,15 +32,15 @@ class ModelInputs:
     # token (on the device) instead of token_ids; 0: token_ids holds it. Only the plain step
     # reads it (before the model): a caller of the model alone leaves it None.
     token_slots: np.ndarray | None = None
-    # [T] i32 each row's LoRA adapter slot (0: the base model; padding rows: 0); None when the
-    # engine serves no adapters
-    lora_slots: np.ndarray | None = None
+    # [T] i32 each row's LoRA adapter slot (0: the base model; padding rows: 0). Read only
+    # where the step has adapter stacks (model/lora.py's Adapters); a caller of the model
+    # alone may leave it None.
+    adapter_slots: np.ndarray | None = None
 
     @classmethod
-    def empty(cls, t: int, r: int, lora: bool = False) -> "ModelInputs":
+    def empty(cls, t: int, r: int) -> "ModelInputs":
         return cls(np.zeros(t, np.int32), np.zeros(t, np.int32), np.zeros(t, np.int32),
-                   np.zeros(r, np.int32), np.zeros(t, np.int32),
-                   np.zeros(t, np.int32) if lora else None)
+                   np.zeros(r, np.int32), np.zeros(t, np.int32), np.zeros(t, np.int32))
 
 
 @dataclass
@@ -144,11 +144,11 @@ class StepInputs:
 
     @classmethod
     def empty(cls, t: int, s: int, p: int, w: int = 1,
-              device_tables: bool = False, lora: bool = False) -> "StepInputs":
+              device_tables: bool = False) -> "StepInputs":
         """All-padding inputs of bucket (t, s): also what warm-up compiles and runs. w: bitmask
         words per row (ceil(V / 32) for steps that apply grammars); device_tables: page tables
-        as PageTableInputs (attention.page_table None); lora: rows carry LoRA slots."""
-        inputs = cls(ModelInputs.empty(t, s, lora), AttentionMetadata.empty(s, p),
+        as PageTableInputs (attention.page_table None)."""
+        inputs = cls(ModelInputs.empty(t, s), AttentionMetadata.empty(s, p),
                      SamplingInputs.empty(s, t, w))
         if device_tables:
             inputs.attention.page_table = None

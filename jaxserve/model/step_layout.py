@@ -51,9 +51,8 @@ def _words(value: np.ndarray) -> np.ndarray:
 class StepLayout:
     """Where each field of bucket (T, S)'s StepInputs (device page tables) lies in the buffer."""
 
-    def __init__(self, t: int, s: int, max_pages: int, mask_words: int = 1,
-                 lora: bool = False):
-        template = StepInputs.empty(t, s, max_pages, mask_words, device_tables=True, lora=lora)
+    def __init__(self, t: int, s: int, max_pages: int, mask_words: int = 1):
+        template = StepInputs.empty(t, s, max_pages, mask_words, device_tables=True)
         self.shape = (t, s)
         self.mask_shape = (s, mask_words)
         fields, parts, offset = [], [], 0
@@ -142,7 +141,6 @@ class PackedStepInputs:
         return self.layout.shape
 
 
-def layouts_for(shapes, max_pages: int, mask_words: int,
-                lora: bool = False) -> dict[tuple[int, int], StepLayout]:
-    """One layout per (T, S) bucket; lora: rows carry LoRA slots (ModelInputs.lora_slots)."""
-    return {shape: StepLayout(*shape, max_pages, mask_words, lora) for shape in shapes}
+def layouts_for(shapes, max_pages: int, mask_words: int) -> dict[tuple[int, int], StepLayout]:
+    """One layout per (T, S) bucket."""
+    return {shape: StepLayout(*shape, max_pages, mask_words) for shape in shapes}

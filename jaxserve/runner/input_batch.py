@@ -19,10 +19,10 @@ writes only the rows that changed:
   before step N's tokens reach the host, so a decode row reads its input token there
   (`feed_tokens`) and every plain step writes its samples back (`record_tokens`).
 
-Slot 0 is scratch: padding requests read its zeros, unused updates and rows without a slot
-write there. After the max_num_seqs real slots come transient ones, one per request row of a
-step, for requests without a slot (row i uses slot num_slots + i). The device arrays are
-donated through every step like the KV cache (`arrays`, as CompiledStep's caches have).
+Slot 0 is scratch: padding requests read its zeros and unused updates write there; slots
+1..max_num_seqs are requests', handed out by request id (runner/batch_rows.py: HostPageTables'
+`rows`, freed when a plan lists the request as released). The device arrays are donated
+through every step like the KV cache (`arrays`, as CompiledStep's caches have).
 
 The layout that updates the host rows from a plan is runner/prepare_inputs.py (pure numpy: it
 reaches these rows through the InputBatch it is given and never imports this module). No
@@ -46,7 +46,7 @@ class HostSamplingRows:
     layout writes those row by row)."""
 
     def __init__(self, num_slots: int):
-        """num_slots: every slot a step's row may use (transient ones included)."""
+        """num_slots: every slot a step's row may use (scratch 0 included)."""
         self.temperature = np.zeros(num_slots, np.float32)
         self.top_k = np.zeros(num_slots, np.int32)
         self.top_p = np.ones(num_slots, np.float32)
@@ -94,7 +94,7 @@ class DevicePageTables:
     """Every slot's page table as one device array [N, P] (`arrays`), updated by row."""
 
     def __init__(self, num_slots: int, max_pages_per_request: int, sharding=None):
-        """num_slots: as the host copy's, transient ones included; sharding: where it lives
+        """num_slots: as the host copy's; sharding: where it lives
         (None: the default device; tensor parallel: replicated)."""
         zeros = np.zeros((num_slots, max_pages_per_request), np.int32)
         self.arrays = jax.device_put(zeros, sharding)
@@ -121,7 +121,7 @@ class LastTokens:
     """Every slot's last sampled token as one device array [N] (`arrays`)."""
 
     def __init__(self, num_slots: int, sharding=None):
-        """num_slots: max_num_seqs + 1 (scratch slot 0; transient rows sample into it);
+        """num_slots: max_num_seqs + 1 (scratch slot 0: rows that sample nothing write it);
         sharding: as DevicePageTables'."""
         zeros = jnp.zeros(num_slots, jnp.int32)
         self.arrays = zeros if sharding is None else jax.device_put(zeros, sharding)
@@ -132,17 +132,19 @@ class InputBatch:
     prepare_inputs.build_step_inputs updates from each plan), device_tables and last_tokens
     (device arrays the plain step takes among its donated caches)."""
 
-    def __init__(self, max_num_seqs: int, max_pages_per_request: int, max_num_rows: int,
-                 sharding=None):
-        """max_num_rows: the most request rows a step has (the largest S bucket): one
-        transient slot each; sharding: where the device arrays live (None: the default
-        device; tensor parallel: replicated)."""
+    def __init__(self, max_num_seqs: int, max_pages_per_request: int, sharding=None):
+        """sharding: where the device arrays live (None: the default device; tensor parallel:
+        replicated)."""
         num_slots = max_num_seqs + 1
-        self.host_tables = HostPageTables(num_slots, max_pages_per_request, max_num_rows)
-        self.sampling = HostSamplingRows(num_slots + max_num_rows)
-        self.device_tables = DevicePageTables(num_slots + max_num_rows, max_pages_per_request,
-                                              sharding)
+        self.host_tables = HostPageTables(num_slots, max_pages_per_request)
+        self.sampling = HostSamplingRows(num_slots)
+        self.device_tables = DevicePageTables(num_slots, max_pages_per_request, sharding)
         self.last_tokens = LastTokens(num_slots, sharding)
+
+    @property
+    def rows(self):
+        """Request id -> slot (runner/batch_rows.py), shared with every layout of these rows."""
+        return self.host_tables.rows
 
     @property
     def arrays(self):

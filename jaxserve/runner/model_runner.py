@@ -1,6 +1,7 @@
 """ModelRunner: owns every device array of a plain step (weights, KV pages, host swap copies,
 the logits processors' state, the InputBatch's per-slot page tables and last tokens, the
-resident LoRA adapters' stacks: lora/device.py, written before the step whose plan loads them).
+resident LoRA adapters' stacks: lora/device.py, written before the step whose plan loads them,
+or NoAdapters when the engine serves none: the step is then compiled without them).
 
 It turns a StepPlan into StepInputs laid out in one buffer (runner/prepare_inputs.py, which
 updates the persistent InputBatch (runner/input_batch.py) from the plan; step_layout.py)
@@ -47,8 +48,9 @@ from jaxserve.runner.logits_processors import ProcessorState
 from jaxserve.runner.protocol import StepResult
 from jaxserve.runner.sampler import prompt_logprobs, sample, top_logprobs
 from jaxserve.runner.tensor_parallel import Placement
+from jaxserve.model.lora import Adapters
 from jaxserve.model.step_layout import PackedStepInputs, layouts_for
-from jaxserve.lora.device import DeviceLoRA
+from jaxserve.lora.device import DeviceLoRA, NoAdapters
 
 log = logging.getLogger(__name__)
 
@@ -115,10 +117,10 @@ def unpack(packed: np.ndarray, num_chunks: int, with_top: bool = False) -> StepR
 def plain_step(graphdef, attention, state, kv, inputs: PackedStepInputs):
     """unpack (step_layout.py) -> forward -> logits processors -> sample (+ top-k logprobs, +
     prompt logprobs). kv: (KV pages, processor state, last tokens and page tables by slot:
-    input_batch.py[, the LoRA stacks: lora/device.py, read only]).
+    input_batch.py, the LoRA stacks: lora/device.py, read only, or None: no adapters).
     Returns ((packed [2, S, 1 + K] i32, prompt [2, T, 1 + K] i32), kv); the prompt part is
     fetched only by steps that asked for it."""
-    kv_pages, processors, last_tokens, tables, *lora = kv
+    kv_pages, processors, last_tokens, tables, stacks = kv
     inputs = packed_inputs.unpack(inputs)
     tables, page_table = input_batch.apply_table_updates(tables, inputs.tables)
     inputs = dataclasses.replace(inputs, attention=dataclasses.replace(
@@ -127,7 +129,8 @@ def plain_step(graphdef, attention, state, kv, inputs: PackedStepInputs):
     rows = dataclasses.replace(inputs.model, token_ids=input_batch.feed_tokens(
         inputs.model.token_ids, inputs.model.token_slots, last_tokens))
     logits, kv_pages, hidden = model(rows, inputs.attention, kv_pages, attention,
-                                     return_hidden=True, lora=lora[0] if lora else None)
+                                     return_hidden=True,
+                                     adapters=Adapters.of(stacks, rows.adapter_slots))
     sp = inputs.sampling
     logits = logits_processors.apply_if_any(logits, sp, processors)
     logits = maybe_apply_bitmask(logits, sp.grammar_bitmask, sp.has_grammar, sp.any_grammar)
@@ -137,7 +140,7 @@ def plain_step(graphdef, attention, state, kv, inputs: PackedStepInputs):
     packed = pack(tokens, logprobs, top_logprobs(logits, sp))
     prompt_ids, prompt_lps = prompt_logprobs(model, hidden, sp)
     prompt = jnp.stack([prompt_ids, jax.lax.bitcast_convert_type(prompt_lps, jnp.int32)])
-    return (packed, prompt), (kv_pages, processors, last_tokens, tables, *lora)
+    return (packed, prompt), (kv_pages, processors, last_tokens, tables, stacks)
 
 
 @dataclasses.dataclass
@@ -195,30 +198,27 @@ class ModelRunner:
         self.processors = ProcessorState(max_num_seqs + 1, model_config.vocab_size,
                                          self.placement.replicated)
         p = self.buckets.max_pages_per_request
-        self.input_batch = InputBatch(max_num_seqs, p, self.buckets.seq_buckets[-1],
-                                      self.placement.replicated)
+        self.input_batch = InputBatch(max_num_seqs, p, self.placement.replicated)
         self._launcher = StepLauncher()
         self.attention = self.placement.attention(self.attention_impl, page_size, self.dtype,
                                                   self.kv_dtype)
         self.mask_words = -(-model_config.vocab_size // 32)  # grammar bitmask words per row
         self._unused_bitmasks: dict[tuple[int, int], jax.Array] = {}
-        self.lora, self.lora_registry = None, lora_registry
-        if max_loras:
-            self.lora = DeviceLoRA(model_config, max_loras, max_lora_rank, self.dtype,
-                                   self.placement,
-                                   per_layer=self.layer_loop == "unroll")
-        self.layouts = layouts_for(self.buckets.shapes(), p, self.mask_words,
-                                   lora=self.lora is not None)
+        self.lora_registry = lora_registry
+        self.adapters = (DeviceLoRA(model_config, max_loras, max_lora_rank, self.dtype,
+                                    self.placement, per_layer=self.layer_loop == "unroll")
+                         if max_loras else NoAdapters())
+        self.layouts = layouts_for(self.buckets.shapes(), p, self.mask_words)
         self.step = self._compiled_step(state)
 
     def _compiled_step(self, state) -> CompiledStep:
         step = functools.partial(plain_step, self.graphdef, self.attention)
         caches = (self.cache, self.processors, self.input_batch.last_tokens,
-                  self.input_batch.device_tables) + ((self.lora,) if self.lora else ())
+                  self.input_batch.device_tables, self.adapters)
         return CompiledStep("step", step, state, caches,
                             self.buckets, lambda shape: self.layouts[shape].new(),
                             **self.placement.jit_shardings(
-                                processor_state=True, lora=self.lora_shardings))
+                                processor_state=True, adapters=(self.adapters.shardings,)))
 
     def profile_step_memory(self):
         """(the largest bucket, its step compiled, not kept): its memory_analysis() is what
@@ -236,11 +236,6 @@ class ModelRunner:
         self.num_pages = num_pages
         self.cache = self.new_cache(self.placement)
         self.step = self._compiled_step(self.step.state)
-
-    @property
-    def lora_shardings(self):
-        """The LoRA stacks' shardings for a step's jit (None: no adapters, or one device)."""
-        return None if self.lora is None else self.lora.shardings
 
     def _place_unused_bitmasks(self) -> None:
         """A device-resident [S, W] bitmask per bucket, for steps without grammars, placed
@@ -282,8 +277,7 @@ class ModelRunner:
         self.cache.warmup()
         self.processors.warmup()
         self.input_batch.warmup()
-        if self.lora is not None:
-            self.lora.warmup()
+        self.adapters.warmup()
 
     def wait(self) -> None:
         self._launcher.drain()  # every launched step has its arrays
@@ -305,6 +299,7 @@ class ModelRunner:
         """Lay the plan out as inputs, hand it to the launcher and return at once."""
         with self._phase("build"):
             inputs, unsent = None, None
+            self.input_batch.rows.release(plan)  # (a plan without rows frees rows too)
             if plan.num_seqs:
                 inputs = build_step_inputs(plan, self.buckets, self.page_size,
                                            mask_words=self.mask_words, batch=self.input_batch,
@@ -326,8 +321,7 @@ class ModelRunner:
         """On the launcher thread: the plan's swaps, processor fills and page-table rows the
         step does not carry, then its step."""
         self.cache.apply_swaps(plan)
-        if plan.lora_loads:
-            self.lora.apply_loads(plan.lora_loads, self.lora_registry)
+        self.adapters.apply_loads(plan.lora_loads, self.lora_registry)
         self.processors.apply_inits(plan)
         self.input_batch.write_unsent(unsent_rows)
         return None if inputs is None else self.step.run(inputs)

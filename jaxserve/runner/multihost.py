@@ -84,7 +84,7 @@ class PlanChannel:
 
 def _touches_runner(plan: StepPlan) -> bool:
     return bool(plan.chunks or plan.decode or plan.swap_out or plan.swap_in or plan.dropped_swaps
-                or plan.prefix_stores or plan.prefix_loads)
+                or plan.prefix_stores or plan.prefix_loads or plan.released)
 
 
 class _Wrapping(RunsInDispatch):

@@ -7,9 +7,8 @@ reads the table its slot holds. Rows changed since the device last got them are 
 the plain runner's layout sends the stale rows of each step's slots (input_batch.py keeps the
 device copy), and a runner that sends whole tables (speculative steps) copies the rows it needs.
 
-Slot 0 is scratch (never stored). After the max_num_seqs real slots come transient ones, one
-per request row of a step, for rows without a batch slot: those must carry a whole table.
-Pure numpy: no jax, no scheduling.
+Slot 0 is scratch (never stored). Which slot a request holds is `rows` (runner/batch_rows.py),
+which every layout over these tables reads. Pure numpy: no jax, no scheduling.
 """
 
 from __future__ import annotations
@@ -17,34 +16,28 @@ from __future__ import annotations
 import numpy as np
 
 from jaxserve.core.plan import PageUpdate
+from jaxserve.runner.batch_rows import BatchRows
 
 
 class HostPageTables:
-    """Every slot's page table [num_slots + num_transient, P], its length, and whether the
-    device's copy is stale."""
+    """Every slot's page table [num_slots, P], its length, and whether the device's copy is
+    stale."""
 
-    def __init__(self, num_slots: int, max_pages_per_request: int, num_transient: int = 0):
-        """num_slots: max_num_seqs + 1 (slot 0: scratch, never stored); num_transient: more
-        slots after those, one per request row of a step."""
-        self.num_slots, self.num_transient = num_slots, num_transient
-        n = num_slots + num_transient
+    def __init__(self, num_slots: int, max_pages_per_request: int):
+        """num_slots: max_num_seqs + 1 (slot 0: scratch, never stored)."""
+        self.num_slots = n = num_slots
         self.max_pages = max_pages_per_request
         self.tables = np.zeros((n, max_pages_per_request), np.int32)
         self.lengths = np.zeros(n, np.int64)
         self.stale = np.zeros(n, np.bool_)
         self.changed: list[int] = []  # slots the last plain layout sent the device, in order
+        self.rows = BatchRows(num_slots - 1)  # request id -> its slot
 
     def apply(self, slot: int, update: PageUpdate | None, request_id: str = "") -> None:
         """A chunk's page-table change into its slot (None: the slot holds it already)."""
         if update is None:
-            if slot >= self.num_slots:
-                raise ValueError(f"request {request_id}: a row without a batch slot needs its "
-                                 "whole page table")
             return
         kept, new = update.num_kept, update.new_pages
-        if kept and slot >= self.num_slots:
-            raise ValueError(f"request {request_id}: a row without a batch slot needs its "
-                             "whole page table")
         end = kept + len(new)
         if end > self.max_pages:
             raise ValueError(f"request {request_id}: {end} pages (page-table width "
@@ -60,7 +53,7 @@ class HostPageTables:
         """Each chunk's update into its slot (slots: one per chunk)."""
         apply = self.apply
         for chunk, slot in zip(chunks, slots):
-            if chunk.pages is not None or slot >= self.num_slots:
+            if chunk.pages is not None:
                 apply(slot, chunk.pages, chunk.request_id)
 
     def take_stale(self, slots: np.ndarray) -> list[int]:

@@ -7,7 +7,9 @@ are views of it, one transfer per step), the speculative runner as separate arra
 transfer per array). Padding rows write their K/V into reserved page 0 and sample nothing.
 Decode rows come first (the scheduler orders them so: plan.decode's, then the decode chunks),
 and num_decode_seqs says where they end. plan.decode's rows are laid out from its arrays (their
-slots' page tables and settings are already the InputBatch's).
+slots' page tables and settings are already the InputBatch's). Each request's slot is the
+runner's (runner/batch_rows.py, kept with the host page tables): the layout frees those of
+plan.released, then gives each request new to the batch a free one.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
                       chunks: list[ScheduledChunk] | None = None,
                       shape: tuple[int, int] | None = None, mask_words: int = 1,
                       batch=None, layouts: dict[tuple[int, int], StepLayout] | None = None,
-                      tables=None, lora: bool = False) -> StepInputs | PackedStepInputs:
+                      tables=None) -> StepInputs | PackedStepInputs:
     """chunks: the rows to lay out (default plan.chunks; speculation passes them with their
     draft rows appended); shape: a fixed (T, S) bucket instead of the smallest that fits;
     mask_words: grammar bitmask words per row (the step's compiled width); batch: the runner's
@@ -35,8 +37,9 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
     (runner/page_tables.py), whose rows the plan updates and each request's table is copied
     from, each row's settings written; layouts: one buffer layout per bucket (step_layout.py;
     with batch): the result is then a PackedStepInputs whose `views` were filled, its
-    grammar_bitmask None when no row has a grammar. lora: without layouts, rows carry their
-    request's LoRA slot (every row of a chunk, draft rows included, its request's)."""
+    grammar_bitmask None when no row has a grammar. Every row carries its request's LoRA
+    adapter slot (every row of a chunk, draft rows included, its request's; 0: none), which a
+    step without adapter stacks never reads."""
     chunks = plan.chunks if chunks is None else chunks
     host = batch.host_tables if batch is not None else tables
     if host is None:
@@ -45,24 +48,21 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
     num_finished = 0 if padding is None else padding.num_finished_slots
     num_steady = plan.num_decode_rows
     num_seqs = num_steady + len(chunks)
-    # every chunk's scalars in one pass: start, tokens, pages (below), slot, token on device,
-    # first token, prompt-logprob rows, output index, samples, LoRA slot [n, 10] (per request
-    # and step)
-    meta = np.array([(c.start_position, len(c.token_ids), 0, c.batch_slot,
-                      c.token_on_device, c.token_ids[0], len(c.prompt_logprob_next),
-                      c.output_index, c.sampling is not None, c.lora_slot)
+    # every chunk's scalars in one pass: start, tokens, pages (below), row (below), token on
+    # device, first token, prompt-logprob rows, output index, samples, LoRA slot [n, 10] (per
+    # request and step)
+    meta = np.array([(c.start_position, len(c.token_ids), 0, 0, c.token_on_device,
+                      c.token_ids[0], len(c.prompt_logprob_next), c.output_index,
+                      c.sampling is not None, c.lora_slot)
                      for c in chunks], np.int64).reshape(len(chunks), 10)
     if num_steady:  # the same scalars of plan.decode's rows, before the chunks'
         if batch is None:
             raise ValueError("plan.decode rows need the runner's InputBatch (batch=)")
         meta = np.concatenate([_steady_meta(plan.decode), meta])
+    host.rows.release(plan)  # (before any request new to the batch takes a row)
+    ids = [c.request_id for c in chunks]
+    meta[:, 3] = host.rows.rows(plan.decode.request_ids + ids if num_steady else ids)
     slots = meta[:, 3].astype(np.int32)
-    transient = slots == 0  # rows without a batch slot: row i uses slot num_slots + i
-    if transient.any():
-        if host.num_transient < num_seqs:
-            raise ValueError(f"{num_seqs} rows without a batch slot each need a transient "
-                             f"page-table slot; the runner has {host.num_transient}")
-        slots[transient] = host.num_slots + np.flatnonzero(transient)
     host.apply_all(chunks, slots[num_steady:].tolist())
     meta[:, 2] = host.lengths[slots]
     starts, lens, num_pages = meta[:, 0], meta[:, 1], meta[:, 2]
@@ -71,8 +71,7 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
     t, s = shape or buckets.select(num_rows, num_seqs + num_finished)
     p = buckets.max_pages_per_request
     if layouts is None:
-        packed, b = None, StepInputs.empty(t, s, p, mask_words, device_tables=batch is not None,
-                                          lora=lora)
+        packed, b = None, StepInputs.empty(t, s, p, mask_words, device_tables=batch is not None)
     else:
         packed = layouts[t, s].new(with_bitmask=False)  # made below if a row has a grammar
         b = packed.views
@@ -90,8 +89,8 @@ def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
         _layout_with_slots(b, chunks, meta, slots, num_decode, page_size, host, num_steady)
     _fill_sampling(b, chunks, meta, slots, None if batch is None else batch.sampling,
                    mask_words, num_steady)
-    if b.model.lora_slots is not None:  # a request's rows are contiguous, in meta's order
-        b.model.lora_slots[:int(lens.sum())] = np.repeat(meta[:, 9], lens)
+    # (a request's rows are contiguous, in meta's order)
+    b.model.adapter_slots[:int(lens.sum())] = np.repeat(meta[:, 9], lens)
     a = b.attention
     row = int(a.cu_q_lens[num_seqs])
     a.num_decode_seqs[...] = num_decode
@@ -115,7 +114,7 @@ def _steady_meta(decode) -> np.ndarray:
     """build_step_inputs' per-chunk scalars of plan.decode's rows, from its arrays."""
     d, meta = decode.meta, np.empty((len(decode.meta), 10), np.int64)
     meta[:, 0], meta[:, 1], meta[:, 2] = d[:, decode.POSITION], 1, 0
-    meta[:, 3], meta[:, 4] = d[:, decode.SLOT], d[:, decode.ON_DEVICE]
+    meta[:, 3], meta[:, 4] = 0, d[:, decode.ON_DEVICE]
     meta[:, 5], meta[:, 6] = d[:, decode.TOKEN], 0
     meta[:, 7], meta[:, 8] = d[:, decode.OUTPUT_INDEX], 1
     meta[:, 9] = d[:, decode.LORA_SLOT]
@@ -165,7 +164,7 @@ def _layout_rows(b: StepInputs, chunks, first: int, row: int, page_size: int,
         table = tables[slots[i]]
         m.token_ids[row:row + n] = chunk.token_ids
         if chunk.token_on_device:  # its last token: the step before sampled it, on the device
-            m.token_slots[row + n - 1] = chunk.batch_slot
+            m.token_slots[row + n - 1] = slots[i]
         m.positions[row:row + n] = pos
         m.slot_mapping[row:row + n] = table[pos // page_size] * page_size + pos % page_size
         m.logits_indices[i] = row + n - 1

@@ -194,22 +194,21 @@ class Placement:
         return backend if self.mesh is None else _ShardedAttention(backend, self.mesh)
 
     def jit_shardings(self, num_caches: int = 1, with_out: bool = True,
-                      processor_state: bool = False, lora=None) -> dict:
+                      processor_state: bool = False, adapters: tuple = ()) -> dict:
         """jax.jit keywords for a step -> (out, kv): out (packed tokens) replicated, kv one
         (K, V) pair or a tuple of num_caches pairs, each in the KV sharding; with_out False:
         the step returns (None, kv). processor_state: kv is (KV pair, the logits processors'
-        four arrays, batch tokens, page tables by slot; all but the KV replicated). lora: the
-        LoRA stacks' shardings (lora/device.py's DeviceLoRA.shardings, from lora_shardings)
-        when kv ends with the stacks (None: no stacks)."""
+        four arrays, batch tokens, page tables by slot; all but the KV replicated). adapters: the
+        shardings of the entries kv ends with (a step's adapter stacks: lora/device.py's
+        `shardings`, None where no adapter is served; (): kv has no such entry)."""
         if self.mesh is None:
             return {}
         pair = (self.kv_sharding, self.kv_sharding)
         kv = pair if num_caches == 1 else (pair,) * num_caches
         if processor_state:  # (KV, processors, batch tokens, page tables), plain steps
-            kv = (kv, (self.replicated,) * 4, self.replicated, self.replicated)
-            kv += (lora,) if lora is not None else ()
-        elif lora is not None:
-            kv = (kv, lora)
+            kv = (kv, (self.replicated,) * 4, self.replicated, self.replicated, *adapters)
+        elif adapters:
+            kv = (kv, *adapters)
         return {"out_shardings": (sharding.replicated(self.mesh) if with_out else None, kv)}
 
     @property

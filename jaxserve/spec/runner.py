@@ -55,18 +55,16 @@ class SpeculativeRunner(RunsInDispatch):
         self.draft_cache = None  # a draft model's own paged KV cache, when it has one
         self.sync = None
         w = base.mask_words
-        self.lora = base.lora  # the resident LoRA adapters (lora/device.py) or None
-        empty = lambda shape: empty_spec_inputs(*shape, p, k, self.with_draft_model, w,  # noqa: E731
-                                                lora=self.lora is not None)
+        self.adapters = base.adapters  # the resident LoRA adapters (lora/device.py)
+        empty = lambda shape: empty_spec_inputs(*shape, p, k, self.with_draft_model, w)  # noqa: E731
         if draft is None:
-            fn = functools.partial(step.ngram_step, base.graphdef, base.attention, k,
-                                   self.lora is not None)
-            caches = (base.cache,) + ((self.lora,) if self.lora is not None else ())
-            self.verify = CompiledStep("speculative verify", fn, base.state, caches, buckets,
-                                       empty, **base.placement.jit_shardings(
-                                           lora=base.lora_shardings))
+            fn = functools.partial(step.ngram_step, base.graphdef, base.attention, k)
+            self.verify = CompiledStep("speculative verify", fn, base.state,
+                                       (base.cache, self.adapters), buckets, empty,
+                                       **base.placement.jit_shardings(
+                                           adapters=(self.adapters.shardings,)))
             return
-        if self.lora is not None:
+        if self.adapters.max_loras:
             raise ValueError("enable_lora=True is invalid with speculative_method='draft': a "
                              "draft model has no adapter slots (use speculative_method='ngram')")
         config, params, shares_target = draft
@@ -170,9 +168,9 @@ class SpeculativeRunner(RunsInDispatch):
                                                 tables=self.base.input_batch.host_tables))
             return self.base.execute(plan)
         self.base.cache.apply_swaps(plan)
-        if plan.lora_loads:  # adapters this step's requests need, into their slots first
-            self.lora.apply_loads(plan.lora_loads, self.base.lora_registry)
+        # adapters this step's requests need, into their slots first
+        self.adapters.apply_loads(plan.lora_loads, self.base.lora_registry)
         inputs = build_spec_inputs(plan, self.buckets, self.base.page_size, self.k,
                                    self.with_draft_model, self.base.input_batch.host_tables,
-                                   self.base.mask_words, lora=self.lora is not None)
+                                   self.base.mask_words)
         return unpack(np.asarray(self.verify.run(inputs)), len(plan.chunks))

@@ -23,10 +23,10 @@ from jaxserve.model.step_inputs import (DraftInputs, SpecStepInputs, StepInputs,
 
 def build_spec_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
                       num_speculative_tokens: int, with_draft_model: bool, tables,
-                      mask_words: int = 1, lora: bool = False) -> SpecStepInputs:
+                      mask_words: int = 1) -> SpecStepInputs:
     """tables: the runner's HostPageTables (runner/page_tables.py), which the plan's page-table
-    changes update; mask_words: grammar bitmask words per row (the compiled width); lora: rows
-    carry LoRA slots (a request's draft rows its own adapter's, so they are verified under it)."""
+    changes update; mask_words: grammar bitmask words per row (the compiled width). A
+    request's draft rows carry its own adapter's slot, so they are verified under it."""
     k = num_speculative_tokens
     num_rows = plan.num_tokens + plan.num_draft_tokens
     t, s = buckets.select(num_rows + plan.num_padding_rows, len(plan.chunks))
@@ -36,7 +36,7 @@ def build_spec_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
         extra = () if d is None else (d.token_ids or (0,) * d.num_tokens)
         chunks.append(dataclasses.replace(c, token_ids=c.token_ids + extra))
     step = build_step_inputs(plan, buckets, page_size, chunks=chunks, shape=(t, s),
-                             mask_words=mask_words, tables=tables, lora=lora)
+                             mask_words=mask_words, tables=tables)
     if step.sampling.any_processors or step.sampling.any_top_logprobs:
         # The scheduler never speculates while such a request is in the engine.
         raise ValueError("a speculative step carries logits processors or top logprobs; the "
@@ -76,11 +76,10 @@ def build_spec_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,
 
 
 def empty_spec_inputs(t: int, s: int, p: int, num_speculative_tokens: int,
-                      with_draft_model: bool, mask_words: int = 1,
-                      lora: bool = False) -> SpecStepInputs:
+                      with_draft_model: bool, mask_words: int = 1) -> SpecStepInputs:
     """All-padding inputs of bucket (t, s): what warm-up compiles, runs and times."""
     k, r = num_speculative_tokens, num_logit_rows(t, s, num_speculative_tokens)
-    step = StepInputs.empty(t, s, p, mask_words, lora=lora)
+    step = StepInputs.empty(t, s, p, mask_words)
     step.model.logits_indices = np.zeros(r, np.int32)
     draft = DraftInputs.empty(t, s, p, k) if with_draft_model else None
     return SpecStepInputs(step, VerifyInputs.empty(r, s, mask_words), draft)

@@ -16,17 +16,19 @@ import dataclasses
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxserve.model.lora import Adapters
 from jaxserve.runner.grammar_mask import maybe_apply_bitmask
 from jaxserve.spec import draft, rejection
 from jaxserve.model.step_inputs import SpecStepInputs, StepInputs, VerifyInputs
 
 
 def _verify(graphdef, attention, k, state, kv, step: StepInputs, verify: VerifyInputs,
-            draft_probs, lora=None):
+            draft_probs, stacks=None):
     sp = step.sampling
     num_req = step.attention.kv_lens.shape[0]
     model = nnx.merge(graphdef, state)
-    logits, kv = model(step.model, step.attention, kv, attention, lora=lora)  # [R, V]
+    logits, kv = model(step.model, step.attention, kv, attention,
+                       adapters=Adapters.of(stacks, step.model.adapter_slots))  # [R, V]
     logits = maybe_apply_bitmask(logits, verify.grammar_bitmask, verify.has_grammar,
                                  verify.any_grammar)  # a draft its grammar refuses: -inf
     seq = jnp.minimum(verify.row_seq, num_req - 1)  # padding rows borrow request 0's settings
@@ -39,16 +41,16 @@ def _verify(graphdef, attention, k, state, kv, step: StepInputs, verify: VerifyI
     return packed, kv
 
 
-def ngram_step(graphdef, attention, k, with_lora, state, kv, inputs: SpecStepInputs):
+def ngram_step(graphdef, attention, k, state, kv, inputs: SpecStepInputs):
     """Verify host-proposed drafts (q one-hot). Returns (packed [2, S, k+1], kv).
 
-    with_lora: kv is (the KV pages, the LoRA stacks: model/lora.py, read and handed back
-    unchanged), and each row, draft rows included, adds its adapter slot's deltas
-    (inputs.step.model.lora_slots)."""
-    pages, lora = kv if with_lora else (kv, None)
+    kv: (the KV pages, the LoRA stacks: model/lora.py, read and handed back unchanged, or
+    None: no adapters); with stacks each row, draft rows included, adds its adapter slot's
+    deltas (inputs.step.model.adapter_slots)."""
+    pages, stacks = kv
     packed, pages = _verify(graphdef, attention, k, state, pages, inputs.step, inputs.verify,
-                            None, lora)
-    return packed, ((pages, lora) if with_lora else pages)
+                            None, stacks)
+    return packed, (pages, stacks)
 
 
 def draft_model_step(graphdef, draft_graphdef, attention, draft_attention, k, own_cache,
