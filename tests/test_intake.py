@@ -159,3 +159,13 @@ def test_admission_refuses_an_id_in_use_and_a_full_queue_as_load():
         check_admission("old", {"old"}, 0, 1, None)
     with pytest.raises(QueueFullError, match=r"max_queued_requests=4"):
         check_admission("new", set(), queued=3, incoming=2, max_queued_requests=4)
+
+
+def test_a_lora_request_where_no_adapter_is_served_is_refused_naming_the_field_and_why():
+    from jaxserve.core.intake import check_adapter_served
+
+    check_adapter_served(None, False)  # the base model: nothing to refuse
+    check_adapter_served(object(), True)
+    with pytest.raises(RequestError, match=r"serves no LoRA adapters \(not with data") as err:
+        check_adapter_served(object(), False, "not with data_parallel_size > 1")
+    assert err.value.field == "lora_request"

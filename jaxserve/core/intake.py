@@ -7,7 +7,7 @@ structured_outputs_after is outside the vocabulary; when a sampling setting is o
 (SamplingParams.validate, which raises RequestError too); when its structured_outputs is not a
 StructuredOutputs (whose constructor checks its shape, raising a RequestError subclass); or
 when its prompt plus max_tokens needs more KV pages than the whole pool (page 0 excluded): such
-a request could never run.
+a request could never run; when it names a LoRA adapter and none is served.
 Engine.make_request runs `check_request` on every request, so the offline LLM, the gRPC server
 and the HTTP server (through AsyncEngine) refuse the same requests with the same words; the
 front ends map RequestError to INVALID_ARGUMENT (the KV pool case too: no retry could pass)
@@ -127,6 +127,15 @@ def check_request(limits: RequestLimits, prompt_token_ids: list[int], params: Sa
     check_sampling(limits, params)
     check_structured_outputs(params)
     check_length(limits, len(prompt_token_ids), params.max_tokens, prompt_field=prompt_field)
+
+
+def check_adapter_served(lora_request, served: bool, how: str = "start it with enable_lora"
+                         ) -> None:
+    """A request that names a LoRA adapter where none is served is refused naming
+    lora_request (`how`: what would serve one)."""
+    if lora_request is not None and not served:
+        raise RequestError("lora_request", f"lora_request is given, but this engine serves no "
+                                           f"LoRA adapters ({how})")
 
 
 def check_admission(request_id: str, in_use, queued: int, incoming: int,

@@ -170,9 +170,7 @@ class Engine:
 
     def _lora_id(self, lora_request) -> int:
         """The adapter id of a request's LoRARequest (read the first time it is named)."""
-        if self.lora_registry is None:
-            raise intake.RequestError("lora_request", "lora_request is given, but this engine "
-                                      "serves no LoRA adapters (start it with enable_lora)")
+        intake.check_adapter_served(lora_request, self.lora_registry is not None)
         try:
             return self.lora_registry.resolve(lora_request)
         except ValueError as exc:

@@ -231,9 +231,7 @@ class DataParallelClient:
         """AsyncEngine.generate over the ranks: the same outputs, errors and abort on early
         exit."""
         self._check_alive()
-        if lora_request is not None:
-            raise intake.RequestError("lora_request", "LoRA adapters are not served with "
-                                                      "data_parallel_size > 1")
+        intake.check_adapter_served(lora_request, False, "not with data_parallel_size > 1")
         params = params or SamplingParams()
         ids, field = await self._prompt_ids(prompt, prompt_token_ids)
         intake.check_request(self.engine.info, ids, params, prompt_field=field)
