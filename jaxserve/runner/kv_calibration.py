@@ -1,9 +1,9 @@
 """fp8 KV scales computed at start-up (calculate_kv_scales): one calibration pass of the model
 over a short built-in text with float KV pages, then k_scale = amax|K| / fp8 max and
-v_scale = amax|V| / fp8 max of each layer, as vLLM's --calculate-kv-scales computes them per
-layer (vLLM from the first batch's K and V; here from CALIBRATION_TEXT, so the scales do not
-depend on which request happens to arrive first, and warm-up's all-padding batches never set
-them).
+v_scale = amax|V| / fp8 max of each layer. vLLM's --calculate-kv-scales also takes a per-layer
+amax, but of the first batch it serves, over fixed constants (200 for K, 100 for V by default);
+here the amax is CALIBRATION_TEXT's, so the scales do not depend on which request happens to
+arrive first, and warm-up's all-padding batches never set them.
 
 The pass runs the runner's own model (its graph and placed weights, so a tensor-parallel model is
 calibrated where it lives) over a pool of float pages in the activation dtype, with the
