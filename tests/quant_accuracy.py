@@ -1,6 +1,7 @@
 """Teacher-forced accuracy of quantized weights against float32 on the default model.
 
     python tests/quant_accuracy.py       # prints every form's figures (docs/quantization.md's table)
+    python tests/quant_accuracy.py --kv  # fp8 KV pages' figures, scales 1.0 and calibrated
 
 `Forward` runs one Llama (float or quantized params; scanned layers: a quarter of the unrolled
 compile time) through two compiled shapes: a 256-row prefill over up to 32 requests (the KL text
@@ -45,6 +46,25 @@ PROMPTS = [
     "sleep:", "The stock market", "Summarize the plot of Hamlet.", "To be or not to be",
     "What are the benefits of exercise?", "The largest planet in our solar system",
     "function add(a, b) {", "Describe a sunset over the mountains.",
+]
+
+# Teacher-forced prompts for the fp8 KV scales that are neither PROMPTS nor the calibration text
+# (runner/kv_calibration.py's CALIBRATION_TEXT): prose, code, figures, a shell session, a letter.
+# 252 tokens in all: one T_PREFILL prefill.
+HELD_OUT = [
+    "The lighthouse keeper wrote in his log that the fog had not lifted for nine days, and "
+    "the supply boat was late again.",
+    "for (int i = 0; i < n; ++i) {\n    if (buf[i] == '\\n') lines++;\n    total += buf[i];\n}",
+    "Population in 2020: 8,336,817. Median age: 36.9 years. Households: 3,191,691. Growth "
+    "since 2010:",
+    "Photosynthesis is not the only way organisms capture energy; deep-sea bacteria near "
+    "hydrothermal vents rely on",
+    "git commit -m \"fix off-by-one in parser\" && git push origin main\nerror: failed to push "
+    "some refs",
+    "Dear committee, I am writing to appeal the decision regarding my scholarship, which was "
+    "withdrawn after",
+    "x = [3.14, 2.718, 1.414, 1.732]\nprint(sum(x) / len(x))  # prints",
+    "In chess, the Sicilian Defence begins with 1. e4 c5, and White's most common reply is",
 ]
 
 
@@ -146,11 +166,44 @@ def measure(loaded, forms: dict, form=None) -> dict:
     return results
 
 
+def calibrated_kv_scales(loaded, page_dtype) -> np.ndarray:
+    """[2, L] fp8 KV scales as the engine computes them with calculate_kv_scales (the
+    calibration pass of runner/kv_calibration.py over loaded's float32 params)."""
+    from jaxserve.runner import kv_calibration
+    from jaxserve.runner.tensor_parallel import Placement
+
+    placement = Placement(None, loaded.config)
+    graphdef, state = placement.model(loaded.params, jnp.float32, "scan")
+    tokens = kv_calibration.calibration_tokens(loaded.tokenizer, 2048)
+    amax = kv_calibration.calibration_amax(graphdef, state, placement, tokens, PAGE_SIZE,
+                                           jnp.float32)
+    return kv_calibration.scales_from_amax(amax, page_dtype)
+
+
+def kv_figures(loaded) -> None:
+    """Prints fp8 e4m3 KV's agreement with float32 pages, scales 1.0 and calibrated, on PROMPTS
+    and on HELD_OUT (docs/quantization.md, "fp8 KV cache")."""
+    sets = {name: [loaded.tokenizer.encode(p, add_special_tokens=False) for p in texts]
+            for name, texts in (("PROMPTS", PROMPTS), ("HELD_OUT", HELD_OUT))}
+    reference = Forward(loaded.config, loaded.params)
+    e4m3 = jnp.float8_e4m3fn
+    for label, scales in (("scales 1.0", None),
+                          ("calibrated", calibrated_kv_scales(loaded, e4m3))):
+        candidate = Forward(loaded.config, loaded.params, kv_dtype=e4m3, kv_scales=scales)
+        for name, prompts in sets.items():
+            agree = teacher_forced_agreement(reference, candidate, prompts)
+            print(f"fp8 e4m3 KV, {label:10} {name:8} ({len(prompts)} prompts x {NEW_TOKENS}) "
+                  f"argmax agreement {agree:.4f}", flush=True)
+
+
 if __name__ == "__main__":
     from jaxserve.model import quant
     from jaxserve.model.loader import load_model
 
     base = load_model("default", progress=False)
+    if sys.argv[1:] == ["--kv"]:  # the fp8 KV cache's figures instead of the weight forms'
+        kv_figures(base)
+        sys.exit(0)
     forms = {"int8 (GGUF blocks)": load_model("default", progress=False,
                                               quantization="int8").params,
              "int4 (GGUF blocks)": load_model("default", progress=False,

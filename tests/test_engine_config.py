@@ -32,6 +32,7 @@ CLI_VALUES = {
     "kv_events_config": (["--kv-events-config", '{"enable_kv_cache_events": true}'],
                          '{"enable_kv_cache_events": true}'),
     "kv_cache_dtype": (["--kv-cache-dtype", "fp8"], "fp8"),
+    "calculate_kv_scales": (["--calculate-kv-scales"], True),
     "max_num_seqs": (["--max-num-seqs", "8"], 8),
     "max_num_batched_tokens": (["--max-num-batched-tokens", "512"], 512),
     "preemption_mode": (["--preemption-mode", "swap"], "swap"),

@@ -95,8 +95,14 @@ class CacheConfig:
     kv_cache_dtype: str = setting(
         "auto", "float type of the KV pages; auto: the activation dtype. fp8 (= fp8_e4m3) and "
         "fp8_e5m2 store one byte an element (twice the pages of bfloat16 for the same bytes) "
-        "with per-layer scales from the checkpoint, else 1.0 (docs/quantization.md)",
+        "with per-layer scales from the checkpoint, else 1.0 or, with calculate_kv_scales, "
+        "computed at start-up (docs/quantization.md)",
         choices=KV_CACHE_DTYPES, vllm="=")
+    calculate_kv_scales: bool = setting(
+        False, "fp8 KV pages of a checkpoint without KV scales: compute each layer's k_scale "
+        "and v_scale (amax / fp8 max) from a calibration pass over a short built-in text at "
+        "start-up instead of 1.0; the checkpoint's scales win when it has them",
+        vllm="=")
 
     def validate(self) -> None:
         need(self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0, "page_size",

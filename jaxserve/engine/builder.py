@@ -190,7 +190,7 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
 
     from jaxserve.model import cpu_ffi, hub_cache, kv_quant, quant_select
     from jaxserve.model.sharding import flat_mesh, make_mesh, parallel_sizes
-    from jaxserve.runner import multihost, tensor_parallel
+    from jaxserve.runner import kv_calibration, multihost, tensor_parallel
     from jaxserve.runner.buckets import powers_of_two
     from jaxserve.runner.cpu_threads import lower_xla_cpu_threads
     from jaxserve.runner.model_runner import ModelRunner, quantized_cache_dir, resolve_dtype
@@ -251,6 +251,10 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
     num_pages = 2 if profile else size_page_pool(config, kv_per_token, max_model_len,
                                                   page_bytes)
     lora_registry = lora_adapters(config, mc, jax.process_count())
+    checkpoint_scales = getattr(loaded, "kv_scales", None)
+    calibration = (kv_calibration.calibration_tokens(loaded.tokenizer, max_model_len)
+                   if kv_calibration.wanted(cache.calculate_kv_scales, kv_dtype,
+                                            checkpoint_scales) else None)
     tier = host_prefix_tier(cache, cache.page_size * kv_per_token, jax.process_count())
     events = (KVEventLog(cache.page_size)
               if parse_kv_events_config(cache.kv_events_config).enabled else None)
@@ -270,7 +274,8 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
             host_prefix_slots=0 if tier is None else tier.num_slots,
             max_loras=config.lora.max_loras if lora_registry is not None else 0,
             max_lora_rank=config.lora.max_lora_rank, lora_registry=lora_registry,
-            kv_cache_dtype=cache.kv_cache_dtype, kv_scales=getattr(loaded, "kv_scales", None))
+            kv_cache_dtype=cache.kv_cache_dtype, kv_scales=checkpoint_scales,
+            kv_calibration_tokens=calibration)
         if profile:
             with phase(log, "memory profile: compile the largest bucket, size the KV pool"):
                 plan = memory_profile.plan_pool(
@@ -284,7 +289,7 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
         log.info("KV cache: %d pages x %d tokens = %d tokens, %.1f MiB of %s", num_pages - 1,
                  cache.page_size, (num_pages - 1) * cache.page_size,
                  num_pages * page_bytes / 2**20, kv_quant.describe(
-                     kv_dtype, getattr(loaded, "kv_scales", None)))
+                     kv_dtype, base.kv_scales, calibrated=calibration is not None))
         pages = PageManager(num_pages, cache.page_size, cache.enable_prefix_caching,
                             host_tier=tier, events=events)
         swap = HostSwapSpace(cache.swap_space, cache.page_size * kv_per_token,

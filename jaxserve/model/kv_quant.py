@@ -3,6 +3,7 @@
 `resolve(name, activation_dtype)` turns a kv_cache_dtype setting (vLLM's names: auto, bfloat16,
 float16, float32, fp8 = fp8_e4m3, fp8_e5m2) into the pages' dtype. fp8 pages hold each K/V
 element divided by its layer's scale (k_scale, v_scale: from the checkpoint where it has them,
+else from a calibration pass at start-up with calculate_kv_scales: runner/kv_calibration.py,
 else 1.0), clipped to the format's finite range and rounded: `store` writes that, in the
 model's layer, for every page dtype (a float page dtype is a plain cast, no scale). Reading
 back, every attention path converts the fp8 elements to floats in its own kernel, and the
@@ -91,13 +92,15 @@ def scaled_output(out, v_scale):
     return out if v_scale is None else (out.astype(jnp.float32) * v_scale).astype(out.dtype)
 
 
-def describe(page_dtype, scales) -> str:
-    """The pages' dtype for the start-up log, with where fp8 scales came from."""
+def describe(page_dtype, scales, calibrated: bool = False) -> str:
+    """The pages' dtype for the start-up log, with where fp8 scales came from (calibrated: a
+    calibration pass at start-up, else the checkpoint; scales None: 1.0)."""
     name = jnp.dtype(page_dtype).name
     if not is_fp8(page_dtype):
         return name
     if scales is None:
         return f"{name} (k_scale = v_scale = 1.0: the checkpoint has no KV scales)"
     scales = np.asarray(scales)
-    return (f"{name} (the checkpoint's KV scales: k_scale {scales[0].min():.4g}.."
-            f"{scales[0].max():.4g}, v_scale {scales[1].min():.4g}..{scales[1].max():.4g})")
+    source = "KV scales from the calibration pass" if calibrated else "the checkpoint's KV scales"
+    return (f"{name} ({source}: k_scale {scales[0].min():.4g}..{scales[0].max():.4g}, "
+            f"v_scale {scales[1].min():.4g}..{scales[1].max():.4g})")

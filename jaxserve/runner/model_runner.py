@@ -36,7 +36,7 @@ from jaxserve.model import device_select, kv_quant, quant_cache, quant_select
 from jaxserve.model.attention import resolve_attention_impl
 from jaxserve.model.config import ModelConfig
 from jaxserve.core.plan import StepPlan
-from jaxserve.runner import input_batch, logits_processors, packed_inputs
+from jaxserve.runner import input_batch, kv_calibration, logits_processors, packed_inputs
 from jaxserve.runner.buckets import BucketTable
 from jaxserve.runner.compiled_step import CompiledStep
 from jaxserve.runner.input_batch import InputBatch
@@ -166,14 +166,16 @@ class ModelRunner:
                  token_buckets=None, seq_buckets=None, compile_cache_dir: str | None = None,
                  mesh=None, host_prefix_slots: int = 0, max_loras: int = 0,
                  max_lora_rank: int = 16, lora_registry=None, kv_cache_dtype: str = "auto",
-                 kv_scales=None):
+                 kv_scales=None, kv_calibration_tokens: list[int] | None = None):
         """mesh: a ("tp",) jax Mesh to shard weights, KV pages and the step over (None: one
         device); see runner/tensor_parallel.py. host_prefix_slots: pages of the prefix cache's
         host tier (runner/host_prefix_pool.py) each cache of this runner keeps. max_loras > 0:
         that many LoRA adapters resident at once, of rank up to max_lora_rank
         (lora/device.py), read from lora_registry (lora/registry.py) as plans load them.
         kv_cache_dtype: the KV pages' dtype (model/kv_quant.py; auto: dtype's); kv_scales:
-        [2, L] k_scale and v_scale per layer for fp8 pages (None: 1.0)."""
+        [2, L] k_scale and v_scale per layer for fp8 pages (None: 1.0); kv_calibration_tokens:
+        fp8 pages take their scales from one prefill of these tokens instead
+        (runner/kv_calibration.py; None: kv_scales)."""
         backend = jax.default_backend()
         enable_compile_cache(compile_cache_dir)
         self.model_config = model_config
@@ -194,6 +196,12 @@ class ModelRunner:
         self.placement = Placement(mesh, model_config)
         self.graphdef, state = self.placement.model(params, self.dtype, self.layer_loop,
                                                     kv_scales, self.quant_form)
+        if kv_calibration_tokens is not None and kv_quant.is_fp8(self.kv_dtype):
+            amax = kv_calibration.calibration_amax(self.graphdef, state, self.placement,
+                                                   kv_calibration_tokens, page_size, self.dtype)
+            kv_scales = kv_calibration.scales_from_amax(amax, self.kv_dtype)
+            state = kv_calibration.with_kv_scales(state, kv_scales)
+        self.kv_scales = kv_scales  # [2, L] as served by fp8 pages (None: 1.0)
         self.cache = self.new_cache(self.placement)
         self.processors = ProcessorState(max_num_seqs + 1, model_config.vocab_size,
                                          self.placement.replicated)
