@@ -35,7 +35,6 @@ ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, token_buckets=(16,), se
 TOOL = {"type": "function", "function": {"name": "pick", "parameters": {
     "type": "object", "properties": {"x": {"enum": ["bc", "dk"]}}, "required": ["x"],
     "additionalProperties": False}}}
-KV_EVENTS = json.dumps({"enable_kv_cache_events": True, "publisher": "null"})
 
 
 def engine_settings(config: dict) -> dict:
@@ -60,8 +59,10 @@ def engine_settings(config: dict) -> dict:
         s["tensor_parallel_size"] = 2
     if config["parallel"] == "ep":
         s["enable_expert_parallel"] = True
-    if config["kv_events"] == "on":
-        s["kv_events_config"] = KV_EVENTS
+    if config["kv_events"] == "on":  # a zmq publisher on a fresh socket file
+        endpoint = f"ipc://{tempfile.mkdtemp(prefix='kv-events-')}/pub"
+        s["kv_events_config"] = json.dumps({"enable_kv_cache_events": True,
+                                            "publisher": "zmq", "endpoint": endpoint})
     return s
 
 
@@ -115,8 +116,8 @@ class EngineRun:
                           parallel_tool_calls=False).structured_outputs
         for label, prompt, so, aft in (("structured", self.prompts[1], regex, ()),
                                        ("reasoning", self.prompts[2], regex, after),
-                                       ("tools", self.prompts[4], tool, after)):
-            params = SamplingParams(max_tokens=24, temperature=0.0, n=2, logprobs=2,
+                                       ("tools", self.prompts[2], tool, after)):
+            params = SamplingParams(max_tokens=32, temperature=0.0, n=2, logprobs=2,
                                     structured_outputs=so, structured_outputs_after=aft)
             out.append((prompt, params, self.adapter(0), (so, aft), label))
         return out
@@ -133,7 +134,8 @@ class EngineRun:
                 self.failures.append(f"{stage}, {label}: error {out.error}")
                 continue
             matcher = None if grammar is None else self.grammar(*grammar)
-            want, want_lp = self.oracle.greedy(prompt, params.max_tokens, adapter, matcher, eos)
+            want, want_lp = self.oracle.greedy(prompt, params.max_tokens, adapter, matcher, eos,
+                                               key=label)
             for sample in out.outputs:
                 if sample.token_ids != want:
                     self.failures.append(f"{stage}, {label} (adapter {adapter}), sample "
@@ -149,7 +151,7 @@ class EngineRun:
 
     def check_tool_text(self, out, stage: str) -> None:
         text = out.outputs[0].text
-        start = text.find("{")
+        start = text.rfind("{")
         try:
             call = json.loads(text[start:])
         except ValueError:
@@ -158,13 +160,16 @@ class EngineRun:
         if call.get("x") not in ("bc", "dk"):
             self.failures.append(f"{stage}, tools: arguments {call} break the tool's schema")
 
-    def shared_prefix_batch(self) -> list[tuple]:
+    def shared_prefix_batches(self) -> list[list[tuple]]:
+        """Prompt 3 alone, then two prompts that begin with it: the second batch can read
+        prompt 3's pages from the prefix cache."""
         from jaxserve import SamplingParams
 
         plain = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
-        tails = ([7, 8, 9], [11, 12])
-        return [(self.prompts[i] + tail, plain, self.adapter(i), None, f"prompt {i} + tail")
-                for i, tail in zip((0, 3), tails)]
+        p, adapter = self.prompts[3], self.adapter(3)
+        return [[(p, plain, adapter, None, "prompt 3")],
+                [(p + tail, plain, adapter, None, f"prompt 3 + {tail}")
+                 for tail in ([7, 8, 9], [11, 12])]]
 
     def lifecycle(self) -> None:
         llm = self.llm
@@ -179,15 +184,24 @@ class EngineRun:
         t0 = time.perf_counter()
         batch = self.requests()
         self.check_batch(batch, "first batch")
-        outs = self.check_batch(self.shared_prefix_batch(), "shared prefixes")
+        first, second = self.shared_prefix_batches()
+        self.check_batch(first, "a prefix")
+        outs = self.check_batch(second, "prompts sharing it")
         cached = sum(o.num_cached_tokens for o in outs)
+        refusal = None
+        if self.config["spec"] != "none":
+            try:
+                self.llm.sleep(level=1)
+            except NotImplementedError as err:
+                refusal = str(err)
         if self.config["lifecycle"] == "on":
             self.lifecycle()
             self.check_batch(batch, "after sleep / wake / update_weights")
         print("run", time.perf_counter() - t0, file=sys.stderr)
         return {"config": self.config, "failures": self.failures,
                 "preemptions": int(self.llm.engine.scheduler.num_preemptions),
-                "kv_events": len(self.events), "cached_tokens": cached}
+                "kv_events": len(self.events), "cached_tokens": cached,
+                "lifecycle_refusal": refusal}
 
 
 def compat_table_vocab() -> int:
@@ -219,7 +233,8 @@ def main(out_path: str, only: list[int] | None = None) -> None:
             except Exception:  # one engine failing must not hide the others
                 failures = [] if e is None else e.failures
                 results.append({"config": config, "failures": failures + [traceback.format_exc()],
-                                "preemptions": 0, "kv_events": 0, "cached_tokens": 0})
+                                "preemptions": 0, "kv_events": 0, "cached_tokens": 0,
+                                "lifecycle_refusal": None})
             print(json.dumps(results[-1])[:2000], flush=True)
     Path(out_path).write_text(json.dumps(results, indent=1))
 

@@ -112,6 +112,7 @@ class Oracle:
                 f"unexpected {unexpected}")
         self.model = hf.eval()
         self.lora = lora
+        self._memo: dict = {}
         if lora:
             self.model = peft.PeftModel.from_pretrained(hf, dirs[f"{model}-lora"],
                                                         adapter_name=ADAPTER).eval()
@@ -128,12 +129,17 @@ class Oracle:
             return self.model(torch.tensor([ids])).logits[0, -1].numpy().astype(np.float64)
 
     def greedy(self, prompt: list[int], steps: int, adapter: str | None = None,
-               matcher=None, eos: tuple[int, ...] = ()) -> tuple[list[int], list[float]]:
+               matcher=None, eos: tuple[int, ...] = (),
+               key=None) -> tuple[list[int], list[float]]:
         """(tokens, each one's logprob): `steps` greedy tokens, each the argmax over what
         `matcher` (a jaxserve grammar matcher, or None) allows; stops after an EOS token the
-        grammar asked for. Logprobs are of the masked logits (the engine's processed ones)."""
+        grammar asked for. Logprobs are of the masked logits (the engine's processed ones).
+        Remembered by `key` (the caller's name for the grammar) where one is given."""
         from jaxserve.structured.matcher import bitmask_words
 
+        memo = (tuple(prompt), steps, adapter, key)
+        if key is not None and memo in self._memo:
+            return self._memo[memo]
         ids, tokens, logprobs = list(prompt), [], []
         for _ in range(steps):
             logits = self._logits(ids, adapter)
@@ -152,4 +158,6 @@ class Oracle:
                 matcher.accept([token])
                 if constraining is not None and token in eos:
                     break
+        if key is not None:
+            self._memo[memo] = (tokens, logprobs)
         return tokens, logprobs

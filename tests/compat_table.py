@@ -50,6 +50,14 @@ FEATURES = {
     "tls_keys": ("TLS + API keys", "serve --ssl-certfile, --api-key"),
 }
 IDS = list(FEATURES)
+# feature id -> how a refusal's error names it (any one of these)
+NAMED_AS = {
+    "lora": ("enable_lora",), "draft": ("speculative_method='draft'", "speculative decoding"),
+    "ngram": ("speculative decoding",), "tools": ("tool_choice",),
+    "structured": ("structured_outputs",), "dp": ("data_parallel_size",),
+    "multi_host": ("several JAX processes",), "host_tier": ("host_prefix_cache_size",),
+    "lifecycle": ("sleep and wake_up",),
+}
 # Request-level features and engine operations: every covering engine runs them (its requests
 # combine them), so each pairs with every feature of every engine.
 PER_ENGINE = ("structured", "tools", "reasoning", "n", "logprobs")
@@ -116,6 +124,8 @@ SPECIAL = {
     _pair("multi_host", "lora"): ("refused", "enable_lora is not supported with several JAX "
                                              "processes"),
     _pair("multi_host", "host_tier"): ("refused", "host_prefix_cache_size"),
+    _pair("multi_host", "lifecycle"): ("refused", "weight updates, sleep and wake_up are not "
+                                                  "supported with several JAX processes"),
     _pair("multi_host", "tp"): ("elsewhere", "tests/test_multihost.py::"
                                 "test_two_process_cluster_serves_the_same_greedy_tokens_as_one_"
                                 "process"),
@@ -188,3 +198,51 @@ def covering_array() -> list[dict]:
 
 
 COVERING = covering_array()
+
+
+SYMBOLS = {"works": "Y", "elsewhere": "E", "refused": "R", "n/a": "-", "untested": "?"}
+DOC_HEAD = """# Feature compatibility
+
+Which features work together. Every pair of features is one of:
+
+* **Y** works: an engine of the matrix test runs both at once and its greedy tokens (and
+  logprobs) equal the oracle's: transformers, with peft for LoRA, on the same tiny random
+  checkpoint, with the weights dequantized as the engine stores them (int8 / int4), keys and
+  values rounded to fp8 as fp8 pages store them, and, under a grammar, the argmax over the
+  tokens the grammar allows;
+* **E** works, shown by the existing test named below (a feature spanning processes);
+* **R** refused, at start-up or at the request, with an error naming both settings (below);
+* **-** not applicable (why, below);
+* **?** untested: nothing runs the pair and nothing refuses it.
+
+The matrix test is tests/test_compatibility_matrix.py; the table's source is
+tests/compat_table.py, and the test fails when this page and that table disagree. The engines
+form a pairwise covering set over the engine settings (built greedily, in code, from the
+settings' levels), and every engine serves requests that combine the request-level features
+(structured output, tool calling, the reasoning end sequence, n > 1, logprobs), so a handful
+of engines runs every working pair. They run on two virtual CPU devices (TP and EP over 2),
+with int8 weights multiplied in float (int8_activations=off).
+
+"""
+
+
+def render_doc() -> str:
+    """docs/compatibility.md: the legend, the grid, then every pair not marked Y."""
+    titles = [FEATURES[f][0] for f in IDS]
+    lines = [DOC_HEAD, "| Feature | Turned on by | " + " | ".join(
+        str(i + 1) for i in range(len(IDS))) + " |",
+        "|" + "---|" * (len(IDS) + 2)]
+    for i, a in enumerate(IDS):
+        cells = ["" if a == b else SYMBOLS[verdict(a, b)[0]] for b in IDS]
+        lines.append(f"| {i + 1}. {titles[i]} | {FEATURES[a][1]} | " + " | ".join(cells) + " |")
+    lines += ["", "## Pairs that are not plain works", "",
+              "| Feature | Feature | Verdict | Error, reason or test |", "|---|---|---|---|"]
+    for a, b in all_pairs():
+        status, detail = verdict(a, b)
+        if status != "works":
+            lines.append(f"| {FEATURES[a][0]} | {FEATURES[b][0]} | {status} | {detail} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(render_doc(), end="")
