@@ -19,11 +19,13 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import conftest  # noqa: E402,F401  (the persistent compilation cache, before jax starts)
 import arch_oracle  # noqa: E402
 import compat_table  # noqa: E402
 
@@ -146,14 +148,15 @@ class EngineRun:
                         self.failures.append(f"{stage}, {label}: logprobs differ from the "
                                              f"oracle's by up to {err:.2e}")
             if label == "tools":
-                self.check_tool_text(out, stage)
+                self.check_tool_text(out.outputs[0].token_ids, grammar[1], stage)
         return outs
 
-    def check_tool_text(self, out, stage: str) -> None:
-        text = out.outputs[0].text
-        start = text.rfind("{")
+    def check_tool_text(self, token_ids: list[int], after: tuple, stage: str) -> None:
+        """The tokens after the grammar's start sequence are the named tool's arguments."""
+        start = token_ids.index(after[0]) + 1 if after[0] in token_ids else 0
+        text = self.llm.tokenizer.decode(token_ids[start:], skip_special_tokens=True)
         try:
-            call = json.loads(text[start:])
+            call = json.loads(text)
         except ValueError:
             self.failures.append(f"{stage}, tools: the output {text!r} holds no JSON arguments")
             return
@@ -180,8 +183,6 @@ class EngineRun:
         llm.update_weights(llm.get_weights())
 
     def run(self) -> dict:
-        import time
-        t0 = time.perf_counter()
         batch = self.requests()
         self.check_batch(batch, "first batch")
         first, second = self.shared_prefix_batches()
@@ -197,7 +198,6 @@ class EngineRun:
         if self.config["lifecycle"] == "on":
             self.lifecycle()
             self.check_batch(batch, "after sleep / wake / update_weights")
-        print("run", time.perf_counter() - t0, file=sys.stderr)
         return {"config": self.config, "failures": self.failures,
                 "preemptions": int(self.llm.engine.scheduler.num_preemptions),
                 "kv_events": len(self.events), "cached_tokens": cached,
@@ -221,21 +221,20 @@ def main(out_path: str, only: list[int] | None = None) -> None:
             if only is not None and i not in only:
                 continue
             key = (config["model"], config["weights"], config["kv"], config["lora"] == "on")
+            start, run = time.perf_counter(), None
             try:
                 if key not in oracles:
                     oracles[key] = compat_oracle.Oracle(dirs, *key)
-                import time
-                t0 = time.perf_counter()
-                e = None
-                e = EngineRun(config, dirs, oracles[key])
-                print("build", time.perf_counter() - t0, file=sys.stderr)
-                results.append(e.run())
+                run = EngineRun(config, dirs, oracles[key])
+                results.append(run.run())
+                run.llm.close()
             except Exception:  # one engine failing must not hide the others
-                failures = [] if e is None else e.failures
+                failures = [] if run is None else run.failures
                 results.append({"config": config, "failures": failures + [traceback.format_exc()],
                                 "preemptions": 0, "kv_events": 0, "cached_tokens": 0,
                                 "lifecycle_refusal": None})
-            print(json.dumps(results[-1])[:2000], flush=True)
+            print(f"engine {i}: {time.perf_counter() - start:.0f} s, "
+                  f"{len(results[-1]['failures'])} failures", file=sys.stderr, flush=True)
     Path(out_path).write_text(json.dumps(results, indent=1))
 
 

@@ -44,8 +44,9 @@ FEATURES = {
     "tp": ("TP", "tensor_parallel_size=2"),
     "ep": ("EP", "enable_expert_parallel=True"),
     "dp": ("DP", "serve --data-parallel-size 2"),
-    "multi_host": ("Multi-host", "serve --num-processes 2"),
-    "lifecycle": ("Sleep / wake / update_weights / pause", "LLM.sleep, wake_up, ..."),
+    "multi_host": ("Multi-host", "serve --distributed --num-processes 2"),
+    "lifecycle": ("Sleep / wake / update_weights / pause",
+                  "LLM.sleep, ...; serve --enable-rollout-endpoints"),
     "kv_events": ("KV events", "kv_events_config"),
     "tls_keys": ("TLS + API keys", "serve --ssl-certfile, --api-key"),
 }
@@ -54,9 +55,10 @@ IDS = list(FEATURES)
 NAMED_AS = {
     "lora": ("enable_lora",), "draft": ("speculative_method='draft'", "speculative decoding"),
     "ngram": ("speculative decoding",), "tools": ("tool_choice",),
-    "structured": ("structured_outputs",), "dp": ("data_parallel_size",),
-    "multi_host": ("several JAX processes",), "host_tier": ("host_prefix_cache_size",),
-    "lifecycle": ("sleep and wake_up",),
+    "structured": ("structured_outputs",), "dp": ("data_parallel_size", "data-parallel-size"),
+    "multi_host": ("several JAX processes", "--distributed"),
+    "host_tier": ("host_prefix_cache_size",),
+    "lifecycle": ("sleep and wake_up", "enable_rollout_endpoints"),
 }
 # Request-level features and engine operations: every covering engine runs them (its requests
 # combine them), so each pairs with every feature of every engine.
@@ -124,6 +126,11 @@ SPECIAL = {
     _pair("multi_host", "lora"): ("refused", "enable_lora is not supported with several JAX "
                                              "processes"),
     _pair("multi_host", "host_tier"): ("refused", "host_prefix_cache_size"),
+    _pair("dp", "multi_host"): ("refused", "--data-parallel-size > 1 runs on one host: it "
+                                           "cannot be combined with the multi-host "
+                                           "--distributed flags"),
+    _pair("dp", "lifecycle"): ("refused", "enable_rollout_endpoints is not supported with "
+                                          "data_parallel_size"),
     _pair("multi_host", "lifecycle"): ("refused", "weight updates, sleep and wake_up are not "
                                                   "supported with several JAX processes"),
     _pair("multi_host", "tp"): ("elsewhere", "tests/test_multihost.py::"

@@ -125,6 +125,15 @@ def _refusal(pair: frozenset) -> str:
     if pair == {"multi_host", "host_tier"}:
         return message(lambda: builder.host_prefix_tier(
             CacheConfig(host_prefix_cache_size=1 << 20), 4096, 2))
+    if pair == {"dp", "multi_host"}:  # cli.main's check, before any backend starts
+        from jaxserve.config import compatibility
+        return message(lambda: compatibility.check_data_parallel(2, multi_host=True))
+    if pair == {"dp", "lifecycle"}:
+        from jaxserve.entrypoints.openai.http_server import HttpSettings
+        from jaxserve.entrypoints.serve import serve
+        return message(lambda: asyncio.run(serve(
+            lora, "127.0.0.1", 0, 1.0, http=HttpSettings(enable_rollout_endpoints=True),
+            data_parallel_size=2)))
     if pair == {"multi_host", "lifecycle"}:
         from jaxserve.runner.multihost import LeaderRunner
         return LeaderRunner.rollout_refusal

@@ -128,7 +128,7 @@ class DataParallelClient:
         if num_ranks < 2:
             raise ValueError(f"data_parallel_size={num_ranks}: must be >= 2 here (1 is one "
                              f"engine in the server's own process)")
-        compatibility.check_data_parallel(config, num_ranks)
+        compatibility.check_data_parallel(num_ranks, enable_lora=config.lora.enable_lora)
         self = cls(config, num_ranks)
         try:
             processes = start_ranks(config, num_ranks,
