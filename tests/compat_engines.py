@@ -27,12 +27,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import conftest  # noqa: E402,F401  (the persistent compilation cache, before jax starts)
 import arch_oracle  # noqa: E402
+import compat_oracle  # noqa: E402
 import compat_table  # noqa: E402
 
 NUM_TOKENS = 12
 LETTERS = "bcdfgkm"  # one token each in the tiny BPE (no merge starts or ends with them)
+# The pool (27 usable pages of 4 tokens) holds the longest request (the tool call: 3 + 90
+# tokens) but not the batch, so requests are preempted.
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, token_buckets=(16,), seq_buckets=(4,),
-              max_model_len=96, page_size=4, num_pages=24, int8_activations="off",
+              max_model_len=128, page_size=4, num_pages=28, int8_activations="off",
               swap_space=1 << 20)
 TOOL = {"type": "function", "function": {"name": "pick", "parameters": {
     "type": "object", "properties": {"x": {"enum": ["bc", "dk"]}}, "required": ["x"],
@@ -83,7 +86,7 @@ class EngineRun:
         self.events: list = []
         publish = self.llm.engine.kv_events.publish
         self.llm.engine.kv_events.publish = lambda ev: (self.events.extend(ev), publish(ev))
-        self.prompts = arch_oracle.prompts(0, compat_table_vocab())
+        self.prompts = arch_oracle.prompts(0, compat_oracle.VOCAB)
         self.compiler = None
 
     def adapter(self, i: int):
@@ -99,7 +102,7 @@ class EngineRun:
         from jaxserve.structured.deferred import request_matcher
 
         if self.compiler is None:
-            self.compiler = GrammarCompiler(self.llm.tokenizer, compat_table_vocab())
+            self.compiler = GrammarCompiler(self.llm.tokenizer, compat_oracle.VOCAB)
         return request_matcher(self.compiler.get(so), after)
 
     def requests(self) -> list[tuple]:
@@ -112,14 +115,17 @@ class EngineRun:
         out = [(p, plain, self.adapter(i), None, f"plain prompt {i}")
                for i, p in enumerate(self.prompts)]
         regex = StructuredOutputs(regex=f"[{LETTERS}]{{4}}")
-        free, _ = self.oracle.greedy(self.prompts[2], 2, self.adapter(0))
+        free, _ = self.oracle.greedy(self.prompts[1], 2, self.adapter(0))
         after = (free[1],)  # a token the free greedy output reaches: the grammar starts there
         tool = plan_tools([TOOL], {"type": "function", "function": {"name": "pick"}},
                           parallel_tool_calls=False).structured_outputs
-        for label, prompt, so, aft in (("structured", self.prompts[1], regex, ()),
-                                       ("reasoning", self.prompts[2], regex, after),
-                                       ("tools", self.prompts[2], tool, after)):
-            params = SamplingParams(max_tokens=32, temperature=0.0, n=2, logprobs=2,
+        # the tool call's budget: its JSON's 5 gaps of at most 16 whitespace characters each
+        # (structured/compiler.py) and its 9 other tokens, after the 2 free ones
+        for label, prompt, so, aft, steps in (
+                ("structured", self.prompts[1], regex, (), 16),
+                ("reasoning", self.prompts[1], regex, after, 16),
+                ("tools", self.prompts[1], tool, after, 90)):
+            params = SamplingParams(max_tokens=steps, temperature=0.0, n=2, logprobs=2,
                                     structured_outputs=so, structured_outputs_after=aft)
             out.append((prompt, params, self.adapter(0), (so, aft), label))
         return out
@@ -198,21 +204,17 @@ class EngineRun:
         if self.config["lifecycle"] == "on":
             self.lifecycle()
             self.check_batch(batch, "after sleep / wake / update_weights")
+        tier = self.llm.engine.pages.host_tier
         return {"config": self.config, "failures": self.failures,
+                "host_tier_pages": [0, 0] if tier is None else [tier.stored_pages,
+                                                                 tier.loaded_pages],
                 "preemptions": int(self.llm.engine.scheduler.num_preemptions),
                 "kv_events": len(self.events), "cached_tokens": cached,
                 "lifecycle_refusal": refusal}
 
 
-def compat_table_vocab() -> int:
-    import compat_oracle
-    return compat_oracle.VOCAB
-
-
 def main(out_path: str, only: list[int] | None = None) -> None:
     """Run every covering engine (or those at indices `only`), results to out_path."""
-    import compat_oracle
-
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         dirs = compat_oracle.make_checkpoints(Path(tmp))
@@ -232,7 +234,7 @@ def main(out_path: str, only: list[int] | None = None) -> None:
                 failures = [] if run is None else run.failures
                 results.append({"config": config, "failures": failures + [traceback.format_exc()],
                                 "preemptions": 0, "kv_events": 0, "cached_tokens": 0,
-                                "lifecycle_refusal": None})
+                                "lifecycle_refusal": None, "host_tier_pages": [0, 0]})
             print(f"engine {i}: {time.perf_counter() - start:.0f} s, "
                   f"{len(results[-1]['failures'])} failures", file=sys.stderr, flush=True)
     Path(out_path).write_text(json.dumps(results, indent=1))

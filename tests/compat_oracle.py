@@ -25,7 +25,9 @@ import numpy as np
 import arch_oracle
 
 VOCAB = 270  # tests/model_fixtures.py's byte-level BPE: grammars compile over real token texts
-MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+# MLP widths that split over 2 devices into whole int4 groups of 32
+DENSE = dict(intermediate_size=128)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
 LORA_TARGETS = ["q_proj", "v_proj"]  # attention only: a MoE model's MLP takes no adapter
 ADAPTER = "a1"
 
@@ -35,7 +37,7 @@ def make_checkpoints(root: Path) -> dict:
     import lora_oracle
 
     dirs = {"dense": root / "dense", "moe": root / "moe"}
-    arch_oracle.hf_checkpoint(dirs["dense"], "llama", seed=0, vocab_size=VOCAB)
+    arch_oracle.hf_checkpoint(dirs["dense"], "llama", seed=0, vocab_size=VOCAB, **DENSE)
     arch_oracle.hf_checkpoint(dirs["moe"], "qwen3_moe", seed=1, vocab_size=VOCAB, **MOE)
     for model in ("dense", "moe"):
         dirs[f"{model}-lora"] = lora_oracle.make_adapter(

@@ -63,6 +63,10 @@ NAMED_AS = {
 # Request-level features and engine operations: every covering engine runs them (its requests
 # combine them), so each pairs with every feature of every engine.
 PER_ENGINE = ("structured", "tools", "reasoning", "n", "logprobs")
+# The request-level features each engine's requests hold together (tests/compat_engines.py):
+# two request-level features run together only within one of these.
+REQUEST_COMBOS = (("structured", "n", "logprobs"), ("structured", "reasoning", "n", "logprobs"),
+                  ("tools", "reasoning", "n", "logprobs"))
 
 # The engine factors the covering array ranges over: factor -> its levels.
 FACTORS = {
@@ -174,6 +178,18 @@ def features_of(config: dict) -> set[str]:
     return on
 
 
+def pairs_run(config: dict) -> set[frozenset]:
+    """The feature pairs one covering configuration runs together: those of its engine-level
+    features with each other and with every request-level feature, and the request-level pairs
+    one request holds."""
+    on = features_of(config)
+    pairs = {frozenset(p) for p in itertools.combinations(sorted(on), 2)
+             if not set(p) <= set(PER_ENGINE)}
+    for combo in REQUEST_COMBOS:
+        pairs.update(frozenset(p) for p in itertools.combinations(combo, 2))
+    return pairs
+
+
 def _allowed(levels: tuple) -> bool:
     items = set(zip(FACTORS, levels))
     return not any(pair <= items for pair in EXCLUDED)
@@ -248,6 +264,12 @@ def render_doc() -> str:
         status, detail = verdict(a, b)
         if status != "works":
             lines.append(f"| {FEATURES[a][0]} | {FEATURES[b][0]} | {status} | {detail} |")
+    lines += ["", "## The engines", "",
+              "Each engine's settings (tests/compat_engines.py's engine_settings turns them into "
+              "LLM(...) keywords):", "", "| Engine | " + " | ".join(FACTORS) + " |",
+              "|" + "---|" * (len(FACTORS) + 1)]
+    for i, config in enumerate(COVERING):
+        lines.append(f"| {i} | " + " | ".join(config[f] for f in FACTORS) + " |")
     return "\n".join(lines) + "\n"
 
 
