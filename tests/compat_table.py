@@ -111,6 +111,13 @@ def _pair(a: str, b: str) -> frozenset:
 _SAME_SETTING = "two values of one setting: an engine runs one"
 _TLS = ("transport security wraps the HTTP and gRPC servers only: it sees requests and "
         "replies, not how the engine makes them")
+# The scale-out tests' engines keep the defaults: prefix cache, chunked prefill (prompts up to
+# 60 tokens, a 32-token budget) and async scheduling on; their greedy tokens equal one
+# single-process engine's.
+_MULTI_HOST_TEST = ("tests/test_multihost.py::"
+                    "test_two_process_cluster_serves_the_same_greedy_tokens_as_one_process")
+_DP_TEST = ("tests/test_data_parallel.py::"
+            "test_greedy_tokens_equal_one_engine_for_64_mixed_requests")
 # Pairs whose verdict is not `works`, with its detail: refused -> the error text (a part of
 # it that names both settings); n/a -> why; elsewhere -> "tests/file.py::test_name".
 SPECIAL = {
@@ -137,9 +144,7 @@ SPECIAL = {
                                           "data_parallel_size"),
     _pair("multi_host", "lifecycle"): ("refused", "weight updates, sleep and wake_up are not "
                                                   "supported with several JAX processes"),
-    _pair("multi_host", "tp"): ("elsewhere", "tests/test_multihost.py::"
-                                "test_two_process_cluster_serves_the_same_greedy_tokens_as_one_"
-                                "process"),
+    _pair("multi_host", "tp"): ("elsewhere", _MULTI_HOST_TEST),
     _pair("dp", "prefix_cache"): ("elsewhere", "tests/test_data_parallel.py::"
                                   "test_shared_prefix_requests_land_on_the_rank_holding_the_"
                                   "prefix"),
@@ -149,6 +154,10 @@ SPECIAL = {
     _pair("dp", "tls_keys"): ("n/a", _TLS),
     _pair("multi_host", "tls_keys"): ("n/a", _TLS),
 }
+for _f in ("chunked", "async"):
+    SPECIAL[_pair("dp", _f)] = ("elsewhere", _DP_TEST)
+for _f in ("prefix_cache", "chunked", "async"):
+    SPECIAL[_pair("multi_host", _f)] = ("elsewhere", _MULTI_HOST_TEST)
 for _f in IDS:
     if _f not in ("dp", "multi_host", "tls_keys"):
         SPECIAL.setdefault(_pair(_f, "tls_keys"), ("n/a", _TLS))
@@ -161,7 +170,7 @@ def verdict(a: str, b: str) -> tuple[str, str]:
     if special is not None:
         return special
     if {a, b} & {"dp", "multi_host"}:
-        return ("untested", "no covering engine spans processes")
+        return ("untested", "no test runs it: the covering engines run in one process")
     return ("works", "")
 
 
