@@ -136,7 +136,8 @@ SPECIAL = {
                                      "enable_lora"),
     _pair("multi_host", "lora"): ("refused", "enable_lora is not supported with several JAX "
                                              "processes"),
-    _pair("multi_host", "host_tier"): ("refused", "host_prefix_cache_size"),
+    _pair("multi_host", "host_tier"): ("refused", "is not supported with several JAX "
+                                                  "processes"),
     _pair("dp", "multi_host"): ("refused", "--data-parallel-size > 1 runs on one host: it "
                                            "cannot be combined with the multi-host "
                                            "--distributed flags"),
