@@ -215,6 +215,11 @@ class EngineRun:
 
 def main(out_path: str, only: list[int] | None = None) -> None:
     """Run every covering engine (or those at indices `only`), results to out_path."""
+    import torch
+
+    # The oracle's matrices are tiny: torch's thread pool costs more than it shares (its
+    # spinning threads also compete with XLA's for the two cores).
+    torch.set_num_threads(1)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         dirs = compat_oracle.make_checkpoints(Path(tmp))
