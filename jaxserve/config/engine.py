@@ -13,6 +13,7 @@ import typing
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from jaxserve.config import compatibility
 from jaxserve.config.groups import (CacheConfig, ModelSettings, ParallelConfig, RunnerConfig,
                                     SchedulerConfig, SpeculativeConfig)
 from jaxserve.config.lora import LoRAConfig
@@ -51,10 +52,7 @@ class EngineConfig:
     def validate(self) -> "EngineConfig":
         for name in GROUPS:
             getattr(self, name).validate()
-        if self.lora.enable_lora and self.speculative.speculative_method == "draft":
-            raise ValueError("enable_lora=True is invalid with speculative_method='draft': a "
-                             "draft model has no adapter slots (speculative_method='ngram' "
-                             "works with adapters)")
+        compatibility.check_engine(self)
         return self
 
     def is_explicit(self, name: str) -> bool:

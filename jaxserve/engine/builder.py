@@ -14,7 +14,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from jaxserve.config import CacheConfig, EngineConfig
+from jaxserve.config import CacheConfig, EngineConfig, compatibility
 from jaxserve.engine import device_memory, memory_profile
 from jaxserve.engine.phases import phase
 from jaxserve.engine.info import EngineInfo
@@ -75,9 +75,7 @@ def host_prefix_tier(cache: CacheConfig, bytes_per_page: int,
     size = cache.host_prefix_cache_size
     if size == 0:
         return None
-    if num_processes > 1:
-        raise ValueError(f"host_prefix_cache_size={size} is not supported with several JAX "
-                         f"processes ({num_processes}): each holds only its shard of the KV")
+    compatibility.check_processes(num_processes, host_prefix_cache_size=size)
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if size + cache.swap_space > total:
         raise ValueError(f"host_prefix_cache_size={size} plus swap_space={cache.swap_space} "
@@ -97,9 +95,7 @@ def lora_adapters(config: EngineConfig, model_config, num_processes: int):
     lora = config.lora
     if not lora.enable_lora:
         return None
-    if num_processes > 1:
-        raise ValueError(f"enable_lora is not supported with several JAX processes "
-                         f"({num_processes}) yet: each would need every adapter")
+    compatibility.check_processes(num_processes, enable_lora=True)
     from jaxserve.lora.registry import LoRARegistry
     from jaxserve.lora.request import LoRARequest
 

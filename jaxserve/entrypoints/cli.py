@@ -14,7 +14,7 @@ import argparse
 import os
 import sys
 
-from jaxserve.config import ENV_API_KEY
+from jaxserve.config import ENV_API_KEY, compatibility
 from jaxserve.entrypoints import distributed, logging_setup
 from jaxserve.entrypoints.cli_flags import (BoolFlag, add_engine_flags, add_reasoning_flags,
                                             add_sampling_flags, add_security_flags,
@@ -364,9 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         # (its engine stops the followers when it closes), the others run its plans
         # (jaxserve/entrypoints/distributed.py).
         cluster = distributed.settings_from_args(args)
-        if getattr(args, "data_parallel_size", 1) > 1 and cluster.enabled:
-            raise ValueError("--data-parallel-size > 1 runs on one host: it cannot be combined "
-                             "with the multi-host --distributed flags")
+        compatibility.check_data_parallel(getattr(args, "data_parallel_size", 1),
+                                          multi_host=cluster.enabled)
         joined = distributed.join_cluster(cluster)
         if joined and not distributed.is_leader():
             return distributed.follow(engine_config_from_args(args))

@@ -22,7 +22,7 @@ import dataclasses
 import logging
 import time
 
-from jaxserve.config import EngineConfig, SecurityConfig
+from jaxserve.config import EngineConfig, SecurityConfig, compatibility
 from jaxserve.config.reasoning import ReasoningSettings
 from jaxserve.config.tool_calls import ToolCallSettings
 from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError
@@ -54,10 +54,8 @@ async def serve(engine_config: EngineConfig, host: str, port: int, shutdown_time
     if data_parallel_size > 1 and loaded is not None:
         raise ValueError("data_parallel_size > 1 loads the model in each rank process: a "
                          "preloaded model (loaded) cannot be given")
-    if data_parallel_size > 1 and http is not None and http.enable_rollout_endpoints:
-        raise ValueError("enable_rollout_endpoints is not supported with data_parallel_size "
-                         f"{data_parallel_size}: sleep, wake_up and weight updates run on one "
-                         "engine")
+    compatibility.check_data_parallel(
+        data_parallel_size, rollout_endpoints=http is not None and http.enable_rollout_endpoints)
 
     parser = None if reasoning is None else reasoning.reasoning_parser
     if reasoning is not None and http is not None:

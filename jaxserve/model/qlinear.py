@@ -107,7 +107,10 @@ def dequantize(w: QArray, dtype=jnp.float32, after=None) -> jax.Array:
     scale = w.scale.astype(jnp.float32)
     if after is not None:
         scale = scale + _after(after)
-    groups = q.reshape(*lead, out, inp // w.group, w.group) * scale[..., None]
+    # A per-channel scale is not split over the devices (model/sharding.py), so inside a
+    # shard_map a device's slice of the inputs is narrower than the stored group: one group.
+    group = min(w.group, inp)
+    groups = q.reshape(*lead, out, inp // group, group) * scale[..., None]
     if w.zero is not None:
         groups = groups + w.zero.astype(jnp.float32)[..., None]
     return groups.reshape(*lead, out, inp).astype(dtype)

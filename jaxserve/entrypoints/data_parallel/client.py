@@ -35,6 +35,7 @@ from typing import AsyncIterator
 import zmq
 import zmq.asyncio
 
+from jaxserve.config import compatibility
 from jaxserve.core import intake
 from jaxserve.core.request import SamplingParams
 from jaxserve.engine.async_engine import EngineDeadError, EngineFailedError
@@ -127,9 +128,7 @@ class DataParallelClient:
         if num_ranks < 2:
             raise ValueError(f"data_parallel_size={num_ranks}: must be >= 2 here (1 is one "
                              f"engine in the server's own process)")
-        if config.lora.enable_lora:
-            raise ValueError("data_parallel_size > 1 is not supported with enable_lora yet: "
-                             "each rank would need every adapter, loaded and unloaded together")
+        compatibility.check_data_parallel(num_ranks, enable_lora=config.lora.enable_lora)
         self = cls(config, num_ranks)
         try:
             processes = start_ranks(config, num_ranks,
