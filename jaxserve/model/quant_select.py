@@ -43,9 +43,11 @@ class MatmulForm:
 
     int8_activations: bool = False  # per-channel int8 x int8 activations, one integer dot
     chunked: bool = False           # dequantized in pinned row pieces, the head in a loop
+    int8_kernel: bool = True        # that dot by jaxserve's CPU kernel where it runs, else XLA's
 
     def describe(self) -> str:
-        return (f"int8 activations {'on' if self.int8_activations else 'off'}, "
+        dot = "" if self.int8_kernel or not self.int8_activations else " (XLA's int8 dot)"
+        return (f"int8 activations {'on' if self.int8_activations else 'off'}{dot}, "
                 f"dequantization {'chunked' if self.chunked else 'fused'}")
 
 
