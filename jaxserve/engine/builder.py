@@ -317,7 +317,8 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
         expert_parallel_size=1 if mesh is None else parallel_sizes(mesh)[1],
         speculative_method=config.speculative.speculative_method,
         quantization=model.quantization,
-        weight_bytes=weight_bytes, weight_formats=weight_formats)
+        weight_bytes=weight_bytes, weight_formats=weight_formats,
+        quant_bucket_forms=tuple(sorted(getattr(base, "bucket_forms", {}).items())))
     total = time.perf_counter() - start
     log.info("engine ready in %.1f s: model %.1f s, page pool + warm-up %.1f s", total,
              loaded_s, total - loaded_s)

@@ -105,7 +105,7 @@ def cpu_problem() -> str | None:
     return f"the CPU lacks {', '.join(missing)}" if missing else None
 
 
-def _cpu_identity() -> bytes:
+def cpu_identity() -> bytes:
     """The CPU's model and instruction-set flags, for the cache key."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
@@ -116,7 +116,7 @@ def _cpu_identity() -> bytes:
 
 
 def _library_name(source: Path, compiler: str) -> str:
-    key = hashlib.sha256(source.read_bytes() + jaxlib.__version__.encode() + _cpu_identity()
+    key = hashlib.sha256(source.read_bytes() + jaxlib.__version__.encode() + cpu_identity()
                          + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
     return f"{source.stem}-{key}.so"
 

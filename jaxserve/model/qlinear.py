@@ -36,6 +36,8 @@ This module holds no host quantizers and knows nothing of files or shardings.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import os
 from dataclasses import dataclass
@@ -129,8 +131,28 @@ def _rows(w: QArray, lo: int, hi: int) -> QArray:
                                zero=None if w.zero is None else w.zero[lo:hi])
 
 
+# Set while a step is traced for one token bucket whose form was measured on this machine
+# (runner: model/quant_measure.py); it outranks every QArray's own form.
+_bucket_form: contextvars.ContextVar[MatmulForm | None] = contextvars.ContextVar(
+    "jaxserve_bucket_matmul_form", default=None)
+
+
+@contextlib.contextmanager
+def matmul_form(form: MatmulForm | None):
+    """Quantized matmuls traced inside (in this thread) take `form` (None: their own)."""
+    token = _bucket_form.set(form)
+    try:
+        yield form
+    finally:
+        _bucket_form.reset(token)
+
+
 def form_of(w: QArray) -> MatmulForm:
-    """w's MatmulForm; a QArray built without one takes the current backend's "auto"."""
+    """The form set by matmul_form(), else w's MatmulForm; a QArray built without one takes
+    the current backend's "auto"."""
+    override = _bucket_form.get()
+    if override is not None:
+        return override
     if w.form is not None:
         return w.form
     return quant_select.select(device=DeviceDescription.current()).form
@@ -156,19 +178,19 @@ def _quantize_rows(x) -> tuple[jax.Array, jax.Array]:
     return jnp.clip(jnp.round(x / sx), -127, 127).astype(jnp.int8), sx
 
 
-def int8_dot(x, w: QArray, out_dtype) -> jax.Array:
+def int8_dot(x, w: QArray, out_dtype, kernel: bool = True) -> jax.Array:
     """x [T, in] times per-channel int8 w [out, in] -> [T, out] in one int8 x int8 -> int32 dot
     of 2T rows: each row of x quantized to int8, and the rounding error it leaves quantized
     again (x ~ qx * sx + qr * sr: about 15 bits, where one int8 alone lost too much: mean KL
     0.05 to float32 on the default model); int32 sums are exact, so a row's result does not
-    depend on T. The dot is cpu_int8.matmul: on the CPU jaxserve's kernel, which reads the
-    int8 weights once as stored, or XLA's dot (YNNPACK, which repacks them every call), equal
-    bit for bit; on other backends XLA's dot_general (a TPU's int8 MXU)."""
+    depend on T. The dot is cpu_int8.matmul: on the CPU jaxserve's kernel (unless `kernel` is
+    False), which reads the int8 weights once as stored, or XLA's dot (YNNPACK, which repacks
+    them every call), equal bit for bit; on other backends XLA's dot_general (a TPU's MXU)."""
     rows = x.shape[0]
     x = x.astype(jnp.float32)
     qx, sx = _quantize_rows(x)
     qr, sr = _quantize_rows(x - qx.astype(jnp.float32) * sx)
-    acc = cpu_int8.matmul(jnp.concatenate([qx, qr]), w.q)  # [2T, out] int32
+    acc = cpu_int8.matmul(jnp.concatenate([qx, qr]), w.q, kernel)  # [2T, out] int32
     acc = acc.astype(jnp.float32)
     y = (acc[:rows] * sx + acc[rows:] * sr) * w.scale[:, 0].astype(jnp.float32)
     return y.astype(out_dtype)
@@ -214,7 +236,7 @@ def linear(x, w):
         return x @ w
     form = form_of(w)
     if per_channel_int8(w) and form.int8_activations:
-        return int8_dot(x, w, x.dtype)
+        return int8_dot(x, w, x.dtype, form.int8_kernel)
     if not form.chunked:
         return _dot(x, w)
     out, inp = w.q.shape[-2], w.q.shape[-1] * (8 // w.bits)
@@ -245,7 +267,7 @@ def head(h, w, transposed: bool):
         return jnp.dot(h, head_, preferred_element_type=jnp.float32)
     form = form_of(w)
     if per_channel_int8(w) and form.int8_activations:
-        return int8_dot(h, w, jnp.float32)
+        return int8_dot(h, w, jnp.float32, form.int8_kernel)
     if not form.chunked:
         return _dot(h, w, preferred=jnp.float32)
     vocab, dim = w.q.shape[0], w.q.shape[1] * (8 // w.bits)

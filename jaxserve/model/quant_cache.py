@@ -46,8 +46,9 @@ def key(files: list[Path], form: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def _usable(root: Path) -> str | None:
-    """None if `root` may hold the cache (created owner-only here), else why not."""
+def usable(root: Path) -> str | None:
+    """None if `root` may hold the cache (created owner-only here), else why not (also the
+    check for the int8 forms kept beside it: model/quant_bucket_forms.py)."""
     try:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = os.stat(root, follow_symlinks=False)
@@ -82,7 +83,7 @@ def load_or_build(cache_dir: str | Path, files: list[Path], form: str,
                   build: Callable[[], LoadedModel]) -> LoadedModel:
     """The cached entry of `files` in `form`, or build() written to the cache first."""
     root = Path(cache_dir)
-    problem = _usable(root)
+    problem = usable(root)
     if problem is not None:
         log.warning("quantized weights are not cached: %s", problem)
         return build()

@@ -10,7 +10,12 @@ DeviceDescription into a MatmulForm, each answer with its reason for the start-u
   mean KL 0.0067; the bar: >= 95% and < 0.01, tests/test_quant_default.py). "auto" turns it on
   where an int8 dot reads the weights as stored at a higher rate than a float one: the CPU
   and the TPUs JAX lists with an int8 MXU rate (v5e, v5p, v6e). Elsewhere (GPUs, other TPUs)
-  the weights are dequantized next to a float dot.
+  the weights are dequantized next to a float dot. On a CPU (one device) the runner then
+  goes further under "auto": at warm-up it times each token bucket's matmuls with int8
+  activations through jaxserve's kernel, through XLA's int8 dot, and dequantized, and traces
+  each bucket in its fastest form (model/quant_bucket_forms.py: with many rows the two int8
+  levels' multiply-adds can cost more than a dequantize-then-dot, on CPUs without an int8
+  multiply-add instruction).
 * dequant form, for every quantized matrix not multiplied as int8: "chunked" is the CPU's
   (XLA's CPU dot does not fuse the int8 -> float convert, so a matrix is dequantized at most
   qlinear.CHUNK_BYTES of float rows at a time, each piece pinned after the previous result,
@@ -43,9 +48,11 @@ class MatmulForm:
 
     int8_activations: bool = False  # per-channel int8 x int8 activations, one integer dot
     chunked: bool = False           # dequantized in pinned row pieces, the head in a loop
+    int8_kernel: bool = True        # that dot by jaxserve's CPU kernel where it runs, else XLA's
 
     def describe(self) -> str:
-        return (f"int8 activations {'on' if self.int8_activations else 'off'}, "
+        dot = "" if self.int8_kernel or not self.int8_activations else " (XLA's int8 dot)"
+        return (f"int8 activations {'on' if self.int8_activations else 'off'}{dot}, "
                 f"dequantization {'chunked' if self.chunked else 'fused'}")
 
 

@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.model import device_select, kv_quant, quant_cache, quant_select
+from jaxserve.model import device_select, kv_quant, qlinear, quant_cache, quant_measure
+from jaxserve.model import quant_select
 from jaxserve.model.attention import resolve_attention_impl
 from jaxserve.model.config import ModelConfig
 from jaxserve.core.plan import StepPlan
@@ -114,14 +115,20 @@ def unpack(packed: np.ndarray, num_chunks: int, with_top: bool = False) -> StepR
                       logprobs[:, 1:].copy())
 
 
-def plain_step(graphdef, attention, state, kv, inputs: PackedStepInputs):
+def plain_step(graphdef, attention, state, kv, inputs: PackedStepInputs, *, bucket_forms=()):
     """unpack (step_layout.py) -> forward -> logits processors -> sample (+ top-k logprobs, +
     prompt logprobs). kv: (KV pages, processor state, last tokens and page tables by slot:
     input_batch.py, the LoRA stacks: lora/device.py, read only, or None: no adapters).
-    Returns ((packed [2, S, 1 + K] i32, prompt [2, T, 1 + K] i32), kv); the prompt part is
-    fetched only by steps that asked for it."""
-    kv_pages, processors, last_tokens, tables, stacks = kv
+    bucket_forms: ((T, the MatmulForm measured for token bucket T), ...); a bucket not in it
+    keeps the model's form. Returns ((packed [2, S, 1 + K] i32, prompt [2, T, 1 + K] i32), kv);
+    the prompt part is fetched only by steps that asked for it."""
     inputs = packed_inputs.unpack(inputs)
+    with qlinear.matmul_form(dict(bucket_forms).get(inputs.model.token_ids.shape[0])):
+        return _plain_step(graphdef, attention, state, kv, inputs)
+
+
+def _plain_step(graphdef, attention, state, kv, inputs):
+    kv_pages, processors, last_tokens, tables, stacks = kv
     tables, page_table = input_batch.apply_table_updates(tables, inputs.tables)
     inputs = dataclasses.replace(inputs, attention=dataclasses.replace(
         inputs.attention, page_table=page_table))
@@ -183,6 +190,11 @@ class ModelRunner:
         self.kv_dtype = kv_quant.resolve(kv_cache_dtype, self.dtype)
         self.layer_loop = resolve_layer_loop(layer_loop, backend)
         self.quant_form = quant_select.select(int8_activations, dequant_form).form
+        # measured at warm-up where int8_activations is "auto" (measure_bucket_forms)
+        self._measure_forms = int8_activations == "auto"
+        self.bucket_forms: dict[int, str] = {}  # token bucket -> quant_bucket_forms name
+        self._bucket_form_table: tuple = ()     # ((T, MatmulForm), ...) the step is traced with
+        self._compile_cache_dir = compile_cache_dir
         # The device alone refuses an impl here, before the weights load; "auto" is resolved
         # with the model's attention shape by placement.attention (model/kernel_fit.py).
         resolve_attention_impl(attention_impl, backend, dtype, log=False)
@@ -220,7 +232,8 @@ class ModelRunner:
         self.step = self._compiled_step(state)
 
     def _compiled_step(self, state) -> CompiledStep:
-        step = functools.partial(plain_step, self.graphdef, self.attention)
+        step = functools.partial(plain_step, self.graphdef, self.attention,
+                                 bucket_forms=self._bucket_form_table)
         caches = (self.cache, self.processors, self.input_batch.last_tokens,
                   self.input_batch.device_tables, self.adapters)
         return CompiledStep("step", step, state, caches,
@@ -279,7 +292,26 @@ class ModelRunner:
     def num_host_swapped(self) -> int:
         return self.cache.num_host_swapped
 
+    def measure_bucket_forms(self) -> None:
+        """On one CPU device, for per-channel int8 weights under int8_activations "auto": the
+        fastest int8 form of each token bucket, measured here or read from beside the compile
+        cache (model/quant_measure.py), logged; the step is rebuilt to use them (before any
+        bucket is compiled). Elsewhere nothing changes."""
+        if (not self._measure_forms or jax.default_backend() != "cpu" or self.mesh is not None
+                or jax.device_count() != 1 or self.step._executables):
+            return
+        model = nnx.merge(self.graphdef, self.state)
+        if not quant_measure.has_per_channel_int8(model):
+            return
+        cache = compile_cache_path(self._compile_cache_dir)
+        forms, self.bucket_forms, line = quant_measure.bucket_forms(
+            model, self.buckets.shapes(), self.quant_form, cache, self.dtype)
+        log.info("%s", line)
+        self._bucket_form_table = tuple(sorted(forms.items()))
+        self.step = self._compiled_step(self.step.state)
+
     def warmup(self, progress: bool = True) -> None:
+        self.measure_bucket_forms()
         self.step.warmup(progress)
         self._place_unused_bitmasks()
         self.cache.warmup()
