@@ -33,7 +33,8 @@ DOC = ROOT / "docs" / "compatibility.md"
 def engines(tmp_path_factory) -> list[dict]:
     """compat_engines.py's results, one per covering engine."""
     out = tmp_path_factory.mktemp("matrix") / "results.json"
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
+    env = dict(os.environ, JAX_PLATFORMS="cpu",  # (the checkout's jaxserve, installed or not)
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
                + " --xla_force_host_platform_device_count=2")
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "compat_engines.py"), str(out)],
