@@ -12,7 +12,7 @@ the same page every time) and is masked out. So it serves GPUs without a usable 
 layer, however many rows or requests the step has: no per-row Python or lax loop.
 
 fp8 pages are widened to the query's dtype right after the gather (the model passes the query
-already multiplied by k_scale and rescales the output by v_scale, model/kv_quant.py). Products
+already multiplied by k_scale and rescales the output by v_scale, model/quant/kv.py). Products
 are accumulated in float32; with a float32 query they run at HIGHEST precision (no TF32).
 Block sizes come from tuning.py's "xla" row. This module must stay pure jnp (it borrows the
 kernels' static configuration and merge helpers, never a pallas_call) and must not touch engine

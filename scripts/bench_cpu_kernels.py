@@ -3,12 +3,12 @@
     python scripts/bench_cpu_kernels.py [--rounds=7] [--out FILE.json]
 
 * int8 matmul: SmolLM2's 30 layers of seven int8 matrices chained in one jit, at 2, 8, 32 and
-  1024 activation rows: the kernel (model/cpu_int8.py), XLA's int8 dot_general (YNNPACK), and
+  1024 activation rows: the kernel (model/cpu/int8.py), XLA's int8 dot_general (YNNPACK), and
   float32 dots of the same shapes at half the rows (int8 activations come in two levels). The
   kernel's result is checked equal to XLA's first.
 * decode attention: 30 layers of the default model's decode attention (9 query heads, 3 KV
   heads of 64, pages of 16) at 1, 16 and 64 requests of 211 positions, through
-  ReferenceAttention with the kernel (model/cpu_attention.py) and with XLA's work list.
+  ReferenceAttention with the kernel (model/cpu/attention.py) and with XLA's work list.
 
 Rounds alternate between the forms; medians and minimums in ms. It measures and prints; it
 asserts nothing but the kernel's equality.
@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.model import cpu_int8
-from jaxserve.model.attention import AttentionShape, ReferenceAttention
-from jaxserve.model.step_inputs import AttentionMetadata
+from jaxserve.model.cpu import int8 as cpu_int8
+from jaxserve.model.decoder.attention import AttentionShape, ReferenceAttention
+from jaxserve.model.decoder.step_inputs import AttentionMetadata
 
 LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 

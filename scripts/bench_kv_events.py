@@ -67,7 +67,7 @@ def main() -> int:
     add_engine_flags(parser)
     args = parser.parse_args()
     from jaxserve.engine.engine import Engine
-    from jaxserve.model.loader import load_model
+    from jaxserve.model.loaders.loader import load_model
 
     config = engine_config_from_args(args)
     loaded = load_model(config.model.model, progress=False)

@@ -68,8 +68,8 @@ def configs(args):
 
 def build_llm(config, tokenizer, batches: list[int], steps: int, quantization: str):
     from jaxserve.entrypoints.llm import LLM
-    from jaxserve.model.llama import random_params
-    from jaxserve.model.weights import LoadedModel
+    from jaxserve.model.decoder.decoder import random_params
+    from jaxserve.model.loaders.weights import LoadedModel
 
     top = max(batches)
     max_len = PROMPT_LEN + steps + 8
@@ -115,7 +115,7 @@ def main() -> int:
             setattr(args, key, value)
     import jax
 
-    from jaxserve.model.loader import load_model
+    from jaxserve.model.loaders.loader import load_model
 
     batches = [int(b) for b in args.batches.split(",")]
     moe_config, dense_config = configs(args)

@@ -5,7 +5,7 @@
 Builds one engine per weight form (float32; int8: what `--quantization int8` serves, per
 channel, the GGUF's blocks requantized at load, which the CPU multiplies with int8 activations,
 qlinear.int8_dot; int8 g32 with `int8_activations="off"` and int4: the GGUF's blocks mapped
-straight to each, model/gguf_quant.py, groups of 32, dequantized in the step), then alternates
+straight to each, model/quant/gguf.py, groups of 32, dequantized in the step), then alternates
 between them, round by round: the batch-1 decode
 step (median and min ms over 48 steps) and the 16-concurrent anyscale workload's output tok/s.
 Each form's weight bytes on device come with its bandwidth bound, bytes / measured read
@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_probe import _anyscale, _decode_steps  # noqa: E402
 
 from jaxserve.entrypoints.llm import LLM  # noqa: E402
-from jaxserve.model import qlinear, quant_select  # noqa: E402
+from jaxserve.model.quant import qlinear
+from jaxserve.model.quant import select as quant_select  # noqa: E402
 from jaxserve.core.request import SamplingParams  # noqa: E402
 
 MODES = ("none", "int8", "int8g32", "int4")

@@ -177,7 +177,7 @@ def run_ab_scenarios(loaded, scale: sc.Scale, results: dict, base: sc.Served,
 
 
 def run_peer(results: dict, scale: sc.Scale, prompts: list[list[int]]) -> None:
-    from jaxserve.model.default_model import default_model_path
+    from jaxserve.model.loaders.default_model import default_model_path
 
     reason = peer.unavailable()
     if reason or "jaxserve" not in results["peer"]:
@@ -243,7 +243,7 @@ def main(argv=None) -> int:
                "scenarios": {"batching": {"sweeps": {}},
                              "prefix_caching": {"rate": {}, "burst": {}},
                              "chunked_prefill": {"runs": {}}, "preemption": {"runs": {}}}}
-    from jaxserve.model.loader import load_model
+    from jaxserve.model.loaders.loader import load_model
 
     log("loading the default model")
     loaded = load_model("default", progress=False)

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jax
 
 from jaxserve.entrypoints.llm import LLM
-from jaxserve.model.loader import load_model
+from jaxserve.model.loaders.loader import load_model
 
 
 def _median_ms(fn, before=None, repeats: int = 30) -> float:

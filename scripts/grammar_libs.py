@@ -40,8 +40,8 @@ def rss_mib() -> float:
 def load_tokenizer():
     import gguf
 
-    from jaxserve.model.default_model import default_model_path
-    from jaxserve.model.tokenizer import Tokenizer
+    from jaxserve.model.loaders.default_model import default_model_path
+    from jaxserve.model.text.tokenizer import Tokenizer
     return Tokenizer.from_gguf(gguf.GGUFReader(default_model_path()))
 
 

@@ -1,4 +1,5 @@
-"""The two forms of the batched LoRA delta (model/lora.py), measured against the base model's
+"""The two forms of the batched LoRA delta (model/decoder/lora.py), measured against the base
+model's
 projections alone on the CPU.
 
     python scripts/lora_matmul_options.py [--rows 1,16,256] [--rank 16] [--max-loras 4]
@@ -9,12 +10,14 @@ layers unrolled with their own base weights as the CPU engine runs them: every l
 projections (q, k, v, o, gate, up, down) chained as a decoder layer chains them (o after q,
 down after gate * up, the residual carried, RMS-normalized per layer). Options, each one jitted
 function of (x [T, 576], row slots [T], weights): `base` (the projections alone), `gather` and
-`masked` (the same plus every projection's adapter delta, model/lora.py, from max_loras slots
+`masked` (the same plus every projection's adapter delta, model/decoder/lora.py, from max_loras
+slots
 of rank R held per layer as the engine holds them; rows spread over slots 0..max_loras, slot 0
 the base model), and `masked_stacked` (the masked form with each target's slots stacked over
 layers, [L, in, N * R], and sliced per layer). Every round calls every option once, in turn,
 so load on the shared machine hits all alike; medians over `repeats` rounds. It prints each
-option's time and the LoRA options' cost over `base`; the choice it informs is model/lora.py's
+option's time and the LoRA options' cost over `base`; the choice it informs is
+model/decoder/lora.py's
 choose_form and lora/device.py's layout.
 """
 
@@ -32,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from jaxserve.model.lora import LoRAStacks, StepAdapters, layer_weights  # noqa: E402
+from jaxserve.model.decoder.lora import LoRAStacks, StepAdapters, layer_weights  # noqa: E402
 
 D, F, Q, KV, L = 576, 1536, 576, 192, 30
 PROJ = {"wq": (D, Q), "wk": (D, KV), "wv": (D, KV), "wo": (Q, D), "w_gate": (D, F),

@@ -19,7 +19,7 @@ shared machine hits all of them alike; medians over `repeats` rounds. Options:
   deq_io        deq, the float32 stack written transposed [E, in, out] for lax.ragged_dot
   scale_after_io  scale_after, the converted stack written transposed [E, in, out]:
                 expert_matmul.grouped's int8 form
-It measures and prints; the choice it informs is in jaxserve/model/expert_matmul.py and
+It measures and prints; the choice it informs is in jaxserve/model/decoder/expert_matmul.py and
 docs/moe.md.
 """
 
@@ -38,8 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from jaxserve.model.qlinear import QArray, _after, dequantize  # noqa: E402
-from jaxserve.model.quant import quantize_int8  # noqa: E402
+from jaxserve.model.quant.qlinear import QArray, _after, dequantize  # noqa: E402
+from jaxserve.model.quant.formats import quantize_int8  # noqa: E402
 
 OPTIONS = ("f32", "f32_oi", "deq", "scale_after", "deq_io", "scale_after_io")
 NAMES = ("gate", "up", "down")

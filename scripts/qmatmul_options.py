@@ -28,7 +28,8 @@ values per byte, low nibble = even input). Options:
   mixed         lax.dot_general of float32 x int8 (JAX inserts the convert)
 The reductions use an add YNNPACK's reduce fusion does not match (`_add`), so XLA's own loops
 run them; with the plain add YNNPACK took them and ran 10-20x slower than float32.
-It measures and prints; the choice it informs is in jaxserve/model/qlinear.py and docs/quantization.md.
+It measures and prints; the choice it informs is in jaxserve/model/quant/qlinear.py and
+docs/quantization.md.
 """
 
 from __future__ import annotations
@@ -48,9 +49,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from jaxserve.model import qlinear  # noqa: E402
-from jaxserve.model.qlinear import QArray, _after, dequantize, int8_dot, linear  # noqa: E402
-from jaxserve.model.quant_select import MatmulForm  # noqa: E402
+from jaxserve.model.quant import qlinear  # noqa: E402
+from jaxserve.model.quant.qlinear import QArray, _after, dequantize, int8_dot, linear  # noqa: E402
+from jaxserve.model.quant.select import MatmulForm  # noqa: E402
 
 D, F, Q, KV, L, V, G = 576, 1536, 576, 192, 30, 49152, 32
 # (name, in, out) of each layer's projections, in the order they run

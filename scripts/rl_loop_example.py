@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jaxserve import SamplingParams  # noqa: E402
 from jaxserve.entrypoints.llm import LLM  # noqa: E402
-from jaxserve.model import cpu_ffi  # noqa: E402
-from jaxserve.model.llama import init_kv_cache  # noqa: E402
-from jaxserve.model.step_inputs import AttentionMetadata, ModelInputs  # noqa: E402
+from jaxserve.model.cpu import ffi as cpu_ffi  # noqa: E402
+from jaxserve.model.decoder.decoder import init_kv_cache  # noqa: E402
+from jaxserve.model.decoder.step_inputs import AttentionMetadata, ModelInputs  # noqa: E402
 
 PAGE_SIZE = 16
 

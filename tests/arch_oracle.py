@@ -108,15 +108,15 @@ def last_logits(loaded, batch: list[list[int]], *, layer_loop: str = "unroll",
                 attention_impl: str = "reference", page_size: int = 4,
                 dtype: str = "float32", lora=None, lora_slots=None) -> np.ndarray:
     """[len(batch), V]: one ragged prefill step over every prompt of `batch` (pages shuffled).
-    lora: a model/lora.py LoRAStacks, with prompt i's rows in slot lora_slots[i]."""
+    lora: a model/decoder/lora.py LoRAStacks, with prompt i's rows in slot lora_slots[i]."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxserve.model.attention import AttentionShape, get_attention
-    from jaxserve.model.llama import Llama, init_kv_cache
-    from jaxserve.model.lora import Adapters
-    from jaxserve.model.step_inputs import AttentionMetadata, ModelInputs
+    from jaxserve.model.decoder.attention import AttentionShape, get_attention
+    from jaxserve.model.decoder.decoder import Llama, init_kv_cache
+    from jaxserve.model.decoder.lora import Adapters
+    from jaxserve.model.decoder.step_inputs import AttentionMetadata, ModelInputs
 
     config = loaded.config
     pages_per_seq = -(-max(map(len, batch)) // page_size)
@@ -174,7 +174,7 @@ def engine_greedy_in_subprocess(directory: Path, batch, *, tensor_parallel_size:
 
     script = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
               "import conftest, arch_oracle\n"
-              "from jaxserve.model.loader import load_model\n"
+              "from jaxserve.model.loaders.loader import load_model\n"
               f"loaded = load_model({str(directory)!r}, progress=False)\n"
               f"print(json.dumps(arch_oracle.engine_greedy(loaded, {batch!r}, "
               f"tensor_parallel_size={tensor_parallel_size}, **{settings!r})))\n")
@@ -211,7 +211,7 @@ class Case:
     loaded: dict = dataclasses.field(default_factory=dict)
 
     def load(self, layout: str):
-        from jaxserve.model.loader import load_model
+        from jaxserve.model.loaders.loader import load_model
         if layout not in self.loaded:
             self.loaded[layout] = load_model(str(self.directories[layout]), progress=False)
         return self.loaded[layout]
@@ -267,8 +267,8 @@ class ArchSuite:
         import torch
         import transformers
 
-        from jaxserve.model.loader import load_model
-        from jaxserve.model.safetensors_loader import save_hf_directory
+        from jaxserve.model.loaders.loader import load_model
+        from jaxserve.model.loaders.safetensors_loader import save_hf_directory
 
         loaded = case.load("transformers5")
         save_hf_directory(tmp_path, loaded.config, loaded.params, loaded.tokenizer)

@@ -76,7 +76,7 @@ class EngineRun:
 
     def __init__(self, config: dict, dirs: dict, oracle):
         from jaxserve.entrypoints.llm import LLM
-        from jaxserve.model.loader import load_model
+        from jaxserve.model.loaders.loader import load_model
 
         self.config, self.dirs, self.oracle = config, dirs, oracle
         self.lora = config["lora"] == "on"

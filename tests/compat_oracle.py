@@ -2,7 +2,7 @@
 checkpoints the engines load, made to compute what each engine configuration should:
 
 * int8 / int4 weights: the checkpoint's matrices quantized by jaxserve's own host quantizer
-  (model/quant.py) and dequantized back, loaded into the transformers model, so the oracle
+  (model/quant/formats.py) and dequantized back, loaded into the transformers model, so the oracle
   runs exactly the weights the engine holds (the engines run with int8_activations=off: a
   float dot over dequantized weights, not int8 activations);
 * fp8 KV: an attention function that rounds keys and values to float8_e4m3fn (clipped to
@@ -68,9 +68,9 @@ def _register_fp8_attention() -> str:
 
 def dequantized_state(directory: Path, mode: str) -> dict:
     """HF tensor name -> float32 tensor: the checkpoint's matrices as `mode` stores them."""
-    from jaxserve.model.loader import load_model
-    from jaxserve.model.quant import QuantizedTensor, quantize_params
-    from jaxserve.model.weights import to_hf_state_dict
+    from jaxserve.model.loaders.loader import load_model
+    from jaxserve.model.quant.formats import QuantizedTensor, quantize_params
+    from jaxserve.model.loaders.weights import to_hf_state_dict
 
     loaded = load_model(str(directory), progress=False)
     params = {k: v.dequantize() if isinstance(v, QuantizedTensor) else v

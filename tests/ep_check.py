@@ -36,8 +36,8 @@ from arch_oracle import ENGINE, NUM_GREEDY  # noqa: E402
 
 from jaxserve import SamplingParams  # noqa: E402
 from jaxserve.entrypoints.llm import LLM  # noqa: E402
-from jaxserve.model.checkpoint import save_checkpoint  # noqa: E402
-from jaxserve.model.loader import load_model  # noqa: E402
+from jaxserve.model.loaders.checkpoint import save_checkpoint  # noqa: E402
+from jaxserve.model.loaders.loader import load_model  # noqa: E402
 from jaxserve.runner.compile_count import CompileCounter  # noqa: E402
 
 # A 4-token bucket as well as ENGINE's 16: decode steps of up to 4 requests have at most

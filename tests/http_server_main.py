@@ -178,7 +178,7 @@ def main() -> int:
         overrides.update(enable_lora=True, max_lora_rank=16)
     loaded = fixtures_loaded() if args.model == "fixtures" else tiny_bpe_loaded()
     if args.model_dir:
-        from jaxserve.model.loader import load_model
+        from jaxserve.model.loaders.loader import load_model
         loaded = load_model(args.model_dir, progress=False)
     config = EngineConfig.from_kwargs(**{**SMALL_ENGINE, **overrides})
     template = Path(args.chat_template).read_text() if args.chat_template else None

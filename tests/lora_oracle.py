@@ -61,7 +61,7 @@ class LoRACase:
     _loaded: object = None
 
     def load(self):
-        from jaxserve.model.loader import load_model
+        from jaxserve.model.loaders.loader import load_model
         if self._loaded is None:
             self._loaded = load_model(str(self.base_dir), progress=False)
         return self._loaded

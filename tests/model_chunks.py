@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.model.attention import ReferenceAttention
-from jaxserve.model.llama import init_kv_cache
-from jaxserve.model.step_inputs import AttentionMetadata, ModelInputs
+from jaxserve.model.decoder.attention import ReferenceAttention
+from jaxserve.model.decoder.decoder import init_kv_cache
+from jaxserve.model.decoder.step_inputs import AttentionMetadata, ModelInputs
 
 PAGE_SIZE = 8
 NUM_PAGES = 24

@@ -12,9 +12,9 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.gguf_tokenizer import bytes_to_unicode
-from jaxserve.model.tokenizer import Tokenizer
-from jaxserve.model.weights import to_hf_state_dict
+from jaxserve.model.text.gguf_tokenizer import bytes_to_unicode
+from jaxserve.model.text.tokenizer import Tokenizer
+from jaxserve.model.loaders.weights import to_hf_state_dict
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
@@ -151,14 +151,14 @@ def write_gguf(path: Path, config: ModelConfig, params: dict, *, qtype: Q = Q.F3
 
 @functools.lru_cache(maxsize=1)
 def default_gguf_path() -> Path:
-    from jaxserve.model.default_model import default_model_path
+    from jaxserve.model.loaders.default_model import default_model_path
     return default_model_path()
 
 
 @functools.lru_cache(maxsize=1)
 def real_default_model():
     """The real SmolLM2-135M-Instruct, loaded once per session (tests must not mutate it)."""
-    from jaxserve.model.loader import load_model
+    from jaxserve.model.loaders.loader import load_model
     return load_model("default", progress=False)
 
 

@@ -34,7 +34,8 @@ def expert_use(loaded, batch) -> np.ndarray:
     to them) that shows whether the random router spreads tokens over its experts at all."""
     import jax.numpy as jnp
 
-    from jaxserve.model import layers, moe
+    from jaxserve.model.decoder import layers
+    from jaxserve.model.decoder import moe
 
     config, params = loaded.config, loaded.params
     x = params["embed"][np.concatenate(batch)].astype(np.float32)
@@ -77,7 +78,7 @@ class MoESuite(arch_oracle.ArchSuite):
             self, case, monkeypatch, form):
         """The grouped expert matmuls TPU (ragged_dot) and GPU (batched tiles) run; the CPU's
         default, one tile a loop step, is every other test's."""
-        from jaxserve.model import expert_matmul
+        from jaxserve.model.decoder import expert_matmul
 
         monkeypatch.setattr(expert_matmul, "GROUPED", form)
         got = arch_oracle.last_logits(case.load("transformers5"), case.batch)

@@ -28,9 +28,9 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jaxserve.model.attention import ReferenceAttention  # noqa: E402
-from jaxserve.model.llama import Llama, init_kv_cache  # noqa: E402
-from jaxserve.model.step_inputs import AttentionMetadata, ModelInputs  # noqa: E402
+from jaxserve.model.decoder.attention import ReferenceAttention  # noqa: E402
+from jaxserve.model.decoder.decoder import Llama, init_kv_cache  # noqa: E402
+from jaxserve.model.decoder.step_inputs import AttentionMetadata, ModelInputs  # noqa: E402
 
 PAGE_SIZE, NUM_PAGES, MAX_PAGES = 16, 256, 64
 S, T_PREFILL, NEW_TOKENS = 32, 256, 64
@@ -197,8 +197,8 @@ def kv_figures(loaded) -> None:
 
 
 if __name__ == "__main__":
-    from jaxserve.model import quant
-    from jaxserve.model.loader import load_model
+    from jaxserve.model.quant import formats as quant
+    from jaxserve.model.loaders.loader import load_model
 
     base = load_model("default", progress=False)
     if sys.argv[1:] == ["--kv"]:  # the fp8 KV cache's figures instead of the weight forms'

@@ -9,7 +9,7 @@ give. No weights exist anywhere; tests lower abstract steps (bench/abstract_step
 from __future__ import annotations
 
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.hf_config import read_hf_config
+from jaxserve.model.loaders.hf_config import read_hf_config
 
 GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}

@@ -10,7 +10,7 @@ from __future__ import annotations
 from model_fixtures import random_model, tiny_vocab
 from tiny_models import TinyLoaded
 
-from jaxserve.model.tokenizer import Tokenizer
+from jaxserve.model.text.tokenizer import Tokenizer
 
 TOKEN_TYPE_USER_DEFINED = 4  # GGUF: an added token that matches whole and stays text
 _MESSAGES = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "

@@ -24,8 +24,8 @@ LEAN_ENGINE = {**SMALL_ENGINE, "max_model_len": 128, "num_pages": 20, "token_buc
 def save_tiny_checkpoint(directory: str | Path, **overrides) -> Path:
     from model_fixtures import random_model, tiny_tokenizer
 
-    from jaxserve.model.checkpoint import save_checkpoint
-    from jaxserve.model.weights import LoadedModel
+    from jaxserve.model.loaders.checkpoint import save_checkpoint
+    from jaxserve.model.loaders.weights import LoadedModel
 
     config, params = random_model(seed=3, **{"num_heads": 8, "num_kv_heads": 4, **overrides})
     save_checkpoint(directory, LoadedModel(config, params, tiny_tokenizer(), "tiny"))

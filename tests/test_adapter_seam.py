@@ -1,5 +1,5 @@
 """LoRA behind one seam: the compiled steps, the runner's input builders and the model take
-adapter data as one optional input (model/lora.py's Adapters), never a LoRA flag, and an
+adapter data as one optional input (model/decoder/lora.py's Adapters), never a LoRA flag, and an
 engine without adapters passes None in its place."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import inspect
 import numpy as np
 
 from jaxserve.lora.device import NoAdapters
-from jaxserve.model.llama import Llama
-from jaxserve.model.lora import Adapters, LoRAStacks
-from jaxserve.model.step_inputs import StepInputs
-from jaxserve.model.step_layout import StepLayout, layouts_for
+from jaxserve.model.decoder.decoder import Llama
+from jaxserve.model.decoder.lora import Adapters, LoRAStacks
+from jaxserve.model.decoder.step_inputs import StepInputs
+from jaxserve.model.decoder.step_layout import StepLayout, layouts_for
 from jaxserve.runner.model_runner import ModelRunner, plain_step
 from jaxserve.runner.prepare_inputs import build_step_inputs
 from jaxserve.runner.tensor_parallel import Placement

@@ -63,7 +63,7 @@ def test_orbax_checkpoint_round_trips_every_gemma_parameter(case, tmp_path):
 
     import numpy as np
 
-    from jaxserve.model.loader import convert, load_model
+    from jaxserve.model.loaders.loader import convert, load_model
 
     convert(str(case.directories["transformers5"]), tmp_path / "orbax", progress=False)
     restored = load_model(str(tmp_path / "orbax"), progress=False)

@@ -63,7 +63,7 @@ def _mxfp4_checkpoint(directory, seed=3):
 
 
 def test_mxfp4_experts_are_dequantized_on_load_as_transformers_does(tmp_path):
-    from jaxserve.model.loader import load_model
+    from jaxserve.model.loaders.loader import load_model
 
     model = _mxfp4_checkpoint(tmp_path)
     batch = arch_oracle.prompts(3)

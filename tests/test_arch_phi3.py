@@ -44,7 +44,7 @@ def test_fused_tensor_of_the_wrong_size_is_refused_naming_it(case, tmp_path):
 
     from safetensors.numpy import load_file, save_file
 
-    from jaxserve.model.loader import load_model
+    from jaxserve.model.loaders.loader import load_model
 
     shutil.copytree(case.directories["transformers5"], tmp_path / "bad")
     path = tmp_path / "bad" / "model.safetensors"

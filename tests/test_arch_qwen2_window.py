@@ -21,7 +21,7 @@ def case(tmp_path_factory):
 
 class TestQwen2Window(arch_oracle.ArchSuite):
     def test_layers_above_max_window_layers_have_the_window(self, case):
-        from jaxserve.model.llama import Llama
+        from jaxserve.model.decoder.decoder import Llama
 
         loaded = case.load("transformers5")
         assert loaded.config.layer_windows == (None, WINDOW)

@@ -30,8 +30,8 @@ import pytest
 import test_decode_attention as xla_cases
 from test_kernels import (MAX_SEQS, NUM_TOKENS, compile_once, decode_lens, gpu_interpret_params,
                           make_inputs, ragged_batch, realistic_specs)
-from jaxserve.model import pytrees  # noqa: F401  (the step inputs as pytrees)
-from jaxserve.model.attention import AttentionShape, PallasAttention, ReferenceAttention
+from jaxserve.model.decoder import pytrees  # noqa: F401  (the step inputs as pytrees)
+from jaxserve.model.decoder.attention import AttentionShape, PallasAttention, ReferenceAttention
 from pallas_kernels import reference, tuning
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention

@@ -1,4 +1,5 @@
-"""Streaming detokenization by byte table (jaxserve/model/byte_level.py) against `tokenizers` itself:
+"""Streaming detokenization by byte table (jaxserve/model/text/byte_level.py) against `tokenizers`
+itself:
 the same text, delta by delta, as its DecodeStream for byte-level BPE tokenizers; no table
 (DecodeStream kept) for any other decoder."""
 
@@ -11,7 +12,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models
 from tokenizers.decoders import DecodeStream
 
-from jaxserve.model.byte_level import ByteStream, ByteTable
+from jaxserve.model.text.byte_level import ByteStream, ByteTable
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from model_fixtures import real_default_model, tiny_tokenizer
 

@@ -1,4 +1,4 @@
-"""jaxserve's CPU int8 matmul kernel (model/cpu_int8.py): it builds on this machine, equals
+"""jaxserve's CPU int8 matmul kernel (model/cpu/int8.py): it builds on this machine, equals
 XLA's int8 dot_general bit for bit on every shape class (rows odd and even, inputs not a
 multiple of 32, the extreme values -128 / 127), inside jit and lax.scan, and per-channel int8
 layers run it in their compiled program.
@@ -11,8 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.model import cpu_ffi, cpu_int8, qlinear
-from jaxserve.model.quant_select import MatmulForm
+from jaxserve.model.cpu import ffi as cpu_ffi
+from jaxserve.model.cpu import int8 as cpu_int8
+from jaxserve.model.quant import qlinear
+from jaxserve.model.quant.select import MatmulForm
 
 
 def test_the_kernel_builds_and_registers_here():

@@ -1,4 +1,4 @@
-"""Which CPU kernel libraries jaxserve loads (model/cpu_ffi.py, model/kernel_cache.py).
+"""Which CPU kernel libraries jaxserve loads (model/cpu/ffi.py, model/cpu/kernel_cache.py).
 
 A new cache directory is made owner-only and its library is built once, then loaded from the
 cache. A cache directory writable by its group, a library writable by others, one owned by
@@ -21,9 +21,12 @@ import pytest
 from conftest import make_llm
 from jaxserve.config import EngineConfig
 from jaxserve.core.request import SamplingParams
-from jaxserve.model import cpu_attention, cpu_ffi, cpu_int8, kernel_cache
+from jaxserve.model.cpu import attention as cpu_attention
+from jaxserve.model.cpu import ffi as cpu_ffi
+from jaxserve.model.cpu import int8 as cpu_int8
+from jaxserve.model.cpu import kernel_cache
 
-LOGGER = "jaxserve.model.cpu_ffi"
+LOGGER = "jaxserve.model.cpu.ffi"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[5, 9, 14, 3, 77], [40, 41, 42], [100] * 9]
 

@@ -1,9 +1,9 @@
-"""The XLA attention backend (model/attention.py ReferenceAttention: decode rows as one work
-list, model/decode_attention.py; other rows through the reference) against the reference
+"""The XLA attention backend (model/decoder/attention.py ReferenceAttention: decode rows as one work
+list, model/decoder/decode_attention.py; other rows through the reference) against the reference
 (pallas_kernels/reference.py) on mixed batches: decode rows of different lengths, prefill
 chunks, padding rows, sliding windows, soft caps, steps with fewer rows than requests, and a
 model with more KV heads than the work list takes; with the decode rows through XLA's ops and
-through jaxserve's CPU kernel (model/cpu_attention.py); and on fp8 pages (kv_cache_dtype fp8:
+through jaxserve's CPU kernel (model/cpu/attention.py); and on fp8 pages (kv_cache_dtype fp8:
 the kernel reads their bytes through a table), against the reference on the same pages."""
 
 import os
@@ -15,9 +15,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from jaxserve.model import pytrees  # noqa: E402,F401  (the step inputs as pytrees)
-from jaxserve.model.attention import AttentionShape, ReferenceAttention  # noqa: E402
-from jaxserve.model.step_inputs import AttentionMetadata  # noqa: E402
+from jaxserve.model.decoder import pytrees  # noqa: E402,F401  (the step inputs as pytrees)
+from jaxserve.model.decoder.attention import AttentionShape, ReferenceAttention  # noqa: E402
+from jaxserve.model.decoder.step_inputs import AttentionMetadata  # noqa: E402
 from pallas_kernels import reference  # noqa: E402
 
 PAGE_SIZE, PAGES, MAX_SEQS, LAYERS, HEAD_DIM = 4, 9, 6, 2, 8
@@ -98,7 +98,7 @@ def test_backend_without_a_shape_makes_its_work_list_in_the_layer():
 def test_fp8_pages_match_the_reference_on_the_same_pages(dtype, window, kernel):
     """Every fp8 byte value appears in the pages (NaN codes aside), so the kernel's 256-entry
     table is checked against XLA's conversion for each."""
-    from jaxserve.model import cpu_attention
+    from jaxserve.model.cpu import attention as cpu_attention
 
     if kernel and not cpu_attention.available():
         pytest.skip(f"the CPU kernel can't run here: "

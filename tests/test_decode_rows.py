@@ -27,7 +27,7 @@ from jaxserve.runner.buckets import BucketTable
 from jaxserve.runner.input_batch import InputBatch
 from jaxserve.runner.prepare_inputs import build_step_inputs
 from jaxserve.core.scheduler import Scheduler
-from jaxserve.model.step_layout import layouts_for
+from jaxserve.model.decoder.step_layout import layouts_for
 from jaxserve.core.swap_space import HostSwapSpace
 
 SEQS, BUDGET, MAX_LEN, PAGE = 8, 32, 96, 4

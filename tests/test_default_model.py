@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxserve.model import default_model
-from jaxserve.model.default_model import default_model_path
+from jaxserve.model.loaders import default_model
+from jaxserve.model.loaders.default_model import default_model_path
 from model_fixtures import default_gguf_path, real_default_model
 
 FAKE_GGUF = b"GGUF not really a model, just pinned bytes" * 100
@@ -166,7 +166,7 @@ def test_load_default_gives_smollm2_135m_instruct():
 
 
 def test_env_override_keeps_the_files_own_name(tmp_path, monkeypatch):
-    from jaxserve.model.loader import load_model
+    from jaxserve.model.loaders.loader import load_model
     from model_fixtures import random_model, write_gguf
 
     config, params = random_model(name="my-own-model")

@@ -1,4 +1,4 @@
-"""Per-device defaults (model/device_defaults.py) on mocked devices, and the KV pool sized from a
+"""Per-device defaults (model/device/defaults.py) on mocked devices, and the KV pool sized from a
 given device-memory figure and the real memory_analysis() of a tiny model's largest bucket
 (engine/memory_profile.py), refused before serving when it can't fit."""
 
@@ -10,8 +10,8 @@ import pytest
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine import builder, memory_profile
-from jaxserve.model import device_defaults
-from jaxserve.model.device_select import DeviceDescription
+from jaxserve.model.device import defaults as device_defaults
+from jaxserve.model.device.select import DeviceDescription
 from jaxserve.runner.buckets import token_buckets_for
 
 GIB = 1 << 30

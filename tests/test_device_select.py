@@ -1,6 +1,6 @@
-"""The device selection table (jaxserve/model/device_select.py) with the device description
+"""The device selection table (jaxserve/model/device/select.py) with the device description
 mocked as JAX reports it, the refusal of an explicit choice the device can't run, the model
-shape's part on Hopper (model/kernel_fit.py: fewer decode splits or the XLA path), and the
+shape's part on Hopper (model/device/kernel_fit.py: fewer decode splits or the XLA path), and the
 engine entry points (resolve_attention_impl, get_attention, resolve_dtype) on this CPU."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import jax.numpy as jnp
 import pytest
 
 from conftest import make_llm
-from jaxserve.model.attention import (AttentionShape, PallasAttention, XlaAttention,
+from jaxserve.model.decoder.attention import (AttentionShape, PallasAttention, XlaAttention,
                                       get_attention, resolve_attention_impl)
-from jaxserve.model import device_select
-from jaxserve.model.device_select import DeviceDescription, select
-from jaxserve.model.kernel_fit import KernelShape
+from jaxserve.model.device import select as device_select
+from jaxserve.model.device.select import DeviceDescription, select
+from jaxserve.model.device.kernel_fit import KernelShape
 from jaxserve.runner.model_runner import resolve_dtype
 
 # (platform, device_kind, compute_capability) as jax.devices()[0] reports them
@@ -125,7 +125,7 @@ def test_description_reads_jax_device_attributes():
 
 def test_this_cpu_resolves_to_reference_and_float32_and_logs_why_once(caplog):
     device_select._logged.clear()  # each choice is logged once per process
-    with caplog.at_level(logging.INFO, logger="jaxserve.model.device_select"):
+    with caplog.at_level(logging.INFO, logger="jaxserve.model.device.select"):
         assert resolve_attention_impl("auto", "cpu") == "reference"
         assert resolve_dtype("auto", "cpu") is jnp.float32
         assert resolve_attention_impl("reference", "cpu") == "reference"  # re-resolved
@@ -243,7 +243,7 @@ def hopper_attention(monkeypatch, impl, **shape):
 
 def test_get_attention_builds_the_xla_backend_for_phi3_on_hopper_and_logs_why(monkeypatch,
                                                                               caplog):
-    with caplog.at_level(logging.INFO, logger="jaxserve.model.device_select"):
+    with caplog.at_level(logging.INFO, logger="jaxserve.model.device.select"):
         backend = hopper_attention(monkeypatch, "auto", group=1, num_kv_heads=32, page_size=16,
                                    head_dim=96, dtype="bfloat16")
     assert isinstance(backend, XlaAttention), type(backend)

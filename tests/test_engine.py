@@ -178,7 +178,7 @@ def test_a_failure_while_emitting_one_request_fails_only_that_request(small_llm)
 
 
 def test_dynamic_rope_beyond_its_exact_length_is_refused_and_the_default_stays_inside():
-    from jaxserve.model.rope import RopeScaling
+    from jaxserve.model.decoder.rope import RopeScaling
 
     dynamic = dict(rope_scaling=RopeScaling(2.0, rope_type="dynamic"),
                    max_position_embeddings=128)

@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.model import expert_matmul, quant
-from jaxserve.model.qlinear import QuantizedWeight
+from jaxserve.model.decoder import expert_matmul
+from jaxserve.model.quant import formats as quant
+from jaxserve.model.quant.qlinear import QuantizedWeight
 
 E, D, F = 8, 64, 32
 

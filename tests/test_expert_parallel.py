@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from jaxserve.config import EngineConfig
-from jaxserve.model import sharding
+from jaxserve.model.decoder import sharding
 from jaxserve.model.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -162,8 +162,8 @@ def _share(w: dict, group: int, num_local: int, part: int, width_ways: int) -> d
 def test_the_devices_shares_sum_to_the_whole_ffn(num_tokens, expert_ways, width_ways):
     import jax.numpy as jnp
 
-    from jaxserve.model import moe
-    from jaxserve.model.moe_shard import local_experts
+    from jaxserve.model.decoder import moe
+    from jaxserve.model.decoder.moe_shard import local_experts
 
     config = _moe_config()
     rng = np.random.default_rng(0)
@@ -198,7 +198,7 @@ def test_every_moe_parameter_has_logical_axes_and_the_specs_split_experts_on_ep(
 
 
 def test_quantized_expert_specs_split_like_the_matrix_and_keep_whole_groups():
-    from jaxserve.model.quant import QuantizedTensor
+    from jaxserve.model.quant.formats import QuantizedTensor
 
     config = _moe_config(moe_intermediate_size=48)
     L, E, D, F = 1, 8, 16, 48

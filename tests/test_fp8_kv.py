@@ -1,4 +1,4 @@
-"""The fp8 KV cache (kv_cache_dtype, model/kv_quant.py): names and refusals, quantization on
+"""The fp8 KV cache (kv_cache_dtype, model/quant/kv.py): names and refusals, quantization on
 write with per-layer scales, every attention path reading fp8 pages (the Pallas kernels in
 interpret mode, the CPU decode kernel: tests/test_decode_attention.py), checkpoint scales, the
 pool's size for the same bytes, and the engine's greedy invariances (preemption in both modes)
@@ -17,7 +17,7 @@ import pytest
 from conftest import make_llm
 from jaxserve import SamplingParams
 from jaxserve.config import CacheConfig, EngineConfig
-from jaxserve.model import kv_quant
+from jaxserve.model.quant import kv as kv_quant
 from jaxserve.runner.compile_count import CompileCounter
 from test_engine import assert_idle_and_no_leak, mixed_requests
 
@@ -129,10 +129,10 @@ def test_checkpoint_kv_scales_are_read_and_survive_conversion(tmp_path):
     conversion keeps them, and the model's variable holds them."""
     from safetensors.numpy import load_file, save_file
 
-    from jaxserve.model.checkpoint import load_checkpoint, save_checkpoint
-    from jaxserve.model.gguf_loader import load_gguf
-    from jaxserve.model.llama import Llama
-    from jaxserve.model.safetensors_loader import load_hf_directory, save_hf_directory
+    from jaxserve.model.loaders.checkpoint import load_checkpoint, save_checkpoint
+    from jaxserve.model.loaders.gguf_loader import load_gguf
+    from jaxserve.model.decoder.decoder import Llama
+    from jaxserve.model.loaders.safetensors_loader import load_hf_directory, save_hf_directory
     from model_fixtures import random_model, write_gguf
 
     config, params = random_model(seed=1, num_layers=3)

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.gguf_loader import load_gguf
-from jaxserve.model.safetensors_loader import load_hf_directory
-from jaxserve.model.tokenizer import Tokenizer
+from jaxserve.model.loaders.gguf_loader import load_gguf
+from jaxserve.model.loaders.safetensors_loader import load_hf_directory
+from jaxserve.model.text.tokenizer import Tokenizer
 from model_fixtures import tiny_vocab, write_tokenizer
 
 torch = pytest.importorskip("torch")
@@ -250,7 +250,7 @@ def test_unknown_pre_tokenizer_is_an_error_naming_it(tmp_path):
 
 def test_default_pre_tokenizer_warns_that_it_guesses(tmp_path, caplog):
     vocab = dict(tiny_vocab(), **{"tokenizer.ggml.pre": "default"})
-    with caplog.at_level(logging.WARNING, logger="jaxserve.model.gguf_tokenizer"):
+    with caplog.at_level(logging.WARNING, logger="jaxserve.model.text.gguf_tokenizer"):
         Tokenizer.from_gguf(vocab)
     assert any("tokenizer.ggml.pre" in r.getMessage() for r in caplog.records), caplog.text
 

@@ -22,11 +22,11 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from jaxserve.model import quant
-from jaxserve.model.gguf_config import config_from_metadata
-from jaxserve.model.gguf_loader import load_gguf, read_metadata
-from jaxserve.model.loader import load_model
-from jaxserve.model.safetensors_loader import load_hf_directory, save_hf_directory
+from jaxserve.model.quant import formats as quant
+from jaxserve.model.loaders.gguf_config import config_from_metadata
+from jaxserve.model.loaders.gguf_loader import load_gguf, read_metadata
+from jaxserve.model.loaders.loader import load_model
+from jaxserve.model.loaders.safetensors_loader import load_hf_directory, save_hf_directory
 from model_fixtures import llama_cpp_permute, tiny_vocab, write_tokenizer
 
 torch = pytest.importorskip("torch")

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxserve.model.hub_cache import looks_like_hub_id, resolve_hub_id
-from jaxserve.model.loader import load_model, save_hf_directory
+from jaxserve.model.loaders.hub_cache import looks_like_hub_id, resolve_hub_id
+from jaxserve.model.loaders.loader import load_model, save_hf_directory
 from model_fixtures import random_model, tiny_tokenizer, write_gguf
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

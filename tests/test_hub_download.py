@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from jaxserve.entrypoints.cli import main
-from jaxserve.model import hub_cache
-from jaxserve.model.loader import load_model
+from jaxserve.model.loaders import hub_cache
+from jaxserve.model.loaders.loader import load_model
 from model_fixtures import random_model, write_gguf
 from test_hub_cache import COMMIT, fake_hub_cache
 

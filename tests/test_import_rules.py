@@ -27,7 +27,7 @@ def package_modules(package: str) -> list[str]:
 HOST_SIDE = [*package_modules("jaxserve.core"), *package_modules("jaxserve.structured"),
              "jaxserve", "jaxserve.config",
              "jaxserve.engine.metrics", "jaxserve.engine.info", "jaxserve.engine.outputs",
-             "jaxserve.engine.output_processor", "jaxserve.model.step_inputs",
+             "jaxserve.engine.output_processor", "jaxserve.model.decoder.step_inputs",
              "jaxserve.runner.prepare_inputs", "jaxserve.runner.buckets",
              "jaxserve.runner.protocol", "jaxserve.spec.spec_inputs", "jaxserve.spec.policy",
              "jaxserve.spec.ngram", "jaxserve.lora", "jaxserve.lora.peft", "jaxserve.lora.request",

@@ -15,7 +15,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxserve.model import pytrees  # noqa: E402,F401  (the step inputs as pytrees)
+from jaxserve.model.decoder import pytrees  # noqa: E402,F401  (the step inputs as pytrees)
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
 from jaxserve.core.plan import (PageUpdate, ProcessorRow, SamplingRow,  # noqa: E402

@@ -1,4 +1,4 @@
-"""model/kernel_fit.py against the Hopper kernel itself: the formula's verdict for each call
+"""model/device/kernel_fit.py against the Hopper kernel itself: the formula's verdict for each call
 (ragged; decode with N KV splits) must be what lowering the Mosaic GPU kernel for `cuda` on this
 CPU does (succeeds vs raises), and where JAX's artificial shared-memory limit is available, the
 formula's bytes must be the lowering's to the byte. Lowering is abstract (ShapeDtypeStructs, no
@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxserve.model import kernel_fit
-from jaxserve.model.kernel_fit import KernelShape
+from jaxserve.model.device import kernel_fit
+from jaxserve.model.device.kernel_fit import KernelShape
 from pallas_kernels import tuning
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention

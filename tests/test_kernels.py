@@ -278,11 +278,12 @@ def test_kernels_refuse_cpu_without_interpret(monkeypatch):
 @pytest.mark.parametrize("sliding_window", [None, 13])
 def test_engine_backend_splits_decode_rows_to_the_decode_kernel_and_matches_reference(
         sliding_window):
-    """The engine's Pallas backend (model/attention.py): metadata prepared once for the step,
+    """The engine's Pallas backend (model/decoder/attention.py): metadata prepared once for the
+    step,
     the leading one-row requests (num_decode_seqs) through the decode kernel, the rest through
     the ragged kernel, joined by row; a mixed batch must equal the reference."""
-    from jaxserve.model.attention import AttentionShape, PallasAttention
-    from jaxserve.model.step_inputs import AttentionMetadata
+    from jaxserve.model.decoder.attention import AttentionShape, PallasAttention
+    from jaxserve.model.decoder.step_inputs import AttentionMetadata
 
     group, page_size, head_dim = 4, 16, 32
     rng = np.random.default_rng(11)

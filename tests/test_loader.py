@@ -12,9 +12,9 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from jaxserve.model.config import ModelConfig, RopeScaling
-from jaxserve.model.gguf_loader import llama3_rope_factors, load_gguf
-from jaxserve.model.loader import convert, load_model, save_hf_directory
-from jaxserve.model.weights import to_hf_state_dict
+from jaxserve.model.loaders.gguf_loader import llama3_rope_factors, load_gguf
+from jaxserve.model.loaders.loader import convert, load_model, save_hf_directory
+from jaxserve.model.loaders.weights import to_hf_state_dict
 from model_fixtures import (gguf_tensors, hf_default_model, random_model, real_default_model,
                             tiny_tokenizer, write_gguf)
 
@@ -83,7 +83,7 @@ def test_hf_directory_merges_generation_config_stop_tokens(tmp_path):
 
 
 def test_hf_directory_bos_follows_the_tokenizer(tmp_path):
-    from jaxserve.model.tokenizer import Tokenizer
+    from jaxserve.model.text.tokenizer import Tokenizer
     from model_fixtures import tiny_vocab
 
     config, params = random_model(add_bos_token=False)
@@ -177,7 +177,7 @@ def test_convert_to_orbax_restores_bit_identical_params(tmp_path, source):
 
 def test_checkpoint_restores_into_given_shardings(tmp_path):
     import jax
-    from jaxserve.model.checkpoint import load_checkpoint
+    from jaxserve.model.loaders.checkpoint import load_checkpoint
 
     config, params = random_model(dtype=ml_dtypes.bfloat16)
     save_hf_directory(tmp_path / "src", config, params, tiny_tokenizer())
@@ -317,7 +317,7 @@ def test_default_model_params_equal_transformers_gguf_loader():
 
 
 def test_fast_gguf_reader_parses_exactly_like_gguf_reader(tmp_path):
-    from jaxserve.model import gguf_loader
+    from jaxserve.model.loaders import gguf_loader
 
     config, params = random_model()
     path = write_gguf(tmp_path / "m.gguf", config, params, qtype=Q.Q4_1)

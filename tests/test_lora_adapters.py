@@ -23,7 +23,7 @@ from jaxserve.lora.peft import read_adapter  # noqa: E402
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     """(base checkpoint directory, its ModelConfig, a good rank-4 rsLoRA adapter on q/v/down)."""
-    from jaxserve.model.loader import load_model
+    from jaxserve.model.loaders.loader import load_model
 
     root = tmp_path_factory.mktemp("lora_base")
     arch_oracle.hf_checkpoint(root / "base", "llama")

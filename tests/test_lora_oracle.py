@@ -36,7 +36,7 @@ def case(request, tmp_path_factory):
 @pytest.mark.parametrize("form", ["masked", "gather"])
 def test_one_step_mixing_three_adapters_and_the_base_model_gives_peft_logits(
         case, form, layer_loop, monkeypatch):
-    from jaxserve.model import lora as lora_ops
+    from jaxserve.model.decoder import lora as lora_ops
 
     monkeypatch.setattr(lora_ops, "FORM", form)
     loaded = case.load()
@@ -107,7 +107,7 @@ def test_attention_adapters_on_a_mixture_of_experts_model_give_peft_logits(tmp_p
 
     from jaxserve.lora.device import DeviceLoRA
     from jaxserve.lora.peft import read_adapter
-    from jaxserve.model.loader import load_model
+    from jaxserve.model.loaders.loader import load_model
 
     base_dir = tmp_path / "base"
     arch_oracle.hf_checkpoint(base_dir, "qwen3_moe", num_experts=8, num_experts_per_tok=2,

@@ -8,7 +8,7 @@ Python-side check of the device path, the Pallas kernels' Mosaic lowering includ
 memory, tiling, head_dim rules); what the device's own compiler then decides is left to the
 device checks (scripts/gpu_check.py, scripts/tpu_check.py).
 
-Buckets are the per-device defaults' smallest and largest (model/device_defaults.py); the
+Buckets are the per-device defaults' smallest and largest (model/device/defaults.py); the
 variants (fp8 KV, int8 weights, LoRA) are turned on together in one engine, and each family
 gets one bucket with them and the other without, alternating between families so that every
 (bucket, variant set) pair occurs on each platform: a pairwise cover, not the full product.
@@ -24,8 +24,10 @@ import pytest
 pytest.importorskip("transformers")
 
 from real_shapes import DRAFT, FAMILIES, PERIOD, model_config  # noqa: E402
-from jaxserve.model import cpu_attention, cpu_int8, device_defaults  # noqa: E402
-from jaxserve.model.device_select import DeviceDescription  # noqa: E402
+from jaxserve.model.cpu import attention as cpu_attention
+from jaxserve.model.cpu import int8 as cpu_int8
+from jaxserve.model.device import defaults as device_defaults  # noqa: E402
+from jaxserve.model.device.select import DeviceDescription  # noqa: E402
 from jaxserve.bench.abstract_step import (AbstractEngine, lower_draft_step,  # noqa: E402
                                            lower_plain_step, target_attention)
 

@@ -17,8 +17,8 @@ import pytest
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine import builder, device_memory, memory_profile
-from jaxserve.model import device_defaults
-from jaxserve.model.device_select import DeviceDescription
+from jaxserve.model.device import defaults as device_defaults
+from jaxserve.model.device.select import DeviceDescription
 from jaxserve.runner.buckets import BucketTable
 from pallas_kernels import tuning
 

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from jaxserve.model.llama import Llama  # noqa: E402
+from jaxserve.model.decoder.decoder import Llama  # noqa: E402
 from model_chunks import NUM_PAGES, run_in_chunks  # noqa: E402
 from tiny_models import hf_logits, hf_model, tiny_model  # noqa: E402
 
@@ -65,7 +65,7 @@ def test_gguf_safetensors_and_orbax_give_identical_logits(tmp_path):
     import model_fixtures
     from gguf import GGMLQuantizationType as Q
 
-    from jaxserve.model.loader import convert, load_model, save_hf_directory
+    from jaxserve.model.loaders.loader import convert, load_model, save_hf_directory
 
     config, params = model_fixtures.random_model(seed=5)
     gguf_path = model_fixtures.write_gguf(tmp_path / "m.gguf", config, params, qtype=Q.Q8_0)

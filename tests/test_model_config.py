@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from jaxserve.model import rope
+from jaxserve.model.decoder import rope
 from jaxserve.model.config import ModelConfig
 
 transformers = pytest.importorskip("transformers")
@@ -54,7 +54,7 @@ def test_transformers4_and_5_layouts_give_the_same_config():
 ], ids=lambda p: p["rope_type"])
 def test_inv_freq_and_attention_factor_match_transformers(params):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    from jaxserve.model.hf_config import read_hf_config
+    from jaxserve.model.loaders.hf_config import read_hf_config
     d = saved("llama", rope_parameters=dict(params), head_dim=16)
     config = ModelConfig(**read_hf_config(d), name="m")  # yarn: read, not yet run (below)
     hf_config = transformers.LlamaConfig(**{k: v for k, v in d.items()
@@ -133,7 +133,7 @@ def test_new_families_load(model_type, kw, architecture):
 
 
 def test_gemma3_windows_and_ropes_are_read_per_layer_type():
-    from jaxserve.model.hf_config import read_hf_config
+    from jaxserve.model.loaders.hf_config import read_hf_config
     d = saved("gemma3_text", num_hidden_layers=6, sliding_window=8, head_dim=8,
               query_pre_attn_scalar=8)
     c = ModelConfig(**read_hf_config(d), name="g")

@@ -22,7 +22,9 @@ import jax.numpy as jnp
 import pytest
 from jax.extend import core as jex_core
 
-from jaxserve.model import device_defaults, expert_matmul, moe
+from jaxserve.model.device import defaults as device_defaults
+from jaxserve.model.decoder import expert_matmul
+from jaxserve.model.decoder import moe
 from jaxserve.model.config import ModelConfig
 
 # Qwen3-30B-A3B's mixture of experts

@@ -26,8 +26,9 @@ import arch_oracle  # noqa: E402
 import moe_oracle  # noqa: E402
 import quant_accuracy  # noqa: E402
 from jaxserve import SamplingParams  # noqa: E402
-from jaxserve.model import expert_matmul, quant  # noqa: E402
-from jaxserve.model.qlinear import QArray  # noqa: E402
+from jaxserve.model.decoder import expert_matmul
+from jaxserve.model.quant import formats as quant  # noqa: E402
+from jaxserve.model.quant.qlinear import QArray  # noqa: E402
 from jaxserve.runner.compile_count import CompileCounter  # noqa: E402
 
 CASES = {
@@ -44,7 +45,7 @@ INT8_BYTES_OF_FLOAT32 = 0.30
 
 @pytest.fixture(scope="module", params=list(CASES))
 def moe_model(request, tmp_path_factory):
-    from jaxserve.model.loader import load_model
+    from jaxserve.model.loaders.loader import load_model
 
     directory = tmp_path_factory.mktemp(request.param)
     arch_oracle.hf_checkpoint(directory, request.param, **CASES[request.param])
@@ -157,8 +158,8 @@ def test_int8_weights_take_at_most_30_percent_of_float32s_bytes(moe_model):
 
 
 def test_a_quantized_moe_checkpoint_restores_its_expert_stacks_as_stored(moe_model, tmp_path):
-    from jaxserve.model.checkpoint import save_checkpoint
-    from jaxserve.model.loader import load_model, quantize
+    from jaxserve.model.loaders.checkpoint import save_checkpoint
+    from jaxserve.model.loaders.loader import load_model, quantize
 
     quantized = quantize(moe_model, "int4")
     save_checkpoint(tmp_path / "ckpt", quantized)

@@ -10,12 +10,14 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from jaxserve.model import gguf_quant, qlinear, quant
-from jaxserve.model.checkpoint import load_checkpoint
-from jaxserve.model.gguf_loader import load_gguf
-from jaxserve.model.llama import Llama
-from jaxserve.model.loader import convert, load_model
-from jaxserve.model.quant_select import MatmulForm
+from jaxserve.model.quant import gguf as gguf_quant
+from jaxserve.model.quant import qlinear
+from jaxserve.model.quant import formats as quant
+from jaxserve.model.loaders.checkpoint import load_checkpoint
+from jaxserve.model.loaders.gguf_loader import load_gguf
+from jaxserve.model.decoder.decoder import Llama
+from jaxserve.model.loaders.loader import convert, load_model
+from jaxserve.model.quant.select import MatmulForm
 from jaxserve.runner.tensor_parallel import Placement
 from model_chunks import run_in_chunks
 from model_fixtures import random_model, write_gguf

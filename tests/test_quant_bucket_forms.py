@@ -1,5 +1,5 @@
-"""The int8 form of each token bucket on the CPU (model/quant_bucket_forms.py, measured by
-model/quant_measure.py, applied by the runner): the fastest measured candidate is chosen, the
+"""The int8 form of each token bucket on the CPU (model/quant/bucket_forms.py, measured by
+model/quant/measure.py, applied by the runner): the fastest measured candidate is chosen, the
 choice is stored beside the compile cache and read back instead of measuring again, and each
 bucket's step is traced in its own form. Timings are injected: nothing here reads a clock.
 """
@@ -11,8 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.model import qlinear, quant, quant_bucket_forms as qbf, quant_measure
-from jaxserve.model.quant_select import MatmulForm
+from jaxserve.model.quant import qlinear
+from jaxserve.model.quant import formats as quant
+from jaxserve.model.quant import bucket_forms as qbf
+from jaxserve.model.quant import measure as quant_measure
+from jaxserve.model.quant.select import MatmulForm
 
 BASE = MatmulForm(int8_activations=True, chunked=True)
 NAMES = ("int8-kernel", "int8-xla", "dequantize")

@@ -5,7 +5,7 @@ accuracy targets).
 int8 here is what `--quantization int8` serves where int8 activations run (the CPU, TPUs with
 an int8 MXU): the GGUF's blocks requantized per output channel at load, the same arrays as
 quantizing the float32 weights (the path every Hugging Face or Orbax model takes). It is
-measured in both forms model/quant_select.py chooses: the CPU's (jaxserve's int8 kernel,
+measured in both forms model/quant/select.py chooses: the CPU's (jaxserve's int8 kernel,
 chunked dequantization) and the accelerators' (XLA's int8 x int8 -> int32 dot, as a TPU's MXU
 runs it, fused dequantization); the GGUF's own int8 mapping is exact (test_quant.py).
 """
@@ -16,9 +16,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.model import cpu_ffi, quant
-from jaxserve.model.loader import load_model
-from jaxserve.model.quant_select import MatmulForm
+from jaxserve.model.cpu import ffi as cpu_ffi
+from jaxserve.model.quant import formats as quant
+from jaxserve.model.loaders.loader import load_model
+from jaxserve.model.quant.select import MatmulForm
 from jaxserve.runner.tensor_parallel import Placement
 from model_fixtures import real_default_model
 from quant_accuracy import measure

@@ -1,8 +1,8 @@
-"""How quantized matrices are multiplied on each backend (model/quant_select.py), with the
+"""How quantized matrices are multiplied on each backend (model/quant/select.py), with the
 device mocked as JAX reports it; that the CPU's tuning (pinned chunks, the head's loop) appears
 only in the chunked form; int8 per channel for every source where int8 activations run (a
 GGUF's blocks requantized at load); and the cache of weights quantized at load
-(model/quant_cache.py).
+(model/quant/cache.py).
 """
 
 from __future__ import annotations
@@ -18,11 +18,13 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from jaxserve.config import EngineConfig
-from jaxserve.model import qlinear, quant, quant_cache
-from jaxserve.model.device_select import DeviceDescription
-from jaxserve.model.gguf_loader import load_gguf
-from jaxserve.model.loader import load_model
-from jaxserve.model.quant_select import MatmulForm, select
+from jaxserve.model.quant import qlinear
+from jaxserve.model.quant import formats as quant
+from jaxserve.model.quant import cache as quant_cache
+from jaxserve.model.device.select import DeviceDescription
+from jaxserve.model.loaders.gguf_loader import load_gguf
+from jaxserve.model.loaders.loader import load_model
+from jaxserve.model.quant.select import MatmulForm, select
 from model_fixtures import random_model, write_gguf
 
 DEVICES = {  # name -> (device, int8 activations, chunked) for "auto"
@@ -196,7 +198,7 @@ def test_a_cache_directory_others_can_write_is_not_used(q4_file, tmp_path, caplo
     root.mkdir()
     root.chmod(0o777)
     build, calls = _counting_build(str(q4_file), quantization="int8")
-    with caplog.at_level(logging.WARNING, logger="jaxserve.model.quant_cache"):
+    with caplog.at_level(logging.WARNING, logger="jaxserve.model.quant.cache"):
         quant_cache.load_or_build(root, [q4_file], "int8", build)
         quant_cache.load_or_build(root, [q4_file], "int8", build)
     assert len(calls) == 2 and not any(root.iterdir())

@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.model import qlinear, quant
-from jaxserve.model.quant_select import MatmulForm
+from jaxserve.model.quant import qlinear
+from jaxserve.model.quant import formats as quant
+from jaxserve.model.quant.select import MatmulForm
 
 IN, OUT = 96, 80
 
@@ -105,7 +106,7 @@ def test_the_model_with_int8_activations_stays_close_to_the_float_model(chunked)
     int8 MXU runs it) is the same arithmetic: XLA's int8 dot here."""
     from model_chunks import run_in_chunks
     from test_quant import _dequantized
-    from jaxserve.model.llama import Llama
+    from jaxserve.model.decoder.decoder import Llama
     from tiny_models import tiny_model
 
     form = MatmulForm(int8_activations=True, chunked=chunked)

@@ -234,7 +234,7 @@ def test_sleep_and_update_are_refused_while_requests_run(llm):
 
 
 def test_update_weights_from_disk_reads_a_safetensors_directory(llm, want, tmp_path):
-    from jaxserve.model.safetensors_loader import save_hf_directory
+    from jaxserve.model.loaders.safetensors_loader import save_hf_directory
     from model_fixtures import tiny_tokenizer
 
     loaded = tiny_loaded(1)

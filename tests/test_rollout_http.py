@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from http_server_main import tiny_bpe_loaded
-from jaxserve.model.safetensors_loader import save_hf_directory
+from jaxserve.model.loaders.safetensors_loader import save_hf_directory
 
 PROMPT = [5, 6, 7, 8, 9, 10]
 N = 8

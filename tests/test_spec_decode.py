@@ -44,7 +44,7 @@ def draft_dirs(tmp_path_factory):
     from model_fixtures import tiny_tokenizer
     from tiny_models import tiny_model
 
-    from jaxserve.model.loader import save_hf_directory
+    from jaxserve.model.loaders.loader import save_hf_directory
     config, params = tiny_model(seed=0)
     first = {k: (v[:1] if k.startswith("layers.") else v) for k, v in params.items()}
     dirs = {"whole": tmp_path_factory.mktemp("whole"), "layer0": tmp_path_factory.mktemp("l0")}

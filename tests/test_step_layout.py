@@ -13,7 +13,7 @@ from jaxserve.runner.buckets import BucketTable
 from jaxserve.runner.input_batch import InputBatch
 from jaxserve.runner.packed_inputs import unpack
 from jaxserve.runner.prepare_inputs import build_step_inputs
-from jaxserve.model.step_layout import StepLayout, layouts_for
+from jaxserve.model.decoder.step_layout import StepLayout, layouts_for
 
 BUCKETS = BucketTable.build(64, 8, 64, 16, (8, 64), (8,))
 WORDS = 2  # grammar bitmask words per row (a 64-token vocabulary)
@@ -105,6 +105,6 @@ def test_a_step_without_grammars_makes_no_bitmask():
 
 
 def test_a_field_of_another_width_is_refused():
-    from jaxserve.model.step_layout import _words
+    from jaxserve.model.decoder.step_layout import _words
     with pytest.raises(TypeError, match="int64"):
         _words(np.zeros(3, np.int64))

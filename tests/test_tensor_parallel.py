@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxserve.model import sharding
+from jaxserve.model.decoder import sharding
 from jaxserve.model.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parent.parent

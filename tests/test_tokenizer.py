@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from jaxserve.model.tokenizer import ChatTemplateError, Tokenizer
+from jaxserve.model.text.tokenizer import ChatTemplateError, Tokenizer
 from model_fixtures import default_gguf_path, real_default_model, tiny_tokenizer, tiny_vocab
 
 TEXTS = [

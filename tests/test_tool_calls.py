@@ -296,7 +296,7 @@ def test_a_conversation_with_tools_renders_as_transformers_apply_chat_template_r
 def test_a_template_failing_on_a_conversation_is_a_value_error_not_a_crash():
     from model_fixtures import tiny_tokenizer
 
-    from jaxserve.model.tokenizer import ChatTemplateError
+    from jaxserve.model.text.tokenizer import ChatTemplateError
 
     tokenizer = tiny_tokenizer()
     tokenizer.chat_template = "{{ messages[0].content + 1 }}"

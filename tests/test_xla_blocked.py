@@ -1,6 +1,6 @@
 """pallas_kernels/xla_blocked.py (the XLA path for GPUs without a usable Pallas kernel) against
 pallas_kernels/reference.py on the CPU, through its two calls and through the engine backend
-(model/attention.py's XlaAttention); lowered for `cuda` at Gemma 3 and Phi-3 shapes; and the
+(model/decoder/attention.py's XlaAttention); lowered for `cuda` at Gemma 3 and Phi-3 shapes; and the
 ragged blocks of both blocked backends skipped by a lax.cond in steps of one-row requests.
 
 Inputs come from tests/test_kernels.py (random, ragged, shuffled page tables, invisible slots
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import test_kernels as tk
-from jaxserve.model.attention import AttentionShape, PallasAttention, XlaAttention
-from jaxserve.model.step_inputs import AttentionMetadata
+from jaxserve.model.decoder.attention import AttentionShape, PallasAttention, XlaAttention
+from jaxserve.model.decoder.step_inputs import AttentionMetadata
 from pallas_kernels import reference, tuning, xla_blocked
 
 HEAD_DIM = 32

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.llama import random_params
+from jaxserve.model.decoder.decoder import random_params
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -88,7 +88,7 @@ class CharTokenizer:
 
 
 class TinyLoaded:
-    """Stands where jaxserve.model.loader.LoadedModel does, for models made in a test."""
+    """Stands where jaxserve.model.loaders.loader.LoadedModel does, for models made in a test."""
 
     def __init__(self, config, params, tokenizer=None):
         self.config, self.params = config, params

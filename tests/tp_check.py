@@ -28,7 +28,7 @@ import sharding_report  # noqa: E402
 from scale_out_fixtures import LEAN_ENGINE, mixed_requests, save_tiny_checkpoint  # noqa: E402
 
 from jaxserve.entrypoints.llm import LLM  # noqa: E402
-from jaxserve.model.sharding import make_mesh  # noqa: E402
+from jaxserve.model.decoder.sharding import make_mesh  # noqa: E402
 from jaxserve.runner import tensor_parallel  # noqa: E402
 
 RUNS = [  # (tensor_parallel_size, layer_loop, preemption_mode)

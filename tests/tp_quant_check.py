@@ -27,7 +27,7 @@ import jax  # noqa: E402  (after XLA_FLAGS)
 from scale_out_fixtures import LEAN_ENGINE, mixed_requests, save_tiny_checkpoint  # noqa: E402
 
 from jaxserve.entrypoints.llm import LLM  # noqa: E402
-from jaxserve.model.loader import convert  # noqa: E402
+from jaxserve.model.loaders.loader import convert  # noqa: E402
 
 RUNS = [(1, "unroll", "recompute"), (2, "scan", "swap")]
 

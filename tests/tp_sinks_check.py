@@ -30,8 +30,8 @@ import numpy as np  # noqa: E402
 
 import test_decode_attention as xla_cases  # noqa: E402
 from test_attention_sinks import draw_sinks, oracle  # noqa: E402
-from jaxserve.model import sharding  # noqa: E402
-from jaxserve.model.attention import AttentionShape, ReferenceAttention  # noqa: E402
+from jaxserve.model.decoder import sharding  # noqa: E402
+from jaxserve.model.decoder.attention import AttentionShape, ReferenceAttention  # noqa: E402
 from jaxserve.runner.tensor_parallel import _ShardedAttention  # noqa: E402
 
 TP, GROUP, KV_HEADS = 2, 2, 2

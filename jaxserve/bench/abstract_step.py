@@ -24,13 +24,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.model import kv_quant, quant_select
-from jaxserve.model.attention import PagedAttention
+from jaxserve.model.quant import kv as kv_quant
+from jaxserve.model.quant import select as quant_select
+from jaxserve.model.decoder.attention import PagedAttention
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.device_select import DeviceDescription
-from jaxserve.model.llama import Llama
-from jaxserve.model.quant import MATRIX_NAMES, QuantizedTensor
-from jaxserve.model.step_layout import StepLayout
+from jaxserve.model.device.select import DeviceDescription
+from jaxserve.model.decoder.decoder import Llama
+from jaxserve.model.quant.formats import MATRIX_NAMES, QuantizedTensor
+from jaxserve.model.decoder.step_layout import StepLayout
 from jaxserve.runner.logits_processors import empty_arrays
 from jaxserve.runner.model_runner import plain_step
 from jaxserve.runner.tensor_parallel import Placement
@@ -47,7 +48,7 @@ class AbstractEngine:
     config: ModelConfig
     device: DeviceDescription      # the target the forms and kernels are chosen for
     dtype: str = "bfloat16"
-    kv_cache_dtype: str = "auto"   # model/kv_quant.py's names
+    kv_cache_dtype: str = "auto"   # model/quant/kv.py's names
     quantization: str = "none"     # "none" | "int8"
     max_num_seqs: int = 256
     max_model_len: int = 8192

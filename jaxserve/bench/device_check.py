@@ -18,7 +18,7 @@ test, not a measurement.
 The roofline bound of a decode step with N requests: it reads every weight a token uses once
 (roofline.decode_bound; an untied embedding table only by the rows looked up, so not counted)
 and each request's KV context, so tokens/s <= N / step bytes * bandwidth, the bandwidth the
-chip's nominal one from model/device_defaults.py's table (or given).
+chip's nominal one from model/device/defaults.py's table (or given).
 Measurement only: nothing here changes an engine's settings or is used when serving.
 """
 
@@ -180,7 +180,7 @@ def parse_args(argv, platform: str, doc: str):
     parser.add_argument("--only", help="comma-separated stages to run (the probe always runs)")
     parser.add_argument("--bandwidth-gbs", "--hbm-gbps", type=float, default=None,
                         help="memory bandwidth for the roofline, GB/s; default: the chip's "
-                             "nominal one from jaxserve/model/device_defaults.py")
+                             "nominal one from jaxserve/model/device/defaults.py")
     parser.add_argument("--iters", type=int, default=20, help="timed runs per kernel path")
     parser.add_argument("--head-dims", type=ints, help="sweep head_dims (default 64,96,128,256)")
     parser.add_argument("--kv-heads", type=ints, help="sweep KV heads (default 1,2,4,8)")

@@ -6,7 +6,7 @@ ragged_paged_attention (decode rows plus prefill chunks) for every head_dim x KV
 dtype in its grid, on abstract shapes (nothing is allocated or run), and records each
 configuration as OK (compiled), REFUSED (the kernel's own ValueError / NotImplementedError: a
 limit it states) or ERROR (any other exception, with its text). On a GPU each configuration is
-also put to model/kernel_fit.py, the formula the engine selects by: a failure it predicts is
+also put to model/device/kernel_fit.py, the formula the engine selects by: a failure it predicts is
 FALLBACK (the engine takes fewer splits or the XLA path there, the row says why), and a
 verdict it gets wrong either way is MISMATCH, a failing row. Lowering is serial (Python);
 compiles run in a thread pool. Without the device (--allow-cpu) it lowers for the device's
@@ -100,7 +100,7 @@ def predicted_fit(config: dict, platform: str, num_heads: int = 32):
     """kernel_fit's verdict for a sweep configuration (a CallFit), or None off the GPU."""
     if platform != "gpu":
         return None
-    from jaxserve.model import kernel_fit
+    from jaxserve.model.device import kernel_fit
 
     shape = kernel_fit.KernelShape(config["head_dim"], num_heads // config["kv_heads"],
                                    config["kv_heads"], "bfloat16", DTYPES[config["kv_dtype"]],
@@ -302,7 +302,7 @@ def kernels(rec, cfg: dict) -> None:
     import jax
     import numpy as np
 
-    from jaxserve.model.device_select import select
+    from jaxserve.model.device.select import select
 
     platform = cfg["platform"]
     device = on_device(platform)

@@ -2,8 +2,8 @@
 throughput of a random-weight model of real shapes against the HBM roofline.
 
 `probe` records the JAX backend (the runner reads it to refuse a run without the device), the
-device and its class in model/device_defaults.py (nominal bandwidth and memory), JAX's
-version and what model/device_select.py picks here (attention path, dtype).
+device and its class in model/device/defaults.py (nominal bandwidth and memory), JAX's
+version and what model/device/select.py picks here (attention path, dtype).
 
 `decode` builds a Llama-3-8B-shaped model (hidden 4096, 32 query / 8 KV heads of 128, MLP
 14336, vocabulary 128256) with a few layers, its weights drawn on the device in bf16 (no
@@ -52,8 +52,8 @@ def probe(rec, cfg: dict) -> None:
     import jax
 
     from jaxserve.engine.memory_profile import device_memory_bytes
-    from jaxserve.model import device_defaults
-    from jaxserve.model.device_select import DeviceDescription, select
+    from jaxserve.model.device import defaults as device_defaults
+    from jaxserve.model.device.select import DeviceDescription, select
 
     backend = jax.default_backend()
     device = jax.local_devices()[0]
@@ -87,7 +87,7 @@ def random_loaded(config, seed: int = 0, scale: float = 0.02):
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxserve.model.weights import LoadedModel
+    from jaxserve.model.loaders.weights import LoadedModel
 
     key, rng = jax.random.key(seed), np.random.default_rng(seed)
     params = {}

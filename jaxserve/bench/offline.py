@@ -93,7 +93,7 @@ def _print(label: str, r: dict) -> None:
 
 def run_offline_bench(args, config) -> int:
     from jaxserve.engine.engine import Engine
-    from jaxserve.model.loader import load_model
+    from jaxserve.model.loaders.loader import load_model
 
     loaded = load_model(config.model.model, progress=not args.quiet)
     if args.workload == "repeat":  # natural answers: they end at EOS

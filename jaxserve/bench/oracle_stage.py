@@ -96,8 +96,8 @@ def _load(folder: Path):
 
     from jaxserve.bench.model_stages import IdTokenizer
     from jaxserve.model.config import ModelConfig
-    from jaxserve.model.safetensors_loader import params_from_hf
-    from jaxserve.model.weights import LoadedModel
+    from jaxserve.model.loaders.safetensors_loader import params_from_hf
+    from jaxserve.model.loaders.weights import LoadedModel
 
     config = ModelConfig.from_hf_dict(json.loads((folder / "config.json").read_text()),
                                       name=folder.name)
@@ -109,7 +109,7 @@ def _load(folder: Path):
 def _greedy(loaded, batch, num_tokens: int, dtype: str):
     from jaxserve.core.request import SamplingParams
     from jaxserve.entrypoints.llm import LLM
-    from jaxserve.model.device_select import select
+    from jaxserve.model.device.select import select
 
     params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
     with LLM("oracle-check", loaded=loaded, progress=False, dtype=dtype,

@@ -59,8 +59,8 @@ def max_tokens(n: int, steps: int) -> int:
 def build_llm(n: int, steps: int, tokenizer):
     LLM = _attr("LLM", "jaxserve.entrypoints.llm", "jaxserve.llm")
     from jaxserve.model.config import ModelConfig
-    from jaxserve.model.llama import random_params
-    from jaxserve.model.weights import LoadedModel
+    from jaxserve.model.decoder.decoder import random_params
+    from jaxserve.model.loaders.weights import LoadedModel
 
     config = ModelConfig(**TINY)
     loaded = LoadedModel(config, random_params(config, seed=0, scale=0.08), tokenizer, "random")
@@ -194,7 +194,8 @@ def host_only(n: int, steps: int, tokenizer, cold: bool = False) -> dict:
             from jaxserve.runner.host_sampling import HostSamplingRows
             layout["samplers"] = HostSamplingRows(n + 1 + n)
     if "layouts" in takes:  # one buffer per step
-        layouts_for = _attr("layouts_for", "jaxserve.model.step_layout", "jaxserve.step_layout")
+        layouts_for = _attr("layouts_for", "jaxserve.model.decoder.step_layout",
+                            "jaxserve.step_layout")
         layout["layouts"] = layouts_for(table.shapes(), table.max_pages_per_request, 1)
     totals = dict.fromkeys(("schedule", "build", "update", "emit"), 0.0)
     flush = np.ones(FLUSH_BYTES if cold else 0, np.uint8)  # (ones: real pages, not the zero page)
@@ -233,7 +234,7 @@ def measure(n: int, steps: int) -> dict:
     import jax
 
     import jaxserve
-    from jaxserve.model.loader import load_model
+    from jaxserve.model.loaders.loader import load_model
     SamplingParams = _attr("SamplingParams", "jaxserve.core.request", "jaxserve.request")
     tokenizer = load_model("default", progress=False).tokenizer
     llm = build_llm(n, steps, tokenizer)

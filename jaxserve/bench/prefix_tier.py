@@ -126,7 +126,7 @@ def side_configs(config, loaded, args) -> dict:
 
 def main(args, config) -> int:
     from jaxserve.engine.engine import Engine
-    from jaxserve.model.loader import load_model
+    from jaxserve.model.loaders.loader import load_model
 
     loaded = load_model(config.model.model, progress=not args.quiet)
     configs = side_configs(config, loaded, args)

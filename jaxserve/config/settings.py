@@ -12,14 +12,14 @@ import dataclasses
 PREEMPTION_MODES = ("recompute", "swap")
 BATCHING_MODES = ("continuous", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# vLLM's names; fp8 is fp8_e4m3; auto: the activation dtype (jaxserve/model/kv_quant.py)
+# vLLM's names; fp8 is fp8_e4m3; auto: the activation dtype (jaxserve/model/quant/kv.py)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
-QUANTIZATIONS = ("none", "int8", "int4")  # jaxserve/model/quant.py
+QUANTIZATIONS = ("none", "int8", "int4")  # jaxserve/model/quant/formats.py
 LAYER_LOOPS = ("auto", "scan", "unroll")
 SPECULATIVE_METHODS = ("ngram", "draft")
-CPU_KERNEL_MODES = ("auto", "off")  # jaxserve/model/cpu_ffi.py
-INT8_ACTIVATION_MODES = ("auto", "on", "off")  # jaxserve/model/quant_select.py
-DEQUANT_FORMS = ("auto", "chunked", "fused")   # jaxserve/model/quant_select.py
+CPU_KERNEL_MODES = ("auto", "off")  # jaxserve/model/cpu/ffi.py
+INT8_ACTIVATION_MODES = ("auto", "on", "off")  # jaxserve/model/quant/select.py
+DEQUANT_FORMS = ("auto", "chunked", "fused")   # jaxserve/model/quant/select.py
 SIZE_UNITS = {"b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20,
               "mb": 10**6, "g": 2**30, "gib": 2**30, "gb": 10**9, "t": 2**40, "tib": 2**40,
               "tb": 10**12}

@@ -127,7 +127,7 @@ def check_scalar_memory(model_config, config: EngineConfig, max_model_len: int, 
     """On a TPU running the Pallas kernels: refuse, before anything compiles, a max_num_seqs
     and max_model_len whose page table does not fit the kernels' scalar memory
     (device_memory.check_tpu_scalar_memory)."""
-    from jaxserve.model.device_select import DeviceDescription, select
+    from jaxserve.model.device.select import DeviceDescription, select
     from jaxserve.runner.buckets import BucketTable
     from pallas_kernels import tuning
 
@@ -147,9 +147,10 @@ def check_scalar_memory(model_config, config: EngineConfig, max_model_len: int, 
 
 
 def with_device_defaults(config: EngineConfig, device) -> EngineConfig:
-    """config with the per-device defaults (model/device_defaults.py) for what the user left
+    """config with the per-device defaults (model/device/defaults.py) for what the user left
     unset on `device` (a jax Device), each choice logged with its reason."""
-    from jaxserve.model import device_defaults, device_select
+    from jaxserve.model.device import defaults as device_defaults
+    from jaxserve.model.device import select as device_select
 
     description = device_select.DeviceDescription.from_device(device)
     config, choices = device_defaults.apply(config, description,
@@ -184,15 +185,18 @@ def build_engine(config: EngineConfig, loaded=None, progress: bool = True) -> En
     returning."""
     import jax
 
-    from jaxserve.model import cpu_ffi, hub_cache, kv_quant, quant_select
-    from jaxserve.model.sharding import flat_mesh, make_mesh, parallel_sizes
+    from jaxserve.model.cpu import ffi as cpu_ffi
+    from jaxserve.model.loaders import hub_cache
+    from jaxserve.model.quant import kv as kv_quant
+    from jaxserve.model.quant import select as quant_select
+    from jaxserve.model.decoder.sharding import flat_mesh, make_mesh, parallel_sizes
     from jaxserve.runner import kv_calibration, multihost, tensor_parallel
     from jaxserve.runner.buckets import powers_of_two
     from jaxserve.runner.cpu_threads import lower_xla_cpu_threads
     from jaxserve.runner.model_runner import ModelRunner, quantized_cache_dir, resolve_dtype
     from jaxserve.spec.setup import Speculation
-    from jaxserve.model.loader import quantize
-    from jaxserve.model.quant import report
+    from jaxserve.model.loaders.loader import quantize
+    from jaxserve.model.quant.formats import report
 
     config = config.validate()
     # after the device defaults a fraction always reads as set: whether the user gave it decides

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from jaxserve.model.byte_level import ByteStream, ByteTable
+from jaxserve.model.text.byte_level import ByteStream, ByteTable
 
 try:
     from tokenizers.decoders import DecodeStream

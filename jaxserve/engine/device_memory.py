@@ -92,8 +92,8 @@ def platform_of(device) -> str | None:
 def nominal_bytes(device) -> int | None:
     """The device table's nominal memory for the device's kind; None where the table has none
     or the kind alone does not decide the class (an A100 that does not name its size)."""
-    from jaxserve.model import device_defaults
-    from jaxserve.model.device_select import DeviceDescription
+    from jaxserve.model.device import defaults as device_defaults
+    from jaxserve.model.device.select import DeviceDescription
 
     kind = getattr(device, "device_kind", None)
     if kind is None or platform_of(device) is None:

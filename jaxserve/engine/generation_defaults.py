@@ -27,7 +27,7 @@ def model_directory(spec: str) -> Path | None:
     path = Path(spec).expanduser()
     if path.is_dir():
         return path
-    from jaxserve.model import hub_cache
+    from jaxserve.model.loaders import hub_cache
     if not path.exists() and hub_cache.looks_like_hub_id(spec) and not spec.endswith(".gguf"):
         try:
             return hub_cache.resolve_hub_id(spec)

@@ -34,7 +34,7 @@ class EngineInfo:
     # (tensor group, format, bytes on device) per group: embed, lm_head, attention, mlp, other
     weight_formats: tuple[tuple[str, str, int], ...] = ()
     # (token bucket, int8 form) where the CPU runner measured them at warm-up
-    # (model/quant_bucket_forms.py: int8-kernel, int8-xla or dequantize); () elsewhere
+    # (model/quant/bucket_forms.py: int8-kernel, int8-xla or dequantize); () elsewhere
     quant_bucket_forms: tuple[tuple[int, str], ...] = ()
 
 

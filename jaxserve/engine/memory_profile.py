@@ -52,7 +52,7 @@ def memory_stats(device) -> dict | None:
 def device_memory_bytes(device) -> int | None:
     """The card's total memory (device_memory.card_bytes: not XLA's allocator limit, which is a
     share of it), None where unknown: the per-device defaults' memory figure
-    (model/device_defaults.py)."""
+    (model/device/defaults.py)."""
     stats = memory_stats(device)
     return None if stats is None else device_memory.card_bytes(device, stats)
 

@@ -151,7 +151,7 @@ class Rollout:
 def read_weights(engine, path: str | None = None) -> dict:
     """The host params of `path` (None: the engine's own model), in the param layout, for
     update_weights: safe to call off the engine thread (it touches no engine state)."""
-    from jaxserve.model.loader import load_model
+    from jaxserve.model.loaders.loader import load_model
 
     spec = engine.config.model.model if path is None else str(path)
     loaded = load_model(spec, progress=False, quantization=engine.config.model.quantization)

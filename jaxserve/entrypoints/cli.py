@@ -56,7 +56,7 @@ def _claim_device_memory(args) -> None:
     if not hasattr(args, "gpu_memory_utilization"):
         return
     from jaxserve.engine.device_memory import claim_device_memory
-    from jaxserve.model.device_defaults import GPU
+    from jaxserve.model.device.defaults import GPU
 
     cache = engine_config_from_args(args).cache
     fraction = cache.gpu_memory_utilization
@@ -156,7 +156,8 @@ def http_settings_from_args(args):
 
 def cmd_serve(args) -> int:
     from jaxserve.entrypoints.serve import run_server
-    if args.offline:  # read by model/hub_cache.py when the model loads (and by huggingface_hub)
+    # read by model/loaders/hub_cache.py when the model loads (and by huggingface_hub)
+    if args.offline:
         os.environ["HF_HUB_OFFLINE"] = "1"
     security = security_config_from_args(args)  # refused here, before the model loads
     reasoning = reasoning_settings_from_args(args)  # (an unknown parser too)
@@ -168,7 +169,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from jaxserve.model.loader import convert
+    from jaxserve.model.loaders.loader import convert
     convert(args.src, args.dst, quantization=args.quantization)
     print(f"wrote {args.dst}")
     return 0

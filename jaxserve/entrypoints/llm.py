@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.engine import generation_defaults
 from jaxserve.config import EngineConfig
-from jaxserve.model import hub_cache
+from jaxserve.model.loaders import hub_cache
 from jaxserve.engine.engine import Engine, frozen_heap
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.core.request import SamplingParams

@@ -2,7 +2,7 @@
 
 For every projection a LoRA adapter may target on this base model ("wq", "wk", "wv", "wo", and
 on a dense MLP "w_gate", "w_up", "w_down"), per layer A [in, N * R] and B [N * R, out] in the
-compute dtype (model/lora.py's layout: slot s's A is columns (s - 1) * R .. s * R - 1, its B
+compute dtype (model/decoder/lora.py's layout: slot s's A is columns (s - 1) * R .. s * R - 1, its B
 the same rows): slots 1 .. N = max_loras hold adapters; slot 0, the base model's rows, has no
 block (its delta is zero by construction, not by stored zeros). R = max_lora_rank. Held as L
 arrays per target for the unrolled layer loop, or stacked [L, ...] for the scan
@@ -10,9 +10,9 @@ arrays per target for the unrolled layer loop, or stacked [L, ...] for the scan
 zero-padded to R (the extra products are exact zeros) and a target it lacks is zeros, so
 writing one into a slot (`write`: a jitted, donated dynamic_update_slice per array, compiled
 at warm-up) replaces arrays of the same shape and dtype and never recompiles the step, which
-takes `arrays` (a model/lora.py LoRAStacks) as one of its donated caches and hands them back
+takes `arrays` (a model/decoder/lora.py LoRAStacks) as one of its donated caches and hands them back
 unchanged. Under tensor parallelism the stacks are sharded like the base weights they adapt
-(model/sharding.py's lora_specs: A on the base's input axis, B on its output axis).
+(model/decoder/sharding.py's lora_specs: A on the base's input axis, B on its output axis).
 
 The runner calls `apply_loads(plan.lora_loads, registry)` before each step, on the thread that
 launches steps, so writes and steps keep their order. An engine that serves no adapters holds
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.lora.peft import TARGETS, LoRAAdapter
-from jaxserve.model.lora import LoRAStacks
+from jaxserve.model.decoder.lora import LoRAStacks
 
 log = logging.getLogger(__name__)
 

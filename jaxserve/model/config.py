@@ -16,8 +16,8 @@ from pathlib import Path
 
 from jaxserve.model.families import SUPPORTED_ARCHITECTURES, get_family
 from jaxserve.model.families.base import FULL, SLIDING, Family
-from jaxserve.model.hf_config import read_hf_config, write_hf_config
-from jaxserve.model.rope import RopeScaling, rotary_dim
+from jaxserve.model.loaders.hf_config import read_hf_config, write_hf_config
+from jaxserve.model.decoder.rope import RopeScaling, rotary_dim
 
 __all__ = ["ModelConfig", "RopeScaling", "SUPPORTED_ARCHITECTURES", "FULL", "SLIDING"]
 

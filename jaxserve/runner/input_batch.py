@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.core.plan import SamplingRow
-from jaxserve.model.step_inputs import PageTableInputs
+from jaxserve.model.decoder.step_inputs import PageTableInputs
 from jaxserve.runner.buckets import powers_of_two
 from jaxserve.runner.page_tables import HostPageTables
 

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.model import kv_quant
-from jaxserve.model.step_inputs import AttentionMetadata, ModelInputs
+from jaxserve.model.quant import kv as kv_quant
+from jaxserve.model.decoder.step_inputs import AttentionMetadata, ModelInputs
 
 # Varied on purpose (prose, code, figures, a table, dialogue, a list): each kind of text moves
 # a layer's K/V amax differently, and a scale below the serving text's amax clips.

@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.model import pytrees  # noqa: F401  (registers the step inputs as pytrees)
+from jaxserve.model.decoder import pytrees  # noqa: F401  (registers the step inputs as pytrees)
 from jaxserve.core.plan import ProcessorInit, StepPlan
-from jaxserve.model.step_inputs import SamplingInputs
+from jaxserve.model.decoder.step_inputs import SamplingInputs
 
 
 def empty_arrays(num_slots: int, vocab_size: int) -> tuple:

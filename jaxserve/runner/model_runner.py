@@ -32,9 +32,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.model import device_select, kv_quant, qlinear, quant_cache, quant_measure
-from jaxserve.model import quant_select
-from jaxserve.model.attention import resolve_attention_impl
+from jaxserve.model.device import select as device_select
+from jaxserve.model.quant import kv as kv_quant
+from jaxserve.model.quant import qlinear
+from jaxserve.model.quant import cache as quant_cache
+from jaxserve.model.quant import measure as quant_measure
+from jaxserve.model.quant import select as quant_select
+from jaxserve.model.decoder.attention import resolve_attention_impl
 from jaxserve.model.config import ModelConfig
 from jaxserve.core.plan import StepPlan
 from jaxserve.runner import input_batch, kv_calibration, logits_processors, packed_inputs
@@ -49,15 +53,15 @@ from jaxserve.runner.logits_processors import ProcessorState
 from jaxserve.runner.protocol import StepResult
 from jaxserve.runner.sampler import prompt_logprobs, sample, top_logprobs
 from jaxserve.runner.tensor_parallel import Placement
-from jaxserve.model.lora import Adapters
-from jaxserve.model.step_layout import PackedStepInputs, layouts_for
+from jaxserve.model.decoder.lora import Adapters
+from jaxserve.model.decoder.step_layout import PackedStepInputs, layouts_for
 from jaxserve.lora.device import DeviceLoRA, NoAdapters
 
 log = logging.getLogger(__name__)
 
 
 def resolve_dtype(dtype: str, backend: str):
-    """"auto" -> the dtype for the first device of `backend` (model/device_select.py), logged
+    """"auto" -> the dtype for the first device of `backend` (model/device/select.py), logged
     once with the reason; an explicit one the device can't run natively is a ValueError."""
     device = device_select.DeviceDescription.current(backend)
     chosen = device_select.select(dtype=dtype, device=device)
@@ -82,7 +86,7 @@ def compile_cache_path(cache_dir: str | None) -> str | None:
 
 
 def quantized_cache_dir(cache_dir: str | None) -> str | None:
-    """Where weights quantized at load are kept (model/quant_cache.py): beside the compiled
+    """Where weights quantized at load are kept (model/quant/cache.py): beside the compiled
     steps, in the compile cache directory; None when that cache is off."""
     path = compile_cache_path(cache_dir)
     return None if path is None else os.path.join(path, quant_cache.SUBDIR)
@@ -179,7 +183,7 @@ class ModelRunner:
         host tier (runner/host_prefix_pool.py) each cache of this runner keeps. max_loras > 0:
         that many LoRA adapters resident at once, of rank up to max_lora_rank
         (lora/device.py), read from lora_registry (lora/registry.py) as plans load them.
-        kv_cache_dtype: the KV pages' dtype (model/kv_quant.py; auto: dtype's); kv_scales:
+        kv_cache_dtype: the KV pages' dtype (model/quant/kv.py; auto: dtype's); kv_scales:
         [2, L] k_scale and v_scale per layer for fp8 pages (None: 1.0); kv_calibration_tokens:
         fp8 pages take their scales from one prefill of these tokens instead
         (runner/kv_calibration.py; None: kv_scales)."""
@@ -196,7 +200,7 @@ class ModelRunner:
         self._bucket_form_table: tuple = ()     # ((T, MatmulForm), ...) the step is traced with
         self._compile_cache_dir = compile_cache_dir
         # The device alone refuses an impl here, before the weights load; "auto" is resolved
-        # with the model's attention shape by placement.attention (model/kernel_fit.py).
+        # with the model's attention shape by placement.attention (model/device/kernel_fit.py).
         resolve_attention_impl(attention_impl, backend, dtype, log=False)
         self.attention_impl = attention_impl
         self.page_size = page_size
@@ -295,7 +299,7 @@ class ModelRunner:
     def measure_bucket_forms(self) -> None:
         """On one CPU device, for per-channel int8 weights under int8_activations "auto": the
         fastest int8 form of each token bucket, measured here or read from beside the compile
-        cache (model/quant_measure.py), logged; the step is rebuilt to use them (before any
+        cache (model/quant/measure.py), logged; the step is rebuilt to use them (before any
         bucket is compiled). Elsewhere nothing changes."""
         if (not self._measure_forms or jax.default_backend() != "cpu" or self.mesh is not None
                 or jax.device_count() != 1 or self.step._executables):

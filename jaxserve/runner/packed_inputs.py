@@ -11,9 +11,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxserve.model import pytrees  # noqa: F401  (registers PackedStepInputs as a pytree)
-from jaxserve.model.step_inputs import StepInputs
-from jaxserve.model.step_layout import PackedStepInputs
+from jaxserve.model.decoder import pytrees  # noqa: F401  (registers PackedStepInputs as a pytree)
+from jaxserve.model.decoder.step_inputs import StepInputs
+from jaxserve.model.decoder.step_layout import PackedStepInputs
 
 
 def unpack(packed: PackedStepInputs) -> StepInputs:

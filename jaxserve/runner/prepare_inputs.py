@@ -18,8 +18,8 @@ import numpy as np
 
 from jaxserve.core.plan import ProcessorRow, ScheduledChunk, StepPlan
 from jaxserve.runner.buckets import BucketTable
-from jaxserve.model.step_inputs import SamplingInputs, StepInputs
-from jaxserve.model.step_layout import PackedStepInputs, StepLayout
+from jaxserve.model.decoder.step_inputs import SamplingInputs, StepInputs
+from jaxserve.model.decoder.step_layout import PackedStepInputs, StepLayout
 
 
 def build_step_inputs(plan: StepPlan, buckets: BucketTable, page_size: int,

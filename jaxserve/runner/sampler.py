@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxserve.model.step_inputs import MAX_TOP_LOGPROBS, SamplingInputs
+from jaxserve.model.decoder.step_inputs import MAX_TOP_LOGPROBS, SamplingInputs
 
 _BASE_KEY = 0x6A61  # arbitrary fixed root; keys differ per (seed, output index)
 

@@ -6,7 +6,7 @@ never a full copy on one device), the KV pages are sharded on KV heads, attentio
 shard_map (each device attends with its own heads, which is also what lets a Pallas kernel run
 sharded), a mixture-of-experts FFN runs under shard_map too (each device computes the routed
 pairs of its experts and its share of their width, then a psum over the mesh combines them:
-model/moe_shard.py), and the step's outputs are pinned: packed tokens replicated, KV in its
+model/decoder/moe_shard.py), and the step's outputs are pinned: packed tokens replicated, KV in its
 sharding, so every call reuses one executable. `load_model` restores a jaxserve (Orbax)
 checkpoint straight into the shardings. The same code runs on one host or many (multi-process
 arrays are built from each process's local shards). This module decides no shardings itself
@@ -24,13 +24,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from jaxserve.model import sharding
-from jaxserve.model.attention import AttentionShape, PagedAttention, get_attention
+from jaxserve.model.decoder import sharding
+from jaxserve.model.decoder.attention import AttentionShape, PagedAttention, get_attention
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.llama import Llama, init_kv_cache
-from jaxserve.model.moe_shard import local_experts
-from jaxserve.model.qlinear import QArray
-from jaxserve.model.quant import QuantizedTensor
+from jaxserve.model.decoder.decoder import Llama, init_kv_cache
+from jaxserve.model.decoder.moe_shard import local_experts
+from jaxserve.model.quant.qlinear import QArray
+from jaxserve.model.quant.formats import QuantizedTensor
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +43,9 @@ def load_model(spec: str, mesh: Mesh | None, *, progress: bool = True,
     cache_dir for the next load; Placement shards them)."""
     from pathlib import Path
 
-    from jaxserve.model import checkpoint
-    from jaxserve.model.loader import load_model as load_host
-    from jaxserve.model.loader import quantize
+    from jaxserve.model.loaders import checkpoint
+    from jaxserve.model.loaders.loader import load_model as load_host
+    from jaxserve.model.loaders.loader import quantize
 
     path = Path(spec).expanduser()
     if mesh is None or spec == "default" or not checkpoint.is_checkpoint(path):
@@ -110,7 +110,7 @@ class Placement:
     def model(self, params: dict, dtype, layer_loop: str, kv_scales=None, quant_form=None):
         """(graphdef, state) of Llama(config, params), each weight in its sharding; kv_scales:
         the fp8 KV pages' [2, L] scales (None: 1.0), replicated; quant_form: how quantized
-        matrices are multiplied (model/quant_select.py)."""
+        matrices are multiplied (model/quant/select.py)."""
         if self.mesh is None:
             return nnx.split(Llama(self.config, params, dtype, layer_loop, kv_scales=kv_scales,
                                    quant_form=quant_form))
@@ -164,7 +164,7 @@ class Placement:
         return zeros(), zeros()
 
     def lora_shardings(self, targets, per_layer: bool) -> dict | None:
-        """{target: (A's sharding, B's sharding)} of the LoRA stacks (model/sharding.py's
+        """{target: (A's sharding, B's sharding)} of the LoRA stacks (model/decoder/sharding.py's
         lora_specs), or None without a mesh."""
         if self.mesh is None:
             return None

@@ -7,12 +7,12 @@ Three layouts are taken:
 * our parameter names (`ModelConfig.param_shapes()`: "embed", "layers.wq" [L, in, out], ...), a
   flat dict or the same names nested ({"layers": {"wq": ...}}), as the loaders return them;
 * a flat dict of Hugging Face tensor names ("model.layers.0.self_attn.q_proj.weight", ...),
-  read through the safetensors loader's own name mapping (model/safetensors_loader.py).
+  read through the safetensors loader's own name mapping (model/loaders/safetensors_loader.py).
 Every weight must be given, each with the engine's shape; a mismatch is a ValueError naming
 the parameter. Host (numpy) floats are cast to the engine's dtype on the host; device arrays
 must already have the engine's dtype (a cast on the device would compile), and are copied on
 the device into the step's sharding (so a trainer may donate or delete its own arrays later).
-Float matrices for a quantized engine go through the loader's quantizer (model/quant.py).
+Float matrices for a quantized engine go through the loader's quantizer (model/quant/formats.py).
 This module builds arrays only: swapping them in is runner/rollout_memory.py's job, and when
 to do it the engine's (engine/rollout.py).
 """
@@ -24,10 +24,10 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
-from jaxserve.model import quant
-from jaxserve.model.checkpoint import flatten_tree
+from jaxserve.model.quant import formats as quant
+from jaxserve.model.loaders.checkpoint import flatten_tree
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.quant import QuantizedTensor
+from jaxserve.model.quant.formats import QuantizedTensor
 from jaxserve.runner.tensor_parallel import param_of
 
 
@@ -63,7 +63,7 @@ def _is_hf(names) -> bool:
 def as_param_layout(params: Mapping, config: ModelConfig, quantization: str) -> dict:
     """Our parameter names -> values (numpy, jax arrays or QuantizedTensors), every name of
     the config present and nothing else; float matrices quantized when the engine is."""
-    from jaxserve.model.safetensors_loader import params_from_hf
+    from jaxserve.model.loaders.safetensors_loader import params_from_hf
 
     flat = flatten_tree(params)
     if _is_hf(flat):

@@ -22,7 +22,8 @@ from flax import nnx
 
 from jaxserve.model.config import ModelConfig
 from jaxserve.spec.rejection import draft_sample
-from jaxserve.model.step_inputs import AttentionMetadata, DraftInputs, ModelInputs, SamplingInputs
+from jaxserve.model.decoder.step_inputs import (AttentionMetadata, DraftInputs, ModelInputs,
+                                                SamplingInputs)
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ def load_draft(spec: str | None, target, *,
         params = {k: (v[:num_layers] if k.startswith("layers.") else v)
                   for k, v in target.params.items()}
         return config, params, True
-    from jaxserve.model.loader import load_model
+    from jaxserve.model.loaders.loader import load_model
     draft = load_model(spec, progress=progress)
     dc = draft.config
     if dc.vocab_size != tc.vocab_size:

@@ -30,7 +30,7 @@ from jaxserve.spec import step
 from jaxserve.spec.spec_inputs import build_spec_inputs, empty_spec_inputs
 from jaxserve.spec.draft import share_weights
 from jaxserve.spec.policy import SpeculationPolicy
-from jaxserve.model.step_inputs import StepInputs
+from jaxserve.model.decoder.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
 _TIMING_RUNS = 5

@@ -17,7 +17,8 @@ import numpy as np
 from jaxserve.core.plan import StepPlan
 from jaxserve.runner.prepare_inputs import build_step_inputs
 from jaxserve.runner.buckets import BucketTable
-from jaxserve.model.step_inputs import (DraftInputs, SpecStepInputs, StepInputs, VerifyInputs,
+from jaxserve.model.decoder.step_inputs import (DraftInputs, SpecStepInputs, StepInputs,
+VerifyInputs,
                                   num_logit_rows)
 
 

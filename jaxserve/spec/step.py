@@ -16,10 +16,10 @@ import dataclasses
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.model.lora import Adapters
+from jaxserve.model.decoder.lora import Adapters
 from jaxserve.runner.grammar_mask import maybe_apply_bitmask
 from jaxserve.spec import draft, rejection
-from jaxserve.model.step_inputs import SpecStepInputs, StepInputs, VerifyInputs
+from jaxserve.model.decoder.step_inputs import SpecStepInputs, StepInputs, VerifyInputs
 
 
 def _verify(graphdef, attention, k, state, kv, step: StepInputs, verify: VerifyInputs,
@@ -44,7 +44,7 @@ def _verify(graphdef, attention, k, state, kv, step: StepInputs, verify: VerifyI
 def ngram_step(graphdef, attention, k, state, kv, inputs: SpecStepInputs):
     """Verify host-proposed drafts (q one-hot). Returns (packed [2, S, k+1], kv).
 
-    kv: (the KV pages, the LoRA stacks: model/lora.py, read and handed back unchanged, or
+    kv: (the KV pages, the LoRA stacks: model/decoder/lora.py, read and handed back unchanged, or
     None: no adapters); with stacks each row, draft rows included, adds its adapter slot's
     deltas (inputs.step.model.adapter_slots)."""
     pages, stacks = kv

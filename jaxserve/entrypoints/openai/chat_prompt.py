@@ -25,7 +25,7 @@ def with_chat_template(tokenizer, source: str | None):
     """The tokenizer, or a copy sharing its vocabulary that renders `source` instead."""
     if source is None:
         return tokenizer
-    from jaxserve.model.tokenizer import Tokenizer
+    from jaxserve.model.text.tokenizer import Tokenizer
 
     if not isinstance(tokenizer, Tokenizer):
         raise ValueError(f"--chat-template needs a Hugging Face style tokenizer; this model's "

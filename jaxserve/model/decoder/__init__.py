@@ -1,0 +1,2 @@
+"""The decoder every family runs, its layers (attention, MoE, LoRA, RoPE), sharding rules and step
+inputs."""

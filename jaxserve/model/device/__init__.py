@@ -1,0 +1,1 @@
+"""What each device runs: attention implementation, default dtype, batch sizes, kernel fit."""

@@ -1,0 +1,1 @@
+"""Tokenizers: text <-> token ids, chat prompts, streaming detokenization."""
