@@ -98,7 +98,7 @@ class ModelConfig:
                              f"or empty rotary dimension for head_dim={self.head_dim}")
 
     def check_runnable(self, max_model_len: int | None = None) -> None:
-        """Raise ValueError naming the setting the decoder (decoder/decoder.py) cannot compute exactly.
+        """Raise ValueError naming the setting decoder/decoder.py cannot compute exactly.
 
         Every setting config reading accepts is computed; what remains is length: dynamic and
         longrope RoPE match transformers only up to `max_exact_len`, so an engine that serves
