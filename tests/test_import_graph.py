@@ -217,7 +217,7 @@ def test_the_compiled_steps_take_state_kv_inputs():
     from jaxserve.runner.model_runner import plain_step
     from jaxserve.spec import step
 
-    for fn, bound in ((plain_step, 2), (step.ngram_step, 3), (step.draft_model_step, 6),
+    for fn, bound in ((plain_step, 3), (step.ngram_step, 3), (step.draft_model_step, 6),
                       (step.draft_sync_step, 2)):
         params = list(inspect.signature(fn).parameters)[bound:]
         assert params == ["state", "kv", "inputs"], f"{fn.__name__} takes {params}"

@@ -147,7 +147,7 @@ def lower_plain_step(engine: AbstractEngine, shape: tuple[int, int], platform: s
               _lora_stacks(engine) if engine.max_loras else None)
     layout = StepLayout(*shape, engine.max_pages, -(-vocab // 32))
     inputs = _abstract(layout.new())
-    step = functools.partial(plain_step, graphdef, attention)
+    step = functools.partial(plain_step, graphdef, attention, ())  # (no measured forms)
     return jax.jit(step).trace(state, caches, inputs).lower(lowering_platforms=(platform,))
 
 

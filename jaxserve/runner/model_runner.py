@@ -119,7 +119,7 @@ def unpack(packed: np.ndarray, num_chunks: int, with_top: bool = False) -> StepR
                       logprobs[:, 1:].copy())
 
 
-def plain_step(graphdef, attention, state, kv, inputs: PackedStepInputs, *, bucket_forms=()):
+def plain_step(graphdef, attention, bucket_forms, state, kv, inputs: PackedStepInputs):
     """unpack (step_layout.py) -> forward -> logits processors -> sample (+ top-k logprobs, +
     prompt logprobs). kv: (KV pages, processor state, last tokens and page tables by slot:
     input_batch.py, the LoRA stacks: lora/device.py, read only, or None: no adapters).
@@ -237,7 +237,7 @@ class ModelRunner:
 
     def _compiled_step(self, state) -> CompiledStep:
         step = functools.partial(plain_step, self.graphdef, self.attention,
-                                 bucket_forms=self._bucket_form_table)
+                                 self._bucket_form_table)
         caches = (self.cache, self.processors, self.input_batch.last_tokens,
                   self.input_batch.device_tables, self.adapters)
         return CompiledStep("step", step, state, caches,
