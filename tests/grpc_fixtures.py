@@ -20,13 +20,18 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 def served():
     from tiny_models import tiny_loaded
 
+    yield from serve(tiny_loaded())
+
+
+def serve(loaded):
+    """A server around an AsyncEngine of `loaded` (SMALL_ENGINE shapes), yielded as a namespace
+    of engine, async_engine, server, client; stopped after the yield (a fixture's body)."""
     from jaxserve.engine.async_engine import AsyncEngine
     from jaxserve.config import EngineConfig
     from jaxserve.engine.engine import Engine
     from jaxserve.entrypoints.grpc.background import ServerThread
 
-    engine = Engine(EngineConfig.from_kwargs(**SMALL_ENGINE), loaded=tiny_loaded(),
-                    progress=False)
+    engine = Engine(EngineConfig.from_kwargs(**SMALL_ENGINE), loaded=loaded, progress=False)
     async_engine = AsyncEngine(engine)
     async_engine.start()
     server = ServerThread(async_engine, "127.0.0.1", 0)

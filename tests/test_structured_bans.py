@@ -81,25 +81,10 @@ def test_bans_that_leave_the_grammar_a_token_end_nothing(llm):
 
 @pytest.fixture(scope="module")
 def grpc_served():
-    from conftest import SMALL_ENGINE
+    from grpc_fixtures import serve
     from http_server_main import fixtures_loaded
 
-    from jaxserve.config import EngineConfig
-    from jaxserve.engine.async_engine import AsyncEngine
-    from jaxserve.engine.engine import Engine
-    from jaxserve.entrypoints.grpc.background import ServerThread
-    from jaxserve.entrypoints.grpc.client import JaxServeClient
-
-    engine = Engine(EngineConfig.from_kwargs(**SMALL_ENGINE), loaded=fixtures_loaded(),
-                    progress=False)
-    async_engine = AsyncEngine(engine)
-    async_engine.start()
-    server = ServerThread(async_engine, "127.0.0.1", 0)
-    client = JaxServeClient(server.address, timeout=60.0)
-    yield engine, client
-    client.close()
-    server.stop(timeout=1.0)
-    async_engine.stop(timeout=10.0)
+    yield from serve(fixtures_loaded())
 
 
 def test_grpc_answers_a_dead_end_invalid_argument_and_serves_the_next(grpc_served):
@@ -107,7 +92,7 @@ def test_grpc_answers_a_dead_end_invalid_argument_and_serves_the_next(grpc_serve
 
     from jaxserve.entrypoints.grpc.client import JaxServeError
 
-    engine, client = grpc_served
+    engine, client = grpc_served.engine, grpc_served.client
     with pytest.raises(JaxServeError) as error:
         client.generate_text([5, 6, 7], SamplingParams(max_tokens=8, structured_outputs=X_ONLY,
                                                        bad_words=["x"]))
