@@ -24,9 +24,14 @@ import numpy as np
 import jaxserve
 from jaxserve import LLM, SamplingParams  # (the package's own names: every commit has them)
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.decoder.decoder import random_params
-from jaxserve.model.loaders.loader import load_model
-from jaxserve.model.loaders.weights import LoadedModel
+try:  # model/ grouped by job; the flat layout before (the A/B's base may have either)
+    from jaxserve.model.decoder.decoder import random_params
+    from jaxserve.model.loaders.loader import load_model
+    from jaxserve.model.loaders.weights import LoadedModel
+except ImportError:
+    from jaxserve.model.llama import random_params
+    from jaxserve.model.loader import load_model
+    from jaxserve.model.weights import LoadedModel
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
             num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
