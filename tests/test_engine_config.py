@@ -32,7 +32,7 @@ CLI_VALUES = {
     "kv_events_config": (["--kv-events-config", '{"enable_kv_cache_events": true}'],
                          '{"enable_kv_cache_events": true}'),
     "kv_cache_dtype": (["--kv-cache-dtype", "fp8"], "fp8"),
-    "calculate_kv_scales": (["--calculate-kv-scales"], True),
+    "calculate_kv_scales": (["--calculate-kv-scales", "--kv-cache-dtype", "fp8"], True),
     "max_num_seqs": (["--max-num-seqs", "8"], 8),
     "max_num_batched_tokens": (["--max-num-batched-tokens", "512"], 512),
     "preemption_mode": (["--preemption-mode", "swap"], "swap"),
@@ -97,7 +97,8 @@ def test_a_flag_lands_in_its_group_field_and_round_trips(name):
     defaults = EngineConfig().as_kwargs()
     changed = {k for k, v in flat.items() if v != defaults[k]}
     companions = {"speculative_method", "num_speculative_tokens",  # what the flag needs
-                  "enable_expert_parallel", "tensor_parallel_size", "enable_lora"}
+                  "enable_expert_parallel", "tensor_parallel_size", "enable_lora",
+                  "kv_cache_dtype"}
     assert name in changed and changed <= {name} | companions, (
         f"{' '.join(tokens)} changed {sorted(changed)}")
 
@@ -128,3 +129,9 @@ def test_each_group_validates_its_own_settings():
         CacheConfig(page_size=12).validate()
     with pytest.raises(ValueError, match="max_num_batched_tokens=4 .*>= max_num_seqs \\(8\\)"):
         EngineConfig.from_kwargs(max_num_seqs=8, max_num_batched_tokens=4)
+
+
+def test_calculate_kv_scales_without_fp8_pages_is_refused_naming_both():
+    with pytest.raises(ValueError, match="calculate_kv_scales.*kv_cache_dtype='auto'"):
+        EngineConfig.from_kwargs(calculate_kv_scales=True)
+    EngineConfig.from_kwargs(calculate_kv_scales=True, kv_cache_dtype="fp8")

@@ -121,6 +121,9 @@ class CacheConfig:
              "unset when num_pages or kv_cache_memory is given")
         need(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype,
              f"one of {KV_CACHE_DTYPES}")
+        need(not self.calculate_kv_scales or self.kv_cache_dtype.startswith("fp8"),
+             "calculate_kv_scales", self.calculate_kv_scales,
+             f"False with kv_cache_dtype={self.kv_cache_dtype!r} (scales are for fp8 pages)")
         need(self.swap_space >= 0, "swap_space", self.swap_space, ">= 0 bytes")
         need(self.host_prefix_cache_size >= 0, "host_prefix_cache_size",
              self.host_prefix_cache_size, ">= 0 bytes")
