@@ -17,10 +17,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".jax_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-# A size bound turns on JAX's file lock around cache reads and writes: the suite runs in two
-# pytest-xdist workers (and their subprocesses) that share this directory, and without the lock
-# one may read an entry the other is still writing.
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(64 << 30))
 # Tests never reach the Hugging Face hub: a hub id not in the cache is an error, not a download
 # (tests/test_hub_download.py lifts this only around a mocked hub client).
 os.environ["HF_HUB_OFFLINE"] = "1"
