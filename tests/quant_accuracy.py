@@ -32,8 +32,13 @@ from jaxserve.model.decoder.attention import ReferenceAttention  # noqa: E402
 from jaxserve.model.decoder.decoder import Llama, init_kv_cache  # noqa: E402
 from jaxserve.model.decoder.step_inputs import AttentionMetadata, ModelInputs  # noqa: E402
 
-PAGE_SIZE, NUM_PAGES, MAX_PAGES = 16, 256, 64
 S, T_PREFILL, NEW_TOKENS = 32, 256, 64
+# Request i of a step owns pages 1 + i * pages_per_seq onwards: SEQ_PAGES each when S requests
+# share a step (a prompt and its NEW_TOKENS fit in 128 tokens), TEXT_PAGES for the KL text's
+# one request. Every page a step names is in the pool (a page past it would drop the writes
+# and clamp the reads: a request without its own KV).
+PAGE_SIZE, SEQ_PAGES, TEXT_PAGES = 16, 8, 64
+NUM_PAGES = 1 + max(S * SEQ_PAGES, TEXT_PAGES)
 PROMPTS = [
     "The capital of France is", "def fibonacci(n):", "Once upon a time", "List three colors:",
     "The theory of relativity says", "How do I bake bread?", "Write a haiku about the sea.",
@@ -93,16 +98,23 @@ class Forward:
         self.kv = init_kv_cache(config, NUM_PAGES, PAGE_SIZE, kv_dtype)
 
     def step(self, seqs: list[tuple[list[int], int]], bucket: int, num_logits: int,
-             logit_rows=None) -> np.ndarray:
+             logit_rows=None, pages_per_seq: int = SEQ_PAGES) -> np.ndarray:
         """seqs: (new tokens, tokens already cached) per request i, whose pages are
-        1 + i * MAX_PAGES onwards. Returns logits [num_logits, V] of `logit_rows` (default:
+        1 + i * pages_per_seq onwards. Returns logits [num_logits, V] of `logit_rows` (default:
         each request's last row)."""
+        if 1 + len(seqs) * pages_per_seq > NUM_PAGES:
+            raise ValueError(f"{len(seqs)} requests of {pages_per_seq} pages: more than the "
+                             f"pool's {NUM_PAGES - 1}")
         tokens, positions, slots, cu, lens = [], [], [], [0], []
         for i, (new, cached) in enumerate(seqs):
+            if cached + len(new) > pages_per_seq * PAGE_SIZE:
+                raise ValueError(f"request {i} reaches {cached + len(new)} tokens: more than "
+                                 f"its {pages_per_seq} pages hold")
             pos = np.arange(cached, cached + len(new))
             tokens += new
             positions += pos.tolist()
-            slots += ((1 + i * MAX_PAGES + pos // PAGE_SIZE) * PAGE_SIZE + pos % PAGE_SIZE).tolist()
+            slots += ((1 + i * pages_per_seq + pos // PAGE_SIZE) * PAGE_SIZE
+                      + pos % PAGE_SIZE).tolist()
             cu.append(cu[-1] + len(new))
             lens.append(cached + len(new))
         rows = np.asarray(cu[1:]) - 1 if logit_rows is None else np.asarray(logit_rows)
@@ -110,7 +122,8 @@ class Forward:
         inputs = ModelInputs.empty(bucket, num_logits)
         inputs.token_ids, inputs.positions = pad(tokens, bucket), pad(positions, bucket)
         inputs.slot_mapping, inputs.logits_indices = pad(slots, bucket), pad(rows, num_logits)
-        table = 1 + np.arange(S)[:, None] * MAX_PAGES + np.arange(MAX_PAGES)[None, :]
+        table = 1 + np.arange(S)[:, None] * pages_per_seq + np.arange(pages_per_seq)[None, :]
+        table = np.minimum(table, NUM_PAGES - 1)  # rows past len(seqs) are never read
         cu_q = np.concatenate([cu, np.full(S + 1 - len(cu), cu[-1])])
         decode = int(all(len(new) == 1 for new, _ in seqs))
         metadata = AttentionMetadata(jnp.asarray(cu_q, jnp.int32), pad(lens, S),
@@ -146,8 +159,10 @@ def mean_kl(reference: Forward, candidate: Forward, text: list[int]) -> float:
     for start in range(0, len(text), T_PREFILL):
         chunk = text[start:start + T_PREFILL]
         seqs, rows = [(chunk, start)], list(range(len(chunk)))
-        p = jax.nn.log_softmax(reference.step(seqs, T_PREFILL, T_PREFILL, rows)[:len(chunk)])
-        q = jax.nn.log_softmax(candidate.step(seqs, T_PREFILL, T_PREFILL, rows)[:len(chunk)])
+        p = jax.nn.log_softmax(reference.step(seqs, T_PREFILL, T_PREFILL, rows,
+                                              TEXT_PAGES)[:len(chunk)])
+        q = jax.nn.log_softmax(candidate.step(seqs, T_PREFILL, T_PREFILL, rows,
+                                              TEXT_PAGES)[:len(chunk)])
         total += float(jnp.sum(jnp.exp(p) * (p - q)))
     return total / len(text)
 
