@@ -72,22 +72,20 @@ def engine_settings(config: dict) -> dict:
 
 
 class EngineRun:
-    """One covering engine, its oracle, and the mismatches found."""
+    """One covering configuration's requests, its oracle, and the mismatches found; `serve`
+    is how the configuration's server answers a batch."""
 
-    def __init__(self, config: dict, dirs: dict, oracle):
-        from jaxserve.entrypoints.llm import LLM
-        from jaxserve.model.loaders.loader import load_model
-
+    def __init__(self, config: dict, dirs: dict, oracle, tokenizer, eos: tuple):
         self.config, self.dirs, self.oracle = config, dirs, oracle
+        self.tokenizer, self.eos = tokenizer, tuple(eos)
         self.lora = config["lora"] == "on"
-        self.llm = LLM(loaded=load_model(str(dirs[config["model"]]), progress=False),
-                       progress=False, **engine_settings(config))
         self.failures: list[str] = []
-        self.events: list = []
-        publish = self.llm.engine.kv_events.publish
-        self.llm.engine.kv_events.publish = lambda ev: (self.events.extend(ev), publish(ev))
         self.prompts = arch_oracle.prompts(0, compat_oracle.VOCAB)
         self.compiler = None
+
+    def serve(self, batch: list[tuple]) -> list:
+        """The batch's final RequestOutputs, in order."""
+        raise NotImplementedError
 
     def adapter(self, i: int):
         return "a1" if self.lora and i % 2 == 0 else None
@@ -102,7 +100,7 @@ class EngineRun:
         from jaxserve.structured.deferred import request_matcher
 
         if self.compiler is None:
-            self.compiler = GrammarCompiler(self.llm.tokenizer, compat_oracle.VOCAB)
+            self.compiler = GrammarCompiler(self.tokenizer, compat_oracle.VOCAB)
         return request_matcher(self.compiler.get(so), after)
 
     def requests(self) -> list[tuple]:
@@ -134,15 +132,14 @@ class EngineRun:
         """Serve `batch` at once, note every mismatch with the oracle; the outputs."""
         import numpy as np
 
-        eos = tuple(self.llm.engine.model_config.eos_token_ids)
-        outs = self.llm.generate([b[0] for b in batch], [b[1] for b in batch], use_tqdm=False,
-                                 lora_request=[self.lora_request(b[2]) for b in batch])
+        outs = self.serve(batch)
         for (prompt, params, adapter, grammar, label), out in zip(batch, outs):
             if out.error:
                 self.failures.append(f"{stage}, {label}: error {out.error}")
                 continue
             matcher = None if grammar is None else self.grammar(*grammar)
-            want, want_lp = self.oracle.greedy(prompt, params.max_tokens, adapter, matcher, eos,
+            want, want_lp = self.oracle.greedy(prompt, params.max_tokens, adapter, matcher,
+                                               self.eos,
                                                key=label)
             for sample in out.outputs:
                 if sample.token_ids != want:
@@ -160,7 +157,7 @@ class EngineRun:
     def check_tool_text(self, token_ids: list[int], after: tuple, stage: str) -> None:
         """The tokens after the grammar's start sequence are the named tool's arguments."""
         start = token_ids.index(after[0]) + 1 if after[0] in token_ids else 0
-        text = self.llm.tokenizer.decode(token_ids[start:], skip_special_tokens=True)
+        text = self.tokenizer.decode(token_ids[start:], skip_special_tokens=True)
         try:
             call = json.loads(text)
         except ValueError:
@@ -180,6 +177,40 @@ class EngineRun:
                 [(p + tail, plain, adapter, None, f"prompt 3 + {tail}")
                  for tail in ([7, 8, 9], [11, 12])]]
 
+
+    def check_requests(self) -> tuple[list[tuple], int]:
+        """The first batch, then the shared-prefix batches, each checked; (the first batch,
+        the tokens the prompts sharing a prefix read from the cache)."""
+        batch = self.requests()
+        self.check_batch(batch, "first batch")
+        first, second = self.shared_prefix_batches()
+        self.check_batch(first, "a prefix")
+        outs = self.check_batch(second, "prompts sharing it")
+        return batch, sum(o.num_cached_tokens for o in outs)
+
+
+class OneEngineRun(EngineRun):
+    """A covering configuration in one engine (LLM), with its lifecycle calls and counters."""
+
+    def __init__(self, config: dict, dirs: dict, oracle):
+        from jaxserve.entrypoints.llm import LLM
+
+        # from the path, as `jaxserve serve` loads it (a multi-host follower loads it so too:
+        # both processes must quantize the same way, collective for collective)
+        self.llm = LLM(str(dirs[config["model"]]), progress=False, **engine_settings(config))
+        super().__init__(config, dirs, oracle, self.llm.tokenizer,
+                         self.llm.engine.model_config.eos_token_ids)
+        self.events: list = []
+        publish = self.llm.engine.kv_events.publish
+        self.llm.engine.kv_events.publish = lambda ev: (self.events.extend(ev), publish(ev))
+
+    def serve(self, batch: list[tuple]) -> list:
+        return self.llm.generate([b[0] for b in batch], [b[1] for b in batch], use_tqdm=False,
+                                 lora_request=[self.lora_request(b[2]) for b in batch])
+
+    def close(self) -> None:
+        self.llm.close()
+
     def lifecycle(self) -> None:
         llm = self.llm
         llm.pause_generation("wait")
@@ -189,12 +220,7 @@ class EngineRun:
         llm.update_weights(llm.get_weights())
 
     def run(self) -> dict:
-        batch = self.requests()
-        self.check_batch(batch, "first batch")
-        first, second = self.shared_prefix_batches()
-        self.check_batch(first, "a prefix")
-        outs = self.check_batch(second, "prompts sharing it")
-        cached = sum(o.num_cached_tokens for o in outs)
+        batch, cached = self.check_requests()
         refusal = None
         if self.config["spec"] != "none":
             try:
@@ -213,37 +239,49 @@ class EngineRun:
                 "lifecycle_refusal": refusal}
 
 
-def main(out_path: str, only: list[int] | None = None) -> None:
-    """Run every covering engine (or those at indices `only`), results to out_path."""
+def main(out_path: str, only: list[str] | None = None) -> None:
+    """Run every covering configuration (or those named in `only`: "3" is COVERING[3], "dp0"
+    DP_COVERING[0], "mh1" MH_COVERING[1]); results to out_path: {"engines": [...],
+    "data_parallel": [...], "multi_host": [...]}."""
     import torch
+
+    from compat_data_parallel import DataParallelRun
+    from compat_multihost import MultiHostRun
 
     # The oracle's matrices are tiny: torch's thread pool costs more than it shares (its
     # spinning threads also compete with XLA's for the two cores).
     torch.set_num_threads(1)
-    results = []
+    runs = [("engines", str(i), c, OneEngineRun) for i, c in enumerate(compat_table.COVERING)]
+    runs += [("data_parallel", f"dp{i}", c, DataParallelRun)
+             for i, c in enumerate(compat_table.DP_COVERING)]
+    runs += [("multi_host", f"mh{i}", c, MultiHostRun)
+             for i, c in enumerate(compat_table.MH_COVERING)]
+    results: dict = {"engines": [], "data_parallel": [], "multi_host": []}
     with tempfile.TemporaryDirectory() as tmp:
         dirs = compat_oracle.make_checkpoints(Path(tmp))
         oracles: dict = {}
-        for i, config in enumerate(compat_table.COVERING):
-            if only is not None and i not in only:
+        for kind, name, config, run_class in runs:
+            if only is not None and name not in only:
                 continue
             key = (config["model"], config["weights"], config["kv"], config["lora"] == "on")
             start, run = time.perf_counter(), None
             try:
                 if key not in oracles:
                     oracles[key] = compat_oracle.Oracle(dirs, *key)
-                run = EngineRun(config, dirs, oracles[key])
-                results.append(run.run())
-                run.llm.close()
+                run = run_class(config, dirs, oracles[key])
+                try:
+                    results[kind].append(run.run())
+                finally:
+                    run.close()
             except Exception:  # one engine failing must not hide the others
                 failures = [] if run is None else run.failures
-                results.append({"config": config, "failures": failures + [traceback.format_exc()],
-                                "preemptions": 0, "kv_events": 0, "cached_tokens": 0,
-                                "lifecycle_refusal": None, "host_tier_pages": [0, 0]})
-            print(f"engine {i}: {time.perf_counter() - start:.0f} s, "
-                  f"{len(results[-1]['failures'])} failures", file=sys.stderr, flush=True)
+                results[kind].append({"config": config, "failures": failures + [
+                    traceback.format_exc()], "preemptions": 0, "kv_events": 0,
+                    "cached_tokens": 0, "lifecycle_refusal": None, "host_tier_pages": [0, 0]})
+            print(f"engine {name}: {time.perf_counter() - start:.0f} s, "
+                  f"{len(results[kind][-1]['failures'])} failures", file=sys.stderr, flush=True)
     Path(out_path).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], [int(i) for i in sys.argv[2:]] or None)
+    main(sys.argv[1], sys.argv[2:] or None)

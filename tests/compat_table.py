@@ -111,13 +111,6 @@ def _pair(a: str, b: str) -> frozenset:
 _SAME_SETTING = "two values of one setting: an engine runs one"
 _TLS = ("transport security wraps the HTTP and gRPC servers only: it sees requests and "
         "replies, not how the engine makes them")
-# The scale-out tests' engines keep the defaults: prefix cache, chunked prefill (prompts up to
-# 60 tokens, a 32-token budget) and async scheduling on; their greedy tokens equal one
-# single-process engine's.
-_MULTI_HOST_TEST = ("tests/test_multihost.py::"
-                    "test_two_process_cluster_serves_the_same_greedy_tokens_as_one_process")
-_DP_TEST = ("tests/test_data_parallel.py::"
-            "test_greedy_tokens_equal_one_engine_for_64_mixed_requests")
 # Pairs whose verdict is not `works`, with its detail: refused -> the error text (a part of
 # it that names both settings); n/a -> why; elsewhere -> "tests/file.py::test_name".
 SPECIAL = {
@@ -145,31 +138,26 @@ SPECIAL = {
                                           "data_parallel_size"),
     _pair("multi_host", "lifecycle"): ("refused", "weight updates, sleep and wake_up are not "
                                                   "supported with several JAX processes"),
-    _pair("multi_host", "tp"): ("elsewhere", _MULTI_HOST_TEST),
-    _pair("dp", "prefix_cache"): ("elsewhere", "tests/test_data_parallel.py::"
-                                  "test_shared_prefix_requests_land_on_the_rank_holding_the_"
-                                  "prefix"),
     _pair("dp", "kv_events"): ("elsewhere", "tests/test_data_parallel.py::"
                                "test_each_rank_publishes_kv_events_on_its_own_port_with_its_"
                                "rank"),
     _pair("dp", "tls_keys"): ("n/a", _TLS),
     _pair("multi_host", "tls_keys"): ("n/a", _TLS),
 }
-for _f in ("chunked", "async"):
-    SPECIAL[_pair("dp", _f)] = ("elsewhere", _DP_TEST)
-for _f in ("prefix_cache", "chunked", "async"):
-    SPECIAL[_pair("multi_host", _f)] = ("elsewhere", _MULTI_HOST_TEST)
 for _f in IDS:
     if _f not in ("dp", "multi_host", "tls_keys"):
         SPECIAL.setdefault(_pair(_f, "tls_keys"), ("n/a", _TLS))
 
 
 def verdict(a: str, b: str) -> tuple[str, str]:
-    """(status, detail) of the pair: SPECIAL's entry; a pair with DP or multi-host that no
-    test runs is untested; every other pair works."""
+    """(status, detail) of the pair: SPECIAL's entry; a pair with DP or multi-host that a
+    DP_COVERING / MH_COVERING configuration runs works, another is untested; every other pair
+    works."""
     special = SPECIAL.get(_pair(a, b))
     if special is not None:
         return special
+    if _pair(a, b) in _SPANNING_RUN:
+        return ("works", "")
     if {a, b} & {"dp", "multi_host"}:
         return ("untested", "no test runs it: the covering engines run in one process")
     return ("works", "")
@@ -232,6 +220,45 @@ def covering_array() -> list[dict]:
 
 COVERING = covering_array()
 
+# Configurations served by two data-parallel ranks, each rank a process holding the whole
+# configuration (tests/compat_data_parallel.py): between them, every engine feature DP is not
+# refused with and every request-level feature runs behind DP.
+_DP_OFF = {"lora": "off", "kv_events": "off", "lifecycle": "off"}
+DP_COVERING = [
+    {"prefix": "host", "preemption": "swap", "chunked": "on", "async": "on", "spec": "ngram",
+     "weights": "int8", "kv": "fp8", "model": "moe", "parallel": "ep", **_DP_OFF},
+    {"prefix": "device", "preemption": "recompute", "chunked": "on", "async": "off",
+     "spec": "draft", "weights": "int4", "kv": "auto", "model": "dense", "parallel": "tp",
+     **_DP_OFF},
+]
+DP_COVERING = [{f: c[f] for f in FACTORS} for c in DP_COVERING]  # FACTORS' order
+
+
+# Configurations served by a two-process JAX cluster (tests/compat_multihost.py: one CPU device
+# per process, tensor parallelism across them): between them, every engine feature multi-host
+# is not refused with and every request-level feature runs on several JAX processes.
+_MH_OFF = {"lora": "off", "lifecycle": "off"}
+MH_COVERING = [
+    {"prefix": "device", "preemption": "swap", "chunked": "on", "async": "on", "spec": "ngram",
+     "weights": "int8", "kv": "fp8", "model": "moe", "parallel": "ep", "kv_events": "on",
+     **_MH_OFF},
+    {"prefix": "off", "preemption": "recompute", "chunked": "on", "async": "off",
+     "spec": "draft", "weights": "int4", "kv": "auto", "model": "dense", "parallel": "tp",
+     "kv_events": "off", **_MH_OFF},
+]
+MH_COVERING = [{f: c[f] for f in FACTORS} for c in MH_COVERING]
+
+
+def spanning_pairs_run(feature: str, config: dict) -> set[frozenset]:
+    """The pairs with `feature` ("dp" or "multi_host") that one of DP_COVERING / MH_COVERING's
+    configurations runs."""
+    return {_pair(feature, f) for f in features_of(config)}
+
+
+_SPANNING_RUN = set().union(*(spanning_pairs_run("dp", c) for c in DP_COVERING),
+                            *(spanning_pairs_run("multi_host", c) for c in MH_COVERING))
+
+
 
 SYMBOLS = {"works": "Y", "elsewhere": "E", "refused": "R", "n/a": "-", "untested": "?"}
 DOC_HEAD = """# Feature compatibility
@@ -243,7 +270,8 @@ Which features work together. Every pair of features is one of:
   checkpoint, with the weights dequantized as the engine stores them (int8 / int4), keys and
   values rounded to fp8 as fp8 pages store them, and, under a grammar, the argmax over the
   tokens the grammar allows;
-* **E** works, shown by the existing test named below (a feature spanning processes);
+* **E** works, shown by the existing test named below (a feature spanning processes, checked
+  against a one-process engine);
 * **R** refused, at start-up or at the request, with an error naming both settings (below);
 * **-** not applicable (why, below);
 * **?** untested: nothing runs the pair and nothing refuses it.
@@ -254,7 +282,11 @@ form a pairwise covering set over the engine settings (built greedily, in code, 
 settings' levels), and every engine serves requests that combine the request-level features
 (structured output, tool calling, the reasoning end sequence, n > 1, logprobs), so a handful
 of engines runs every working pair. They run on two virtual CPU devices (TP and EP over 2),
-with int8 weights multiplied in float (int8_activations=off).
+with int8 weights multiplied in float (int8_activations=off). The pairs with DP run the same
+requests, against the same oracle, on two more configurations served by two data-parallel
+ranks (each rank a process with the configuration's whole engine, through the server's
+data-parallel client), and the pairs with multi-host on two configurations served by a
+two-process JAX cluster (one CPU device per process, tensor parallelism across them).
 
 """
 
@@ -280,6 +312,14 @@ def render_doc() -> str:
               "|" + "---|" * (len(FACTORS) + 1)]
     for i, config in enumerate(COVERING):
         lines.append(f"| {i} | " + " | ".join(config[f] for f in FACTORS) + " |")
+    lines += ["", "Served by two data-parallel ranks:", "",
+              "| Configuration | " + " | ".join(FACTORS) + " |", "|" + "---|" * (len(FACTORS) + 1)]
+    for i, config in enumerate(DP_COVERING):
+        lines.append(f"| dp{i} | " + " | ".join(config[f] for f in FACTORS) + " |")
+    lines += ["", "Served by a two-process JAX cluster:", "",
+              "| Configuration | " + " | ".join(FACTORS) + " |", "|" + "---|" * (len(FACTORS) + 1)]
+    for i, config in enumerate(MH_COVERING):
+        lines.append(f"| mh{i} | " + " | ".join(config[f] for f in FACTORS) + " |")
     return "\n".join(lines) + "\n"
 
 

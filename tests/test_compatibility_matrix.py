@@ -3,8 +3,10 @@ the oracle's), is refused with an error naming both settings, or is marked not a
 docs/compatibility.md says which, and must agree with tests/compat_table.py.
 
 The working pairs run on compat_table.COVERING's engines (a pairwise covering set, run once in
-a fresh interpreter with two virtual CPU devices by tests/compat_engines.py); each refused
-pair is triggered here on the path that refuses it.
+a fresh interpreter with two virtual CPU devices by tests/compat_engines.py), the pairs with DP
+on DP_COVERING's configurations behind two data-parallel ranks (compat_data_parallel.py) and
+those with multi-host on MH_COVERING's two-process clusters (compat_multihost.py); each
+refused pair is triggered here on the path that refuses it.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ DOC = ROOT / "docs" / "compatibility.md"
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory) -> list[dict]:
-    """compat_engines.py's results, one per covering engine."""
+def results(tmp_path_factory) -> dict:
+    """compat_engines.py's results: {"engines": one per COVERING configuration,
+    "data_parallel": one per DP_COVERING configuration}."""
     out = tmp_path_factory.mktemp("matrix") / "results.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu",  # (the checkout's jaxserve, installed or not)
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
@@ -41,6 +44,11 @@ def engines(tmp_path_factory) -> list[dict]:
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=3000)
     assert proc.returncode == 0, f"the matrix's engines did not run:\n{proc.stderr[-4000:]}"
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def engines(results) -> list[dict]:
+    return results["engines"]
 
 
 def _label(config: dict) -> str:
@@ -91,6 +99,7 @@ def test_speculative_engines_refuse_sleep_naming_speculative_decoding(engines):
 def test_the_covering_engines_run_every_working_pair():
     run = set().union(*(table.pairs_run(c) for c in table.COVERING))
     missing = [(a, b) for a, b in table.all_pairs() if table.verdict(a, b)[0] == "works"
+               and not {a, b} & {"dp", "multi_host"}  # the spanning runs' pairs (below)
                and frozenset({a, b}) not in run]
     assert not missing, f"pairs marked works that no covering engine runs: {missing}"
 
@@ -99,6 +108,37 @@ def test_no_covering_engine_runs_a_pair_not_marked_works():
     for config in table.COVERING:
         bad = [sorted(p) for p in table.pairs_run(config) if table.verdict(*p)[0] != "works"]
         assert not bad, f"engine {_label(config)} runs pairs not marked works: {bad}"
+
+
+SPANNING = [("data_parallel", f"dp{i}", c, "behind two data-parallel ranks")
+            for i, c in enumerate(table.DP_COVERING)]
+SPANNING += [("multi_host", f"mh{i}", c, "on a two-process JAX cluster")
+             for i, c in enumerate(table.MH_COVERING)]
+
+
+@pytest.mark.parametrize("kind,name,config,where", SPANNING, ids=[s[1] for s in SPANNING])
+def test_each_configuration_spanning_processes_gives_the_oracles_greedy_tokens(
+        results, kind, name, config, where):
+    result = next(r for r in results[kind] if r["config"] == config)
+    assert not result["failures"], (f"{_label(config)} {where} differs from the oracle:\n"
+                                    + "\n".join(result["failures"]))
+    assert result["preemptions"] > 0, f"no request was preempted {where}"
+    if kind == "data_parallel":
+        assert all(n > 0 for n in result["requests_per_rank"]), (
+            f"a rank served none of the requests: {result['requests_per_rank']}")
+    if config["kv_events"] == "on":
+        assert result["kv_events"] > 0, f"no KV event was published {where}"
+
+
+@pytest.mark.parametrize("feature,configs", [("dp", table.DP_COVERING),
+                                             ("multi_host", table.MH_COVERING)])
+def test_the_spanning_runs_cover_every_pair_of_their_feature_marked_works(feature, configs):
+    run = set().union(*(table.spanning_pairs_run(feature, c) for c in configs))
+    want = {frozenset(p) for p in table.all_pairs()
+            if feature in p and table.verdict(*p)[0] == "works"}
+    assert run == want, (f"marked works but not run with {feature}: "
+                         f"{sorted(map(sorted, want - run))}; run with {feature} but not "
+                         f"marked works: {sorted(map(sorted, run - want))}")
 
 
 def _refusal(pair: frozenset) -> str:
