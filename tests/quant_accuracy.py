@@ -98,10 +98,11 @@ class Forward:
         self.kv = init_kv_cache(config, NUM_PAGES, PAGE_SIZE, kv_dtype)
 
     def step(self, seqs: list[tuple[list[int], int]], bucket: int, num_logits: int,
-             logit_rows=None, pages_per_seq: int = SEQ_PAGES) -> np.ndarray:
+             logit_rows=None, pages_per_seq: int | None = None) -> np.ndarray:
         """seqs: (new tokens, tokens already cached) per request i, whose pages are
-        1 + i * pages_per_seq onwards. Returns logits [num_logits, V] of `logit_rows` (default:
-        each request's last row)."""
+        1 + i * pages_per_seq (default SEQ_PAGES) onwards. Returns logits [num_logits, V] of
+        `logit_rows` (default: each request's last row)."""
+        pages_per_seq = pages_per_seq or SEQ_PAGES
         if 1 + len(seqs) * pages_per_seq > NUM_PAGES:
             raise ValueError(f"{len(seqs)} requests of {pages_per_seq} pages: more than the "
                              f"pool's {NUM_PAGES - 1}")

@@ -71,7 +71,7 @@ def test_fp8_pages_hold_the_kv_over_its_layer_scale_and_attention_undoes_it(monk
     import quant_accuracy as qa
     from tiny_models import tiny_model
 
-    for name, value in dict(NUM_PAGES=32, S=4, MAX_PAGES=6).items():
+    for name, value in dict(NUM_PAGES=32, S=4, SEQ_PAGES=6).items():
         monkeypatch.setattr(qa, name, value)
     config, params = tiny_model(seed=2)
     scales = np.array([[0.25, 4.0], [4.0, 0.25]], np.float32)  # [k/v, layer]

@@ -60,7 +60,7 @@ def test_calibrated_scales_put_each_layers_largest_kv_on_the_fp8_maximum(monkeyp
     import quant_accuracy as qa
     from tiny_models import tiny_model
 
-    for name, value in dict(NUM_PAGES=32, S=4, MAX_PAGES=6).items():
+    for name, value in dict(NUM_PAGES=32, S=4, SEQ_PAGES=6).items():
         monkeypatch.setattr(qa, name, value)
     config, params = tiny_model(seed=3)
     tokens = [3 + (7 * i) % 90 for i in range(40)]
