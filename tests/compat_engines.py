@@ -139,8 +139,7 @@ class EngineRun:
                 continue
             matcher = None if grammar is None else self.grammar(*grammar)
             want, want_lp = self.oracle.greedy(prompt, params.max_tokens, adapter, matcher,
-                                               self.eos,
-                                               key=label)
+                                               self.eos, key=label)
             for sample in out.outputs:
                 if sample.token_ids != want:
                     self.failures.append(f"{stage}, {label} (adapter {adapter}), sample "
@@ -176,7 +175,6 @@ class EngineRun:
         return [[(p, plain, adapter, None, "prompt 3")],
                 [(p + tail, plain, adapter, None, f"prompt 3 + {tail}")
                  for tail in ([7, 8, 9], [11, 12])]]
-
 
     def check_requests(self) -> tuple[list[tuple], int]:
         """The first batch, then the shared-prefix batches, each checked; (the first batch,
