@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,12 +20,6 @@ from pathlib import Path
 
 NUM_PROCESSES = 2
 TIMEOUT_S = 900
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class MultiHostRun:
@@ -42,7 +35,9 @@ class MultiHostRun:
         with tempfile.TemporaryDirectory() as tmp:
             dirs_json, out = Path(tmp) / "dirs.json", Path(tmp) / "out.json"
             dirs_json.write_text(json.dumps({k: str(v) for k, v in self.dirs.items()}))
-            address = f"127.0.0.1:{_free_port()}"
+            from scale_out_fixtures import free_port
+
+            address = f"127.0.0.1:{free_port()}"
             env = dict(os.environ, JAX_PLATFORMS="cpu",
                        XLA_FLAGS="--xla_force_host_platform_device_count=1")
             procs = [subprocess.Popen(
